@@ -1,0 +1,118 @@
+"""The `luce` command line."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from .errors import LuceError
+
+MODEL_HELP = "GGUF path, Hugging Face owner/repo:file.gguf, or nothing for the bundled SmolLM2-135M"
+
+
+class LuceGroup(click.Group):
+    """Turns LuceError (bad model file, bad argument) into one line on stderr and exit 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LuceError as e:
+            click.echo(f"luce: error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=LuceGroup)
+@click.version_option(package_name="luce")
+def main():
+    """luce: local LLM inference for GGUF models."""
+
+
+def sampling_options(f):
+    opts = [
+        click.option("--max-tokens", "-n", type=int, default=256, show_default=True),
+        click.option("--temperature", "--temp", type=float, default=None, help="0 for greedy"),
+        click.option("--top-k", type=int, default=None),
+        click.option("--top-p", type=float, default=None),
+        click.option("--min-p", type=float, default=None),
+        click.option("--repeat-penalty", type=float, default=None),
+        click.option("--presence-penalty", type=float, default=None),
+        click.option("--frequency-penalty", type=float, default=None),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="stop string (repeatable)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def backend_option(f):
+    return click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)(f)
+
+
+@main.command()
+@click.argument("args", nargs=-1, required=True)
+@click.option("--chat", is_flag=True, help="apply the model's chat template to PROMPT")
+@click.option("--system", default=None, help="system message (with --chat)")
+@click.option("--ctx", "n_ctx", type=int, default=None, help="context size")
+@backend_option
+@sampling_options
+def generate(args, chat, system, n_ctx, backend, max_tokens, stop, **sampling):
+    """Generate text: luce generate [MODEL] PROMPT"""
+    from .model import load
+
+    if len(args) > 2:
+        raise click.UsageError("expected [MODEL] PROMPT (quote the prompt)")
+    model_arg, prompt = (None, args[0]) if len(args) == 1 else args
+    model = load(model_arg, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty())
+    params = {k: v for k, v in sampling.items() if v is not None}
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        prompt_ids = model.chat_prompt_ids(messages)
+    else:
+        prompt_ids = model.tokenize(prompt)
+        click.echo(prompt, nl=False)
+    stats = None
+    for d in model.stream(prompt_ids, max_tokens=max_tokens, stop=tuple(stop), **params):
+        if d.text:
+            click.echo(d.text, nl=False)
+            sys.stdout.flush()
+        stats = d.stats or stats
+    click.echo()
+    if stats:
+        click.echo(f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tok_s:.1f} tok/s | "
+                   f"generated: {stats.completion_tokens} tokens, {stats.decode_tok_s:.1f} tok/s "
+                   f"[{model.backend.name}]", err=True)
+
+
+@main.command()
+@click.argument("model", required=False)
+def info(model):
+    """Describe a model: architecture, family, sizes, tensor types, chat template."""
+    from collections import Counter
+
+    from .gguf_file import GGUFFile
+    from .models.bundled import resolve_model
+    from .plugins import family_for
+
+    path = resolve_model(model)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    types = Counter(t.type_name for t in f.tensors.values())
+    click.echo(f"file:          {path}")
+    click.echo(f"name:          {f.get('general.name', '?')}")
+    click.echo(f"architecture:  {f.architecture} (family {fam.name!r} from {fam.plugin})")
+    click.echo(f"parameters:    {f.n_params / 1e6:.1f} M, file {f.n_bytes / 2**20:.1f} MiB")
+    click.echo(f"layers:        {cfg.n_layers}, embd {cfg.n_embd}, ffn {cfg.n_ff}")
+    click.echo(f"heads:         {cfg.n_heads} q / {cfg.n_kv_heads} kv, head dim {cfg.head_dim}")
+    click.echo(f"vocab:         {cfg.vocab_size}, context {cfg.n_ctx_train}, rope base {cfg.rope_base:g} ({cfg.rope_style})")
+    click.echo(f"output head:   {'tied to token_embd' if cfg.tied_output else 'separate'}")
+    click.echo("tensor types:  " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
+    click.echo(f"chat template: {'yes' if f.get('tokenizer.chat_template') else 'no'}")
+    if fam.drafts:
+        click.echo("drafts:        " + ", ".join(f"{d.kind}:{d.model or '-'}" for d in fam.drafts))
+    if fam.optimizations:
+        click.echo("optimizations: " + ", ".join(f"{k}={v}" for k, v in fam.optimizations.items()))
+    if fam.sampling_defaults:
+        click.echo("sampling:      " + ", ".join(f"{k}={v}" for k, v in fam.sampling_defaults.items()))

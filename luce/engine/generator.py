@@ -1,0 +1,164 @@
+"""The generation loop: prefill, then decode steps, sampling, stops, streaming text.
+
+A step produces one or more tokens (more when a speculative decoder is plugged in as
+`stepper`); everything after the step (stop tokens, stop strings, max tokens,
+detokenization) is shared.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..text.detokenizer import StreamingDetokenizer
+from .sampling import Sampler, SamplingParams
+from .stops import StopMatcher
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Delta:
+    """A piece of a streamed generation. `finish_reason` is set on the last one."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: "GenerationStats | None" = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    target_forwards: int = 0  # decode forwards; tokens per forward = acceptance length
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+
+
+class Session:
+    """A model plus one KV cache. Reuses the cache's longest common prefix with the
+    next prompt, so a chat that grows turn by turn only prefills the new turn."""
+
+    def __init__(self, model, n_ctx: int):
+        self.model = model
+        self.n_ctx = n_ctx
+        self.cache = model.backend.new_cache(model.config, n_ctx)
+        self.tokens: list[int] = []  # tokens whose K/V are committed in the cache
+
+    def forward(self, tokens, mask=None, logits_rows=None) -> np.ndarray:
+        n0 = self.cache.n_past
+        positions = np.arange(n0, n0 + len(tokens))
+        return self.model.forward(self.cache, tokens, positions, mask=mask, logits_rows=logits_rows)
+
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, int]:
+        """Bring the cache to `prompt`; returns the logits after its last token and how many
+        tokens came from the cache."""
+        common = 0
+        for a, b in zip(self.tokens, prompt[:-1]):  # always recompute the last token for its logits
+            if a != b:
+                break
+            common += 1
+        self.cache.truncate(common)
+        self.tokens = self.tokens[:common]
+        rest = prompt[common:]
+        logits = None
+        for s in range(0, len(rest), PREFILL_CHUNK):
+            chunk = rest[s:s + PREFILL_CHUNK]
+            logits = self.forward(chunk, logits_rows=[len(chunk) - 1])
+            self.cache.commit()
+            self.tokens.extend(chunk)
+        return logits[-1], common
+
+    def decode(self, token: int) -> np.ndarray:
+        logits = self.forward([token])
+        self.cache.commit()
+        self.tokens.append(token)
+        return logits[-1]
+
+
+class PlainStepper:
+    """One target forward per token: the baseline every speculative stepper must match."""
+
+    def __init__(self, session: Session, sampler: Sampler):
+        self.session, self.sampler = session, sampler
+
+    def step(self, last_logits: np.ndarray, history: list[int]) -> list[int]:
+        """The next tokens: here one, sampled from the logits after the last one."""
+        return [self.sampler.sample(last_logits, history)]
+
+    def advance(self, tokens: list[int]) -> np.ndarray:
+        """Commit the tokens `step` returned (those the caller kept) and return the logits after them."""
+        for t in tokens[:-1]:
+            self.session.decode(t)
+        return self.session.decode(tokens[-1])
+
+
+def generate(session: Session, prompt: list[int], params: SamplingParams, stepper=None) -> Iterator[Delta]:
+    model = session.model
+    tok = model.tokenizer
+    if len(prompt) == 0:
+        prompt = [tok.bos_id] if tok.bos_id is not None else prompt
+    if len(prompt) + params.max_tokens > session.n_ctx and len(prompt) >= session.n_ctx:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {session.n_ctx}")
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    sampler = Sampler(params)
+    stepper = stepper or PlainStepper(session, sampler)
+    t0 = time.perf_counter()
+    logits, stats.cached_tokens = session.prefill(list(prompt))
+    stats.prefill_s = time.perf_counter() - t0
+
+    detok = StreamingDetokenizer(tok)
+    stopper = StopMatcher(params.stop)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
+    history = list(prompt)
+    max_total = min(params.max_tokens, session.n_ctx - len(prompt))
+    t0 = time.perf_counter()
+    while True:
+        finish = "length" if stats.completion_tokens >= max_total else None
+        ids, text = [], ""
+        if finish is None:
+            new = stepper.step(logits, history)
+            stats.target_forwards += 1
+            for t in new:
+                if t in stop_ids:
+                    finish = "stop"
+                    break
+                stats.completion_tokens += 1
+                ids.append(t)
+                history.append(t)
+                piece, stopped = stopper.push(detok.push(t))
+                text += piece
+                if stopped:
+                    finish = "stop"
+                    break
+                if stats.completion_tokens >= max_total:
+                    finish = "length"
+                    break
+        if finish is not None:
+            if finish == "length":
+                # nothing more will come: what was held back for a possible stop is text
+                tail, _ = stopper.push(detok.flush())
+                text += tail + stopper.flush()
+            stats.decode_s = time.perf_counter() - t0
+            yield Delta(text, ids, finish, stats)
+            return
+        if text or ids:
+            yield Delta(text, ids)
+        logits = stepper.advance(ids)

@@ -1,0 +1,123 @@
+"""`luce.load()`: a GGUF file, its family, a backend, a tokenizer and a chat template,
+with a Python generation API on top."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+from .backends import get_backend
+from .engine.generator import Delta, Session, generate
+from .engine.sampling import SamplingParams
+from .errors import ModelFileError
+from .gguf_file import GGUFFile
+from .models.bundled import resolve_model
+from .plugins import family_for
+
+DEFAULT_CTX = 4096
+
+
+class Model:
+    def __init__(self, path, backend="auto", n_ctx: int | None = None, progress: bool = False,
+                 chat_template: str | None = None):
+        from .kernels.dequant import SUPPORTED_TYPES
+        from .text.chat_template import ChatTemplate
+        from .text.tokenizer import Tokenizer
+
+        t0 = time.perf_counter()
+        self.path = resolve_model(path)
+        self.file = GGUFFile(self.path)
+        self.family = family_for(self.path, self.file.architecture)
+        self.config = self.family.read_config(self.file)
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        for info in self.file.tensors.values():
+            if info.qtype not in SUPPORTED_TYPES:
+                raise ModelFileError(self.path, f"tensor {info.name!r} has unsupported type {info.type_name}")
+        try:
+            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        except (KeyError, ValueError) as e:
+            raise ModelFileError(self.path, f"bad tokenizer metadata ({e})") from None
+        src = chat_template if chat_template is not None else self.file.get_str("tokenizer.chat_template")
+        self.has_chat_template = src is not None
+        self.chat_template = ChatTemplate(src, bos_token=self._token_text(self.tokenizer.bos_id),
+                                          eos_token=self._token_text(self.tokenizer.eos_id)) if src else \
+            ChatTemplate.chatml() if hasattr(ChatTemplate, "chatml") else None
+        self.weights = self._load_weights(progress)
+        self.n_ctx = min(n_ctx or DEFAULT_CTX, self.config.n_ctx_train) if n_ctx is None else n_ctx
+        self._session: Session | None = None
+        self.load_s = time.perf_counter() - t0
+
+    def _token_text(self, tid):
+        return self.tokenizer.token_text(tid) if tid is not None else ""
+
+    def _load_weights(self, progress: bool):
+        from .models.transformer import build_weights, tensor_names
+        names = tensor_names(self.config)
+        if not progress:
+            return build_weights(self.config, self.file, self.backend.load_tensor)
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        with Progress(TextColumn(f"loading {self.path.name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeRemainingColumn(), transient=True) as bar:
+            task = bar.add_task("load", total=len(names))
+
+            def load(info):
+                out = self.backend.load_tensor(info)
+                bar.advance(task)
+                return out
+            return build_weights(self.config, self.file, load)
+
+    # -- low level ------------------------------------------------------------------
+    def forward(self, cache, tokens, positions, mask=None, logits_rows=None):
+        return self.backend.forward(self.config, self.weights, cache, tokens, positions, mask=mask,
+                                    logits_rows=logits_rows)
+
+    def new_session(self, n_ctx: int | None = None) -> Session:
+        return Session(self, n_ctx or self.n_ctx)
+
+    @property
+    def session(self) -> Session:
+        """The model's default session: its cache is reused across calls (prefix caching)."""
+        if self._session is None:
+            self._session = self.new_session()
+        return self._session
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def sampling_params(self, **kw) -> SamplingParams:
+        base = SamplingParams().with_(**self.family.sampling_defaults)
+        return base.with_(**kw)
+
+    def render_chat(self, messages, tools=None, add_generation_prompt=True, **extra) -> str:
+        return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
+
+    def chat_prompt_ids(self, messages, tools=None, **extra) -> list[int]:
+        text = self.render_chat(messages, tools=tools, **extra)
+        # the template writes BOS itself where the model wants one
+        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+
+    # -- generation -----------------------------------------------------------------
+    def stream(self, prompt, session: Session | None = None, stepper=None, **params) -> Iterator[Delta]:
+        """Deltas of a completion of `prompt` (text or token ids)."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return generate(session or self.session, ids, self.sampling_params(**params), stepper=stepper)
+
+    def generate(self, prompt, stream: bool = False, **params):
+        """The completion of `prompt` as a string, or an iterator of text pieces with stream=True."""
+        deltas = self.stream(prompt, **params)
+        if stream:
+            return (d.text for d in deltas if d.text)
+        return "".join(d.text for d in deltas)
+
+    def chat(self, messages, tools=None, stream: bool = False, **params):
+        ids = self.chat_prompt_ids(messages, tools=tools)
+        return self.generate(ids, stream=stream, **params)
+
+
+def load(model: str | os.PathLike | None = None, backend: str = "auto", n_ctx: int | None = None,
+         progress: bool = False, chat_template: str | None = None) -> Model:
+    """Load a GGUF model: a path, a Hugging Face `owner/repo:file.gguf`, or None for the bundled SmolLM2-135M."""
+    return Model(model, backend=backend, n_ctx=n_ctx, progress=progress, chat_template=chat_template)

@@ -1,0 +1,73 @@
+"""A model's shape and numerics, read from GGUF metadata.
+
+One dataclass for every decoder-only family: families differ by flags (bias, q/k
+norm, rope style), not by code paths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..gguf_file import GGUFFile
+
+ROPE_ADJACENT = "adjacent"  # GPT-J style: llama GGUFs store Q/K rows permuted for it
+ROPE_HALVES = "halves"  # NEOX style: qwen2/qwen3 rotate the two halves of a head
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dim: int
+    rope_style: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_output: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def read_config(f: GGUFFile, *, rope_style: str, qkv_bias: bool = False, qk_norm: bool = False) -> ModelConfig:
+    """Read the `{arch}.*` keys every llama-like GGUF carries."""
+    a = f.architecture
+    n_embd = f.get_int(f"{a}.embedding_length")
+    n_heads = f.get_int(f"{a}.attention.head_count")
+    n_kv = f.get_int(f"{a}.attention.head_count_kv", n_heads)
+    head_dim = f.get_int(f"{a}.attention.key_length", n_embd // n_heads)
+    if "token_embd.weight" not in f.tensors:
+        f.tensor("token_embd.weight")  # raises the model-file error
+    vocab = f.tensors["token_embd.weight"].shape[0]
+    return ModelConfig(
+        arch=a,
+        n_layers=f.get_int(f"{a}.block_count"),
+        n_embd=n_embd,
+        n_ff=f.get_int(f"{a}.feed_forward_length"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        n_ctx_train=f.get_int(f"{a}.context_length", 4096),
+        rms_eps=f.get_float(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_base=f.get_float(f"{a}.rope.freq_base", 10000.0),
+        rope_dim=f.get_int(f"{a}.rope.dimension_count", head_dim),
+        rope_style=rope_style,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        tied_output="output.weight" not in f.tensors,
+        sliding_window=(f.get_int(f"{a}.attention.sliding_window") if f"{a}.attention.sliding_window" in f.metadata else None),
+    )

@@ -1,0 +1,115 @@
+"""The decoder-only transformer forward shared by the llama, qwen2 and qwen3 families.
+
+Written once against a backend's op interface (`ops`), so the CPU reference and the
+CUDA backend run the same code. One signature serves prefill (a chain of tokens),
+decode (one token) and speculative tree verification (N tokens whose attention mask
+says which of the new tokens each one sees): see `forward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..gguf_file import GGUFFile
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
+
+
+@dataclass
+class Weights:
+    tok_embd: Any
+    layers: list[LayerWeights]
+    out_norm: Any
+    output: Any  # the token embedding itself when the head is tied
+
+
+def tensor_names(cfg: ModelConfig) -> list[str]:
+    """Every tensor the forward reads, in load order."""
+    names = ["token_embd.weight"]
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        names += [p + n for n in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                  "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight",
+                                  "ffn_up.weight", "ffn_down.weight")]
+        if cfg.qkv_bias:
+            names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        if cfg.qk_norm:
+            names += [p + "attn_q_norm.weight", p + "attn_k_norm.weight"]
+    names.append("output_norm.weight")
+    if not cfg.tied_output:
+        names.append("output.weight")
+    return names
+
+
+def build_weights(cfg: ModelConfig, f: GGUFFile, load) -> Weights:
+    """Assemble Weights, calling `load(TensorInfo)` for each tensor (the backend decides
+    whether that dequantizes, uploads or keeps the memory map)."""
+    for name in tensor_names(cfg):
+        f.tensor(name)  # a missing tensor fails before anything is loaded
+    t = lambda name: load(f.tensors[name])
+    opt = lambda name: load(f.tensors[name]) if name in f.tensors else None
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=t(p + "attn_norm.weight"), wq=t(p + "attn_q.weight"), wk=t(p + "attn_k.weight"),
+            wv=t(p + "attn_v.weight"), wo=t(p + "attn_output.weight"), ffn_norm=t(p + "ffn_norm.weight"),
+            w_gate=t(p + "ffn_gate.weight"), w_up=t(p + "ffn_up.weight"), w_down=t(p + "ffn_down.weight"),
+            bq=opt(p + "attn_q.bias"), bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+            q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
+        ))
+    tok = t("token_embd.weight")
+    return Weights(tok_embd=tok, layers=layers, out_norm=t("output_norm.weight"),
+                   output=tok if cfg.tied_output else t("output.weight"))
+
+
+def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None, logits_rows=None):
+    """Run N new tokens through the model.
+
+    tokens, positions: int arrays of length N. `mask[i, j]` (N x N bool) says whether
+    new token i attends to new token j; None means causal (a chain). Every new token
+    also sees all of the KV cache's committed rows. The new K/V rows are written after
+    the committed ones; `kv.commit(accepted)` later keeps the accepted ones.
+    `logits_rows` selects which rows need logits (prefill only needs the last).
+    """
+    eps = cfg.rms_eps
+    x = ops.embed(w.tok_embd, tokens)
+    for li, lw in enumerate(w.layers):
+        h = ops.rms_norm(x, lw.attn_norm, eps)
+        q = ops.linear(h, lw.wq, lw.bq)
+        k = ops.linear(h, lw.wk, lw.bk)
+        v = ops.linear(h, lw.wv, lw.bv)
+        q = ops.split_heads(q, cfg.n_heads, cfg.head_dim)
+        k = ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
+        v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, lw.q_norm, eps)
+            k = ops.rms_norm(k, lw.k_norm, eps)
+        q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
+        k = ops.rope(k, positions, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
+        o = ops.attention(kv, li, q, k, v, positions, mask, cfg.sliding_window)
+        x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
+        h = ops.rms_norm(x, lw.ffn_norm, eps)
+        g = ops.swiglu(ops.linear(h, lw.w_gate), ops.linear(h, lw.w_up))
+        x = ops.linear(g, lw.w_down, residual=x)
+    if logits_rows is not None:
+        x = ops.take_rows(x, logits_rows)
+    x = ops.rms_norm(x, w.out_norm, eps)
+    return ops.linear(x, w.output)
