@@ -95,8 +95,11 @@ def info(model):
     from .models.bundled import resolve_model
     from .plugins import family_for
 
+    from .kernels.dequant import SUPPORTED_TYPES
+
     path = resolve_model(model)
     f = GGUFFile(path)
+    f.require_types(SUPPORTED_TYPES)
     fam = family_for(path, f.architecture)
     cfg = fam.read_config(f)
     types = Counter(t.type_name for t in f.tensors.values())
@@ -116,3 +119,5 @@ def info(model):
         click.echo("optimizations: " + ", ".join(f"{k}={v}" for k, v in fam.optimizations.items()))
     if fam.sampling_defaults:
         click.echo("sampling:      " + ", ".join(f"{k}={v}" for k, v in fam.sampling_defaults.items()))
+if __name__ == "__main__":
+    main()

@@ -101,6 +101,12 @@ class GGUFFile:
         except KeyError:
             raise ModelFileError(self.path, f"missing tensor {name!r}") from None
 
+    def require_types(self, supported) -> None:
+        """Fail on the first tensor whose type the backends can't decode."""
+        for info in self.tensors.values():
+            if info.qtype not in supported:
+                raise ModelFileError(self.path, f"tensor {info.name!r} has unsupported type {info.type_name}")
+
     @property
     def n_params(self) -> int:
         return int(sum(int(np.prod(t.shape)) for t in self.tensors.values()))

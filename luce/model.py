@@ -21,18 +21,16 @@ class Model:
     def __init__(self, path, backend="auto", n_ctx: int | None = None, progress: bool = False,
                  chat_template: str | None = None):
         from .kernels.dequant import SUPPORTED_TYPES
-        from .text.chat_template import ChatTemplate
+        from .text.chat_template import CHATML_TEMPLATE, ChatTemplate
         from .text.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
         self.path = resolve_model(path)
         self.file = GGUFFile(self.path)
+        self.file.require_types(SUPPORTED_TYPES)
         self.family = family_for(self.path, self.file.architecture)
         self.config = self.family.read_config(self.file)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        for info in self.file.tensors.values():
-            if info.qtype not in SUPPORTED_TYPES:
-                raise ModelFileError(self.path, f"tensor {info.name!r} has unsupported type {info.type_name}")
         try:
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
         except (KeyError, ValueError) as e:
@@ -41,7 +39,7 @@ class Model:
         self.has_chat_template = src is not None
         self.chat_template = ChatTemplate(src, bos_token=self._token_text(self.tokenizer.bos_id),
                                           eos_token=self._token_text(self.tokenizer.eos_id)) if src else \
-            ChatTemplate.chatml() if hasattr(ChatTemplate, "chatml") else None
+            ChatTemplate(CHATML_TEMPLATE)
         self.weights = self._load_weights(progress)
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.config.n_ctx_train) if n_ctx is None else n_ctx
         self._session: Session | None = None

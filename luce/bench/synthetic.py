@@ -1,0 +1,178 @@
+"""Random-weight models with real models' shapes and tensor types.
+
+Benchmark-size models cannot be downloaded onto the GPU machine; decode speed does not
+depend on weight values, so we make them there. Quantized blocks are random bytes with
+their f16 scale fields overwritten by small finite values, so every weight dequantizes
+to a finite number. `write_gguf` writes a real GGUF with gguf-py (tests also use it for
+tiny models of any family).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+Q = None  # gguf.GGMLQuantizationType, imported lazily to keep `luce --help` fast
+
+
+def _q():
+    global Q
+    if Q is None:
+        import gguf
+        Q = gguf.GGMLQuantizationType
+    return Q
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_output: bool = False
+    n_ctx_train: int = 40960
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+
+    def tensor_shapes(self) -> dict[str, tuple[int, int] | tuple[int]]:
+        """name -> numpy shape (rows, cols) of every tensor the family reads."""
+        d, hd = self.n_embd, self.head_dim
+        out: dict = {"token_embd.weight": (self.vocab_size, d)}
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            out.update({
+                p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                p + "attn_q.weight": (self.n_heads * hd, d), p + "attn_k.weight": (self.n_kv_heads * hd, d),
+                p + "attn_v.weight": (self.n_kv_heads * hd, d), p + "attn_output.weight": (d, self.n_heads * hd),
+                p + "ffn_gate.weight": (self.n_ff, d), p + "ffn_up.weight": (self.n_ff, d),
+                p + "ffn_down.weight": (d, self.n_ff),
+            })
+            if self.arch == "qwen3":
+                out[p + "attn_q_norm.weight"] = (hd,)
+                out[p + "attn_k_norm.weight"] = (hd,)
+            if self.arch == "qwen2":
+                out[p + "attn_q.bias"] = (self.n_heads * hd,)
+                out[p + "attn_k.bias"] = (self.n_kv_heads * hd,)
+                out[p + "attn_v.bias"] = (self.n_kv_heads * hd,)
+        out["output_norm.weight"] = (d,)
+        if not self.tied_output:
+            out["output.weight"] = (self.vocab_size, d)
+        return out
+
+
+SHAPES: dict[str, ModelShape] = {
+    "qwen3-0.6b": ModelShape("qwen3", 28, 1024, 3072, 16, 8, 128, 151936, tied_output=True),
+    "qwen3-8b": ModelShape("qwen3", 36, 4096, 12288, 32, 8, 128, 151936),
+    "qwen3-32b": ModelShape("qwen3", 64, 5120, 25600, 64, 8, 128, 151936),
+    "llama-3-8b": ModelShape("llama", 32, 4096, 14336, 32, 8, 128, 128256, n_ctx_train=8192, rope_base=500000.0,
+                             rms_eps=1e-5),
+}
+
+
+def q4_k_m_type(name: str):
+    """The tensor types of a Q4_K_M file (simplified: every attn_v/ffn_down in Q6_K)."""
+    Qt = _q()
+    if name.endswith("norm.weight") or name.endswith(".bias"):
+        return Qt.F32
+    if name == "output.weight" or name.endswith("attn_v.weight") or name.endswith("ffn_down.weight"):
+        return Qt.Q6_K
+    return Qt.Q4_K
+
+
+# byte offsets of the f16 scale fields inside one block of each quantized type
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def random_quant_rows(qtype, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float = 0.002) -> np.ndarray:
+    """uint8 [n_rows, row_bytes]: random blocks whose scales are small and finite."""
+    import gguf
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if n_cols % block:
+        raise ValueError(f"{n_cols} columns is not a multiple of {qtype.name}'s block of {block}")
+    nb = n_rows * n_cols // block
+    raw = rng.integers(0, 256, size=(nb, type_size), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype.name]:
+        s = (rng.random(nb, dtype=np.float32) * scale + scale / 4).astype(np.float16)
+        raw[:, off:off + 2] = s.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(n_rows, -1)
+
+
+def random_tensor(name: str, shape, qtype, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """A tensor as the bytes (or floats) a GGUF stores for it."""
+    Qt = _q()
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if qtype == Qt.F32:
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+    if qtype == Qt.F16:
+        return (std * rng.standard_normal(shape)).astype(np.float16)
+    if qtype.name in _F16_FIELDS and qtype.name.endswith("_K"):
+        return random_quant_rows(qtype, shape[0], shape[1], rng)
+    from gguf import quants
+    return quants.quantize((std * rng.standard_normal(shape)).astype(np.float32), qtype)
+
+
+def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_from=None,
+               tensors: dict | None = None) -> Path:
+    """Write a random-weight model. `types(name) -> GGMLQuantizationType` picks each tensor's
+    type (default Q4_K_M-like); `tokenizer_from` copies the tokenizer.* metadata of another
+    GGUF so the model can tokenize; `tensors` overrides individual tensors with given arrays."""
+    import gguf
+    from gguf import GGUFValueType
+
+    path = Path(path)
+    types = types or q4_k_m_type
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), shape.arch)
+    a = shape.arch
+    w.add_uint32(f"{a}.block_count", shape.n_layers)
+    w.add_uint32(f"{a}.context_length", shape.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", shape.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", shape.n_ff)
+    w.add_uint32(f"{a}.attention.head_count", shape.n_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", shape.n_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
+    w.add_float32(f"{a}.rope.freq_base", shape.rope_base)
+    if tokenizer_from is not None:
+        _copy_tokenizer(w, tokenizer_from)
+    for name, shp in shape.tensor_shapes().items():
+        qtype = types(name)
+        arr = tensors[name] if tensors and name in tensors else random_tensor(name, shp, qtype, rng)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, np.ascontiguousarray(arr))
+        else:
+            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_tokenizer(w, src) -> None:
+    import gguf
+    from gguf import GGUFValueType
+    r = gguf.GGUFReader(str(src))
+    for f in r.fields.values():
+        if not f.name.startswith("tokenizer."):
+            continue
+        vtype = GGUFValueType(f.types[0])
+        sub = GGUFValueType(f.types[1]) if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
+        w.add_key_value(f.name, f.contents(), vtype, sub)
+
+
+def tiny(arch: str, vocab_size: int, **kw) -> ModelShape:
+    """A few-layer model for tests."""
+    base = ModelShape(arch, n_layers=2, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=vocab_size, n_ctx_train=2048, rope_base=10000.0)
+    return replace(base, **kw)

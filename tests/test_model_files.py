@@ -1,0 +1,76 @@
+"""Opening model files: metadata, memory mapping, and one-line errors for bad files."""
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from luce.errors import ModelFileError
+from luce.gguf_file import GGUFFile
+
+
+def test_metadata_and_memory_map(smollm2_path):
+    f = GGUFFile(smollm2_path)
+    assert f.architecture == "llama"
+    assert f.get_int("llama.block_count") == 30
+    assert f.get_float("llama.rope.freq_base") == 100000.0
+    emb = f.tensor("token_embd.weight")
+    assert emb.shape == (49152, 576) and emb.type_name == "Q8_0"
+    # tensor bytes are views into the file's memory map, not copies
+    base = emb.data
+    while base.base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    assert isinstance(base, np.memmap)
+    with pytest.raises(ModelFileError, match="should be an integer"):
+        f.get_int("general.name")
+
+
+@pytest.fixture
+def bad_files(tmp_path, smollm2_path):
+    from luce.bench.synthetic import tiny, write_gguf
+    import gguf
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2_path, "rb") as src:
+        truncated.write_bytes(src.read(5_000_000))
+    text = tmp_path / "notes.txt"
+    text.write_text("this is not a model\n")
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(b"GGUF\x03\x00\x00\x00")
+    unknown = write_gguf(tmp_path / "mamba.gguf", tiny("mamba9", 300),
+                         types=lambda n: gguf.GGMLQuantizationType.F32)
+    unsupported = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(unsupported), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 66), dtype=np.uint8), raw_shape=(4, 66),
+                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return {"truncated": (truncated, "truncated|corrupt"), "text": (text, "not a GGUF file"),
+            "header": (header_only, "corrupt"), "unknown": (unknown, "unsupported architecture 'mamba9'"),
+            "unsupported": (unsupported, "unsupported type IQ2_XXS"),
+            "missing": (tmp_path / "nope.gguf", "no such file")}
+
+
+@pytest.mark.parametrize("kind", ["truncated", "text", "header", "unknown", "unsupported", "missing"])
+@pytest.mark.parametrize("command", ["info", "generate"])
+def test_cli_reports_bad_files_in_one_line(bad_files, kind, command):
+    path, problem = bad_files[kind]
+    args = [sys.executable, "-m", "luce.cli", command, str(path)]
+    if command == "generate":
+        args += ["hello", "--max-tokens", "2"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert str(path) in lines[0]
+    import re
+    assert re.search(problem, lines[0]), lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_architecture_lists_known_ones(bad_files):
+    import luce
+    with pytest.raises(ModelFileError) as e:
+        luce.load(bad_files["unknown"][0], backend="cpu")
+    for arch in ("llama", "qwen2", "qwen3"):
+        assert arch in str(e.value)
+    assert "docs/plugins.md" in str(e.value)
