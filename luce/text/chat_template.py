@@ -300,16 +300,12 @@ class ChatTemplate:
     def from_gguf(cls, path, name: str | None = None) -> "ChatTemplate":
         """The template stored in a GGUF file (``tokenizer.chat_template``, or
         ``tokenizer.chat_template.<name>``), falling back to ChatML when there is none."""
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path), "r")
         key = f"tokenizer.chat_template.{name}" if name else "tokenizer.chat_template"
-        source = _field(reader, key)
-        bos = _token_text(reader, "tokenizer.ggml.bos_token_id")
-        eos = _token_text(reader, "tokenizer.ggml.eos_token_id")
+        meta = read_gguf_chat_metadata(path, key)
+        source = meta.get(key)
         if not source:
-            return cls.chatml(bos_token=bos or "")
-        return cls(source, bos_token=bos or "", eos_token=eos or "")
+            return cls.chatml(bos_token=meta.get("bos_token", ""))
+        return cls(source, bos_token=meta.get("bos_token", ""), eos_token=meta.get("eos_token", ""))
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = True, **extra) -> str:
@@ -366,26 +362,68 @@ def _bug(message: str) -> TemplateError:
     return err
 
 
-def _field(reader, key):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception:
-        return None
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def _token_text(reader, id_key):
-    tid = _field(reader, id_key)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tid is None or tokens is None:
-        return None
-    try:
-        # decoding the whole vocabulary to read one token would take seconds
-        return bytes(tokens.parts[tokens.data[int(tid)]]).decode("utf-8", errors="replace")
-    except (IndexError, ValueError):
-        return None
+def read_gguf_chat_metadata(path, template_key: str = "tokenizer.chat_template") -> dict:
+    """`template_key`'s value and the BOS/EOS token texts of a GGUF, read from its header
+    alone. gguf.GGUFReader would build objects for every token and tensor first, which
+    takes seconds on a 150k-token vocabulary."""
+    import struct
+
+    def scalar(f, fmt):
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    def string(f):
+        return f.read(scalar(f, "<Q")).decode("utf-8", errors="replace")
+
+    def skip(f, vtype):
+        if vtype == _GGUF_STRING:
+            f.seek(scalar(f, "<Q"), 1)
+        elif vtype == _GGUF_ARRAY:
+            etype, n = scalar(f, "<I"), scalar(f, "<Q")
+            if etype in _GGUF_SCALARS:
+                f.seek(struct.calcsize(_GGUF_SCALARS[etype]) * n, 1)
+            else:
+                for _ in range(n):
+                    skip(f, etype)
+        elif vtype in _GGUF_SCALARS:
+            f.seek(struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+        else:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+
+    out: dict = {}
+    ids: dict[str, int] = {}
+    tokens_at = None
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version = scalar(f, "<I")
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        scalar(f, "<Q")  # tensor count
+        for _ in range(scalar(f, "<Q")):
+            key, vtype = string(f), scalar(f, "<I")
+            if key == template_key and vtype == _GGUF_STRING:
+                out[key] = string(f)
+            elif key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id") \
+                    and vtype in _GGUF_SCALARS:
+                ids[key.split(".")[-1]] = int(scalar(f, _GGUF_SCALARS[vtype]))
+            else:
+                if key == "tokenizer.ggml.tokens" and vtype == _GGUF_ARRAY:
+                    tokens_at = f.tell()
+                skip(f, vtype)
+        if tokens_at is not None and ids:
+            f.seek(tokens_at)
+            etype, n = scalar(f, "<I"), scalar(f, "<Q")
+            wanted = {v: k[:-len("_id")] for k, v in ids.items()}  # -> "bos_token", "eos_token"
+            for i in range(min(n, max(wanted) + 1) if etype == _GGUF_STRING else 0):
+                text = string(f)
+                if i in wanted:
+                    out[wanted[i]] = text
+    return out
 
 
 CHATML_TEMPLATE = """\
