@@ -1,0 +1,181 @@
+"""Block-wide reductions shared by the kernels of luce.kernels.
+
+Two implementations behind one name, picked once at import: the CUDA simulator has no
+warp shuffles, so it gets a shared-memory tree (block size a power of two); real GPUs
+get warp shuffles plus one shared-memory round between warps (block size a multiple of
+32). Kernels call `block_sum` etc. and never branch on the path themselves.
+
+Every reduction ends with a barrier so the caller may reuse `buf` at once; every thread
+of the block must call it (they contain barriers).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda
+
+SIM = bool(cuda.config.ENABLE_CUDASIM)
+
+# Shared scratch a kernel allocates for these helpers: one slot per thread on the
+# simulator path, one per warp on the shuffle path; sized for the largest block.
+MAX_THREADS = 1024
+BIG_INDEX = 2147483647
+
+_FULL = 0xFFFFFFFF
+
+
+def block_threads(gpu_threads: int) -> int:
+    """Block size a host wrapper should launch with: the simulator runs one OS thread
+    per CUDA thread and pays for every barrier per thread, so it gets one warp."""
+    return 32 if SIM else gpu_threads
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- simulator path
+
+@cuda.jit(device=True)
+def _smem_sum(v, buf):
+    t = cuda.threadIdx.x
+    buf[t] = v
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            buf[t] += buf[t + s]
+        cuda.syncthreads()
+        s //= 2
+    r = buf[0]
+    cuda.syncthreads()
+    return r
+
+
+@cuda.jit(device=True)
+def _smem_max(v, buf):
+    t = cuda.threadIdx.x
+    buf[t] = v
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            buf[t] = max(buf[t], buf[t + s])
+        cuda.syncthreads()
+        s //= 2
+    r = buf[0]
+    cuda.syncthreads()
+    return r
+
+
+@cuda.jit(device=True)
+def _smem_argmax(v, i, vbuf, ibuf):
+    t = cuda.threadIdx.x
+    vbuf[t] = v
+    ibuf[t] = i
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            ov = vbuf[t + s]
+            oi = ibuf[t + s]
+            if ov > vbuf[t] or (ov == vbuf[t] and oi < ibuf[t]):
+                vbuf[t] = ov
+                ibuf[t] = oi
+        cuda.syncthreads()
+        s //= 2
+    rv = vbuf[0]
+    ri = ibuf[0]
+    cuda.syncthreads()
+    return rv, ri
+
+
+# ---------------------------------------------------------------- shuffle path (GPU only)
+
+@cuda.jit(device=True)
+def _warp_sum(v):
+    off = 16
+    while off > 0:
+        v += cuda.shfl_xor_sync(_FULL, v, off)
+        off //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def _warp_max(v):
+    off = 16
+    while off > 0:
+        v = max(v, cuda.shfl_xor_sync(_FULL, v, off))
+        off //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def _warp_argmax(v, i):
+    off = 16
+    while off > 0:
+        ov = cuda.shfl_xor_sync(_FULL, v, off)
+        oi = cuda.shfl_xor_sync(_FULL, i, off)
+        if ov > v or (ov == v and oi < i):
+            v = ov
+            i = oi
+        off //= 2
+    return v, i
+
+
+@cuda.jit(device=True)
+def _shfl_sum(v, buf):
+    t = cuda.threadIdx.x
+    lane = t & 31
+    v = _warp_sum(v)
+    if lane == 0:
+        buf[t >> 5] = v
+    cuda.syncthreads()
+    # every warp reduces the per-warp partials itself: no second barrier before the read
+    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else 0.0
+    v = _warp_sum(v)
+    cuda.syncthreads()
+    return v
+
+
+@cuda.jit(device=True)
+def _shfl_max(v, buf):
+    t = cuda.threadIdx.x
+    lane = t & 31
+    v = _warp_max(v)
+    if lane == 0:
+        buf[t >> 5] = v
+    cuda.syncthreads()
+    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else -math.inf
+    v = _warp_max(v)
+    cuda.syncthreads()
+    return v
+
+
+@cuda.jit(device=True)
+def _shfl_argmax(v, i, vbuf, ibuf):
+    t = cuda.threadIdx.x
+    lane = t & 31
+    v, i = _warp_argmax(v, i)
+    if lane == 0:
+        vbuf[t >> 5] = v
+        ibuf[t >> 5] = i
+    cuda.syncthreads()
+    if lane < (cuda.blockDim.x >> 5):
+        v = vbuf[lane]
+        i = ibuf[lane]
+    else:
+        v = -math.inf
+        i = BIG_INDEX
+    v, i = _warp_argmax(v, i)
+    cuda.syncthreads()
+    return v, i
+
+
+if SIM:
+    block_sum, block_max, block_argmax = _smem_sum, _smem_max, _smem_argmax
+else:
+    block_sum, block_max, block_argmax = _shfl_sum, _shfl_max, _shfl_argmax
+
+__all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div",
+           "block_sum", "block_max", "block_argmax"]

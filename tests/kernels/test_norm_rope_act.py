@@ -1,0 +1,77 @@
+"""RMSNorm, RoPE, GLU activations, softmax and embedding gather: CUDA kernels against
+their numpy references.
+
+These run in the CUDA simulator (tests/conftest.py) and so cover the shared-memory
+reduction path of luce.kernels._reduce with one-warp blocks; the warp-shuffle path and
+real block sizes are covered by tests/gpu/test_kernels_gpu.py.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref
+from luce.kernels.embedding import embed_cuda, embed_ref
+from luce.kernels.norm import rms_norm_cuda, rms_norm_ref
+from luce.kernels.rope import rope_cuda, rope_ref
+from luce.models.config import ROPE_ADJACENT, ROPE_HALVES
+
+rng = np.random.default_rng()
+
+
+def nan_out(shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("shape", [(3, 96), (2, 3, 16)])
+def test_rms_norm(shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    out = nan_out(shape)
+    rms_norm_cuda(cuda.to_device(x), cuda.to_device(w), 1e-6, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_fused_residual():
+    x = rng.standard_normal((3, 80)).astype(np.float32)
+    r = rng.standard_normal((3, 80)).astype(np.float32)
+    w = rng.standard_normal(80).astype(np.float32)
+    dx, out = cuda.to_device(x), nan_out(x.shape)
+    rms_norm_cuda(dx, cuda.to_device(w), 1e-5, out=out, residual=cuda.to_device(r))
+    np.testing.assert_allclose(dx.copy_to_host(), x + r, rtol=1e-6)
+    np.testing.assert_allclose(out.copy_to_host(), rms_norm_ref(x + r, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", [ROPE_ADJACENT, ROPE_HALVES])
+@pytest.mark.parametrize("rope_dim", [16, 12])
+def test_rope(style, rope_dim):
+    x = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    pos = rng.integers(0, 9000, 3).astype(np.int32)
+    dx = cuda.to_device(x)
+    rope_cuda(dx, cuda.to_device(pos), rope_dim, 1e6, style)
+    np.testing.assert_allclose(dx.copy_to_host(), rope_ref(x, pos, rope_dim, 1e6, style), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,ref", [("swiglu", swiglu_ref), ("geglu", geglu_ref)])
+def test_glu(kind, ref):
+    g = (3 * rng.standard_normal((2, 50))).astype(np.float32)
+    u = rng.standard_normal((2, 50)).astype(np.float32)
+    out = nan_out(g.shape)
+    glu_cuda(cuda.to_device(g), cuda.to_device(u), kind, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), ref(g, u), rtol=1e-5, atol=1e-6)
+
+
+def test_softmax():
+    x = (4 * rng.standard_normal((3, 100))).astype(np.float32)
+    x[1, 7] = -np.inf
+    out = nan_out(x.shape)
+    softmax_cuda(cuda.to_device(x), out=out)
+    np.testing.assert_allclose(out.copy_to_host(), softmax_ref(x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_embed(dtype):
+    table = rng.standard_normal((50, 40)).astype(dtype)
+    tok = rng.integers(0, 50, 5).astype(np.int32)
+    out = nan_out((5, 40))
+    embed_cuda(cuda.to_device(table), cuda.to_device(tok), out=out)
+    np.testing.assert_array_equal(out.copy_to_host(), embed_ref(table, tok))
