@@ -21,6 +21,17 @@ class LuceGroup(click.Group):
             click.echo(f"luce: error: {e}", err=True)
             sys.exit(1)
 
+    # plugins' commands (the register_commands hook), added when commands are first looked up
+    def list_commands(self, ctx):
+        from .plugins import register_commands
+        register_commands(self)
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, name):
+        from .plugins import register_commands
+        register_commands(self)
+        return super().get_command(ctx, name)
+
 
 @click.group(cls=LuceGroup)
 @click.version_option(package_name="luce")
@@ -119,5 +130,15 @@ def info(model):
         click.echo("optimizations: " + ", ".join(f"{k}={v}" for k, v in fam.optimizations.items()))
     if fam.sampling_defaults:
         click.echo("sampling:      " + ", ".join(f"{k}={v}" for k, v in fam.sampling_defaults.items()))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def families(as_json):
+    """List model families: architectures, drafts, optimizations, and the plugin each came from."""
+    from .plugins import families_report
+    click.echo(families_report(as_json=as_json))
+
+
 if __name__ == "__main__":
     main()
