@@ -162,3 +162,450 @@ def dequantize(raw: np.ndarray, qtype, shape) -> np.ndarray:
     for i in range(0, blocks.shape[0], step):
         out[i:i + step] = decode(blocks[i:i + step]).reshape(-1, qk)
     return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Device side.
+#
+# Every type is described to the kernels by the same small interface, so one generic kernel
+# body serves all of them (here: dequantize; luce.kernels.matvec: matrix-vector products).
+# A block (QK elements, BS bytes; F32/F16/BF16 use 16-byte pseudo-blocks) splits into UPB
+# units; a unit, the work of one thread, is RUNS runs of RL consecutive columns that share
+# a scale; the values of a run are s * q + o.
+#   col(u, k)                -> first column of run k of unit u, relative to the block
+#   scale(sh, bo, u, k)      -> (s, o)
+#   quad(sh, bo, u, k, j)    -> q of columns col(u, k) + 4j .. + 3, as four float32
+# `sh` is a uint32 array holding the block's bytes (staged in shared memory by the kernels)
+# and `bo` the block's byte offset in it. The layouts follow ggml-quants.c.
+# ----------------------------------------------------------------------------------------
+from collections import namedtuple  # noqa: E402
+
+from numba import cuda  # noqa: E402
+
+from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32  # noqa: E402
+
+DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale quad")
+_dev = cuda.jit(device=True)
+
+
+# Readers return int64 so that the simulator's numpy scalars and numba's typing (int64
+# literals promote everything anyway) give the same arithmetic.
+@_dev
+def rd8(sh, o):
+    return (np.int64(sh[o >> 2]) >> ((o & 3) * 8)) & 0xFF
+
+
+@_dev
+def rd16(sh, o):  # o even
+    return (np.int64(sh[o >> 2]) >> ((o & 2) * 8)) & 0xFFFF
+
+
+@_dev
+def rd32(sh, o):  # o even; blocks only guarantee 2-byte alignment
+    i = o >> 2
+    if o & 2:
+        return ((np.int64(sh[i]) >> 16) | (np.int64(sh[i + 1]) << 16)) & 0xFFFFFFFF
+    return np.int64(sh[i])
+
+
+@_dev
+def f16_at(sh, o):
+    return f16_bits_to_f32(rd16(sh, o))
+
+
+@_dev
+def nib4(w, shift):
+    """Four fields of width 4 at bit `shift` of each byte of w."""
+    return (np.float32((w >> shift) & 15), np.float32((w >> (8 + shift)) & 15),
+            np.float32((w >> (16 + shift)) & 15), np.float32((w >> (24 + shift)) & 15))
+
+
+@_dev
+def bit4(h, shift):
+    """Bit `shift` of each byte of h."""
+    return ((h >> shift) & 1, (h >> (8 + shift)) & 1, (h >> (16 + shift)) & 1, (h >> (24 + shift)) & 1)
+
+
+@_dev
+def col_zero(u, k):
+    return 0
+
+
+@_dev
+def col_half(u, k):  # 32-element blocks: low nibbles are columns 0-15, high nibbles 16-31
+    return 16 * k
+
+
+@_dev
+def col_k2(u, k):  # Q4_K/Q5_K: unit u = 64 columns, run k = sub-block 2u + k
+    return 64 * u + 32 * k
+
+
+@_dev
+def col_k4(u, k):  # Q2_K/Q3_K/Q6_K: unit u = (128-half u >> 1, 16 lanes u & 1), run k = 32-column group
+    return 128 * (u >> 1) + 32 * k + 16 * (u & 1)
+
+
+@_dev
+def unit_scale(sh, bo, u, k):
+    return np.float32(1.0), np.float32(0.0)
+
+
+# F32 / F16 / BF16: 16-byte pseudo-blocks of 4 / 8 / 8 elements.
+@_dev
+def quad_f32(sh, bo, u, k, j):
+    return (u32_bits_to_f32(rd32(sh, bo)), u32_bits_to_f32(rd32(sh, bo + 4)),
+            u32_bits_to_f32(rd32(sh, bo + 8)), u32_bits_to_f32(rd32(sh, bo + 12)))
+
+
+@_dev
+def quad_f16(sh, bo, u, k, j):
+    a = rd32(sh, bo + 8 * j)
+    b = rd32(sh, bo + 8 * j + 4)
+    return (f16_bits_to_f32(a & 0xFFFF), f16_bits_to_f32(a >> 16),
+            f16_bits_to_f32(b & 0xFFFF), f16_bits_to_f32(b >> 16))
+
+
+@_dev
+def quad_bf16(sh, bo, u, k, j):
+    a = rd32(sh, bo + 8 * j)
+    b = rd32(sh, bo + 8 * j + 4)
+    return (u32_bits_to_f32((a & 0xFFFF) << 16), u32_bits_to_f32(a & 0xFFFF0000),
+            u32_bits_to_f32((b & 0xFFFF) << 16), u32_bits_to_f32(b & 0xFFFF0000))
+
+
+# Q4_0 / Q4_1 / Q5_0 / Q5_1: d (f16) [m (f16)] [qh (u32)] qs[16]; run k = nibble k.
+@_dev
+def scale_q4_0(sh, bo, u, k):
+    d = f16_at(sh, bo)
+    return d, np.float32(-8.0) * d
+
+
+@_dev
+def quad_q4_0(sh, bo, u, k, j):
+    return nib4(rd32(sh, bo + 2 + 4 * j), 4 * k)
+
+
+@_dev
+def scale_q4_1(sh, bo, u, k):
+    return f16_at(sh, bo), f16_at(sh, bo + 2)
+
+
+@_dev
+def quad_q4_1(sh, bo, u, k, j):
+    return nib4(rd32(sh, bo + 4 + 4 * j), 4 * k)
+
+
+@_dev
+def q5_quad(sh, qh_o, j, k):
+    lo = nib4(rd32(sh, qh_o + 4 + 4 * j), 4 * k)
+    h = rd32(sh, qh_o) >> (16 * k + 4 * j)  # bit c of qh is the fifth bit of column c
+    return (lo[0] + np.float32(16 * (h & 1)), lo[1] + np.float32(16 * ((h >> 1) & 1)),
+            lo[2] + np.float32(16 * ((h >> 2) & 1)), lo[3] + np.float32(16 * ((h >> 3) & 1)))
+
+
+@_dev
+def scale_q5_0(sh, bo, u, k):
+    d = f16_at(sh, bo)
+    return d, np.float32(-16.0) * d
+
+
+@_dev
+def quad_q5_0(sh, bo, u, k, j):
+    return q5_quad(sh, bo + 2, j, k)
+
+
+@_dev
+def quad_q5_1(sh, bo, u, k, j):
+    return q5_quad(sh, bo + 4, j, k)
+
+
+# Q8_0: d (f16) qs[32] (int8); one run of 32.
+@_dev
+def scale_q8_0(sh, bo, u, k):
+    return f16_at(sh, bo), np.float32(0.0)
+
+
+@_dev
+def i8(b):
+    return np.float32(b - ((b & 0x80) << 1))
+
+
+@_dev
+def quad_q8_0(sh, bo, u, k, j):
+    w = rd32(sh, bo + 2 + 4 * j)
+    return i8(w & 0xFF), i8((w >> 8) & 0xFF), i8((w >> 16) & 0xFF), i8((w >> 24) & 0xFF)
+
+
+# Q2_K: scales[16] qs[64] d dmin. Column 128n + 32s + l: (qs[32n + l] >> 2s) & 3, scale (128n + 32s + l) // 16.
+@_dev
+def scale_q2_k(sh, bo, u, k):
+    sc = rd8(sh, bo + 8 * (u >> 1) + 2 * k + (u & 1))
+    return (f16_at(sh, bo + 80) * np.float32(sc & 15),
+            -f16_at(sh, bo + 82) * np.float32(sc >> 4))
+
+
+@_dev
+def quad_q2_k(sh, bo, u, k, j):
+    w = rd32(sh, bo + 16 + 32 * (u >> 1) + 16 * (u & 1) + 4 * j)
+    s = 2 * k
+    return (np.float32((w >> s) & 3), np.float32((w >> (8 + s)) & 3),
+            np.float32((w >> (16 + s)) & 3), np.float32((w >> (24 + s)) & 3))
+
+
+# Q3_K: hmask[32] qs[64] scales[12] d. Low 2 bits as Q2_K; a clear hmask bit (byte l, bit
+# column // 32) subtracts 4; sixteen 6-bit scales biased by 32.
+@_dev
+def scale_q3_k(sh, bo, u, k):
+    i = 8 * (u >> 1) + 2 * k + (u & 1)
+    lo = (rd8(sh, bo + 96 + (i & 7)) >> (4 * (i >> 3))) & 15
+    hi = (rd8(sh, bo + 104 + (i & 3)) >> (2 * (i >> 2))) & 3
+    return f16_at(sh, bo + 108) * np.float32((lo | (hi << 4)) - 32), np.float32(0.0)
+
+
+@_dev
+def quad_q3_k(sh, bo, u, k, j):
+    l0 = 16 * (u & 1) + 4 * j
+    q = quad_q2_k(sh, bo + 16, u, k, j)  # qs sits 16 bytes later than in Q2_K
+    h = bit4(rd32(sh, bo + l0), 4 * (u >> 1) + k)
+    return (q[0] + np.float32(4 * h[0] - 4), q[1] + np.float32(4 * h[1] - 4),
+            q[2] + np.float32(4 * h[2] - 4), q[3] + np.float32(4 * h[3] - 4))
+
+
+# Q4_K / Q5_K: d dmin scales[12] [qh[32]] qs[128]; eight (6-bit scale, 6-bit min) pairs.
+@_dev
+def scale_k(sh, bo, u, k):
+    i = 2 * u + k
+    s = bo + 4
+    if i < 4:
+        sc = rd8(sh, s + i) & 63
+        mn = rd8(sh, s + i + 4) & 63
+    else:
+        sc = (rd8(sh, s + i + 4) & 15) | ((rd8(sh, s + i - 4) >> 6) << 4)
+        mn = (rd8(sh, s + i + 4) >> 4) | ((rd8(sh, s + i) >> 6) << 4)
+    return f16_at(sh, bo) * np.float32(sc), -f16_at(sh, bo + 2) * np.float32(mn)
+
+
+@_dev
+def quad_q4_k(sh, bo, u, k, j):
+    return nib4(rd32(sh, bo + 16 + 32 * u + 4 * j), 4 * k)
+
+
+@_dev
+def quad_q5_k(sh, bo, u, k, j):
+    q = nib4(rd32(sh, bo + 48 + 32 * u + 4 * j), 4 * k)
+    h = bit4(rd32(sh, bo + 16 + 4 * j), 2 * u + k)
+    return (q[0] + np.float32(16 * h[0]), q[1] + np.float32(16 * h[1]),
+            q[2] + np.float32(16 * h[2]), q[3] + np.float32(16 * h[3]))
+
+
+# Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l:
+# ql[64n + 32(g & 1) + l] nibble g >> 1, qh[32n + l] bits 2g, scale (128n + 32g + l) // 16.
+@_dev
+def scale_q6_k(sh, bo, u, k):
+    ds = f16_at(sh, bo + 208) * i8(rd8(sh, bo + 192 + 8 * (u >> 1) + 2 * k + (u & 1)))
+    return ds, np.float32(-32.0) * ds
+
+
+@_dev
+def quad_q6_k(sh, bo, u, k, j):
+    n = u >> 1
+    l0 = 16 * (u & 1) + 4 * j
+    q = nib4(rd32(sh, bo + 64 * n + 32 * (k & 1) + l0), 4 * (k >> 1))
+    h = rd32(sh, bo + 128 + 32 * n + l0) >> (2 * k)
+    return (q[0] + np.float32(16 * (h & 3)), q[1] + np.float32(16 * ((h >> 8) & 3)),
+            q[2] + np.float32(16 * ((h >> 16) & 3)), q[3] + np.float32(16 * ((h >> 24) & 3)))
+
+
+# tile_blocks: blocks a warp stages per step: a multiple of 16 bytes, about 2 KiB, and a
+# whole number of 32-unit rounds where the layout allows.
+DEVICE_SPECS: dict = {
+    T.F32: DeviceSpec(4, 16, 1, 1, 4, 128, col_zero, unit_scale, quad_f32),
+    T.F16: DeviceSpec(8, 16, 1, 1, 8, 128, col_zero, unit_scale, quad_f16),
+    T.BF16: DeviceSpec(8, 16, 1, 1, 8, 128, col_zero, unit_scale, quad_bf16),
+    T.Q4_0: DeviceSpec(32, 18, 1, 2, 16, 128, col_half, scale_q4_0, quad_q4_0),
+    T.Q4_1: DeviceSpec(32, 20, 1, 2, 16, 96, col_half, scale_q4_1, quad_q4_1),
+    T.Q5_0: DeviceSpec(32, 22, 1, 2, 16, 96, col_half, scale_q5_0, quad_q5_0),
+    T.Q5_1: DeviceSpec(32, 24, 1, 2, 16, 96, col_half, scale_q4_1, quad_q5_1),
+    T.Q8_0: DeviceSpec(32, 34, 1, 1, 32, 64, col_zero, scale_q8_0, quad_q8_0),
+    T.Q2_K: DeviceSpec(256, 84, 4, 4, 16, 24, col_k4, scale_q2_k, quad_q2_k),
+    T.Q3_K: DeviceSpec(256, 110, 4, 4, 16, 16, col_k4, scale_q3_k, quad_q3_k),
+    T.Q4_K: DeviceSpec(256, 144, 4, 2, 32, 16, col_k2, scale_k, quad_q4_k),
+    T.Q5_K: DeviceSpec(256, 176, 4, 2, 32, 16, col_k2, scale_k, quad_q5_k),
+    T.Q6_K: DeviceSpec(256, 210, 4, 4, 16, 8, col_k4, scale_q6_k, quad_q6_k),
+}
+for _q, _s in DEVICE_SPECS.items():
+    assert _s.upb * _s.runs * _s.rl == _s.qk and _s.tile_blocks * _s.bs % 16 == 0, _q
+    assert _s.qk % block_elems(_q) == 0 and _s.bs * block_elems(_q) == _s.qk * block_bytes(_q), _q
+
+
+def tile_step(qtype) -> int:
+    """Smallest number of blocks whose bytes are a multiple of 16 (tiles are multiples of it)."""
+    bs = DEVICE_SPECS[as_qtype(qtype)].bs
+    return 16 // np.gcd(bs, 16)
+
+
+def load_width(row_nbytes: int) -> int:
+    """Widest load (16, 4 or 2 bytes) that keeps every row start aligned."""
+    return 16 if row_nbytes % 16 == 0 else 4 if row_nbytes % 4 == 0 else 2
+
+
+def make_stage(vw: int, tile_bytes: int):
+    """Device function copying `nbytes` of a row from the uint16 array w (from element h0)
+    into the uint32 words sh[s0:]. Each lane first issues all its loads, then stores them,
+    so that several loads per lane are in flight."""
+    nvec = -(-tile_bytes // 16)
+    per_lane = -(-nvec // 32)
+    regs16 = (per_lane, 4)  # local array shapes must be compile-time constants
+    regs4 = 4 * per_lane
+
+    if vw == 16:
+        @_dev
+        def stage(w, h0, nbytes, sh, s0, lane):
+            regs = cuda.local.array(regs16, np.uint32)
+            nv = nbytes >> 4
+            for i in range(per_lane):
+                v = lane + 32 * i
+                if v < nv:
+                    a, b, c, d = ldg_u16_u32x4(w, h0 + 8 * v)
+                    regs[i, 0] = a
+                    regs[i, 1] = b
+                    regs[i, 2] = c
+                    regs[i, 3] = d
+            for i in range(per_lane):
+                v = lane + 32 * i
+                if v < nv:
+                    for e in range(4):
+                        sh[s0 + 4 * v + e] = regs[i, e]
+    elif vw == 4:
+        @_dev
+        def stage(w, h0, nbytes, sh, s0, lane):
+            regs = cuda.local.array(regs4, np.uint32)
+            nw = nbytes >> 2
+            for i in range(regs4):
+                v = lane + 32 * i
+                if v < nw:
+                    regs[i] = ldg_u16_u32(w, h0 + 2 * v)
+            for i in range(regs4):
+                v = lane + 32 * i
+                if v < nw:
+                    sh[s0 + v] = regs[i]
+    else:
+        @_dev
+        def stage(w, h0, nbytes, sh, s0, lane):
+            nh = nbytes >> 1
+            for v in range(lane, (nh + 1) >> 1, 32):
+                hi = np.uint32(w[h0 + 2 * v + 1]) if 2 * v + 1 < nh else np.uint32(0)
+                sh[s0 + v] = np.uint32(w[h0 + 2 * v]) | (hi << np.uint32(16))
+    return stage
+
+
+if SIM:
+    # The simulator has no syncwarp; every warp of a block runs the same loop, so a block
+    # barrier is reached by all threads.
+    @_dev
+    def warp_barrier():
+        cuda.syncthreads()
+else:
+    @_dev
+    def warp_barrier():
+        cuda.syncwarp()
+
+DEQ_WARPS = 4
+
+
+def _dequant_kernel(qtype, vw: int, tile_blocks: int):
+    spec = DEVICE_SPECS[qtype]
+    QK, BS, UPB, RUNS, NQ = spec.qk, spec.bs, spec.upb, spec.runs, spec.rl // 4
+    TB = tile_blocks
+    SW = TB * BS // 4 + 4  # words per warp, padded for rd32 at a tile's last bytes
+    col, scale, quad = spec.col, spec.scale, spec.quad
+    stage = make_stage(vw, TB * BS)
+    NW = DEQ_WARPS
+    SH = NW * SW
+
+    @cuda.jit
+    def kernel(w, out, n_rows, row_h, blocks_row, tiles_row):
+        sh = cuda.shared.array(SH, np.uint32)
+        lane = cuda.threadIdx.x & 31
+        wid = cuda.threadIdx.x >> 5
+        g = cuda.blockIdx.x * NW + wid
+        active = g < n_rows * tiles_row
+        if not active:
+            g = 0  # still reaches the barrier (the simulator's is block-wide)
+        row = g // tiles_row
+        t0 = (g - row * tiles_row) * TB
+        nb = min(TB, blocks_row - t0)
+        s0 = wid * SW
+        stage(w, row * row_h + t0 * (BS // 2), nb * BS, sh, s0, lane)
+        warp_barrier()
+        if active:
+            n_cols = blocks_row * QK
+            for ub in range(lane, nb * UPB, 32):
+                b = ub // UPB
+                u = ub - b * UPB
+                bo = 4 * s0 + b * BS
+                c0 = row * n_cols + (t0 + b) * QK
+                for k in range(RUNS):
+                    s, o = scale(sh, bo, u, k)
+                    c = c0 + col(u, k)
+                    for j in range(NQ):
+                        q = quad(sh, bo, u, k, j)
+                        for i in range(4):
+                            out[c + 4 * j + i] = s * q[i] + o
+    return kernel
+
+
+_DEQ_CACHE: dict = {}
+
+
+def _as_device(a):
+    if SIM:
+        return cuda.to_device(a) if isinstance(a, np.ndarray) else a
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    if not isinstance(a, DeviceNDArray) and cuda.is_cuda_array(a):
+        return cuda.as_cuda_array(a)
+    return a
+
+
+def weight_u16(w_dev, qtype, n_cols: int):
+    """The raw (rows, row_bytes) uint8 device weight as a flat uint16 array, and its rows."""
+    w_dev = _as_device(w_dev)
+    rb = row_bytes(qtype, n_cols)
+    if w_dev.dtype != np.uint8 or w_dev.size % rb:
+        raise ValueError(f"weight: expected uint8 rows of {rb} bytes for {as_qtype(qtype).name} x {n_cols}, "
+                         f"got {w_dev.dtype} {w_dev.shape}")
+    return w_dev.reshape(w_dev.size).view(np.uint16), w_dev.size // rb
+
+
+def dequantize_device(w_dev, qtype, shape, out=None, dtype=np.float32, stream=0, tile_blocks=None):
+    """Dequantize raw GGUF bytes on the device into `out` (a new device array of `shape` if
+    None; float32 or float16)."""
+    qtype = as_qtype(qtype)
+    spec = DEVICE_SPECS[qtype]
+    shape = tuple(int(s) for s in shape)
+    n_cols = shape[-1]
+    if n_cols % spec.qk:
+        raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk} on the device")
+    w, n_rows = weight_u16(w_dev, qtype, n_cols)
+    if n_rows * n_cols != int(np.prod(shape)):
+        raise ValueError(f"dequantize_device: {n_rows} rows of {n_cols} do not make {shape}")
+    if out is None:
+        out = cuda.device_array(shape, dtype=dtype, stream=stream)
+    out = _as_device(out)
+    if out.size != n_rows * n_cols or out.dtype not in (np.float32, np.float16):
+        raise ValueError(f"dequantize_device: out must be float32/float16 with {n_rows * n_cols} elements")
+    tb = tile_blocks or spec.tile_blocks
+    if tb % tile_step(qtype):
+        raise ValueError(f"tile_blocks must be a multiple of {tile_step(qtype)} for {qtype.name}")
+    vw = load_width(row_bytes(qtype, n_cols))
+    key = (qtype, vw, tb)
+    if key not in _DEQ_CACHE:
+        _DEQ_CACHE[key] = _dequant_kernel(qtype, vw, tb)
+    blocks_row = n_cols // spec.qk
+    tiles_row = -(-blocks_row // tb)
+    n_warps = n_rows * tiles_row
+    grid = -(-n_warps // DEQ_WARPS)
+    _DEQ_CACHE[key][grid, 32 * DEQ_WARPS, stream](
+        w, out.reshape(out.size), n_rows, row_bytes(qtype, n_cols) // 2, blocks_row, tiles_row)
+    return out

@@ -1,0 +1,122 @@
+"""Device load and bit-cast primitives, with plain-Python fallbacks for the CUDA simulator.
+
+numba has no vector loads: a numba kernel only reaches the H200's memory ceiling when each
+thread loads 16 bytes at a time (see shared/gpu/NOTES.md), so the GPU versions emit
+`ld.global.nc.v4.u32` through llvmlite inline asm. The simulator runs kernels as Python and
+has neither inline asm nor libdevice, so there the same names are small Python functions.
+
+All loads take a 1-D array and an element index; the address must be aligned to the load
+size (16 bytes for the x4 loads). `.nc` (read-only cache) is valid because kernels never
+write the arrays they read this way.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+SIM = bool(cuda.config.ENABLE_CUDASIM)
+
+__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
+
+if SIM:
+    @cuda.jit(device=True)
+    def ldg_u16_u32x4(a, i):
+        """Four little-endian uint32 words from a[i : i + 8] (uint16 array)."""
+        return (np.uint32(a[i] | (np.uint32(a[i + 1]) << 16)),
+                np.uint32(a[i + 2] | (np.uint32(a[i + 3]) << 16)),
+                np.uint32(a[i + 4] | (np.uint32(a[i + 5]) << 16)),
+                np.uint32(a[i + 6] | (np.uint32(a[i + 7]) << 16)))
+
+    @cuda.jit(device=True)
+    def ldg_u16_u32(a, i):
+        """One uint32 word from a[i : i + 2] (uint16 array)."""
+        return np.uint32(a[i] | (np.uint32(a[i + 1]) << 16))
+
+    @cuda.jit(device=True)
+    def ldg_f32x4(a, i):
+        return (np.float32(a[i]), np.float32(a[i + 1]), np.float32(a[i + 2]), np.float32(a[i + 3]))
+
+    @cuda.jit(device=True)
+    def f16_bits_to_f32(h):
+        return np.float32(np.uint16(h).view(np.float16))
+
+    @cuda.jit(device=True)
+    def u32_bits_to_f32(u):
+        return np.uint32(u).view(np.float32)
+
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    def _address(context, builder, arrty, arr, idx):
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        return builder.ptrtoint(builder.gep(data, [idx]), ir.IntType(64))
+
+    def _resize(builder, v, width):
+        if v.type.width > width:
+            return builder.trunc(v, ir.IntType(width))
+        if v.type.width < width:
+            return builder.zext(v, ir.IntType(width))
+        return v
+
+    def _vector_load(context, builder, sig, args, ptx, reg, lltype, n):
+        arrty, _ = sig.args
+        addr = _address(context, builder, arrty, args[0], args[1])
+        outs = ",".join(["=" + reg] * n)
+        asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([lltype] * n) if n > 1 else lltype,
+                                           [ir.IntType(64)]), ptx, outs + ",l")
+        val = builder.call(asm, [addr])
+        if n == 1:
+            return val
+        out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+        for k in range(n):
+            out = builder.insert_value(out, builder.extract_value(val, k), k)
+        return out
+
+    @intrinsic
+    def ldg_u16_u32x4(typingctx, a, i):
+        """Four little-endian uint32 words from a[i : i + 8] (uint16 array, 16-byte aligned)."""
+        sig = types.UniTuple(types.uint32, 4)(a, types.intp)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args,
+                                "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "r", ir.IntType(32), 4)
+        return sig, codegen
+
+    @intrinsic
+    def ldg_u16_u32(typingctx, a, i):
+        """One uint32 word from a[i : i + 2] (uint16 array, 4-byte aligned)."""
+        sig = types.uint32(a, types.intp)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args, "ld.global.nc.u32 $0, [$1];", "r", ir.IntType(32), 1)
+        return sig, codegen
+
+    @intrinsic
+    def ldg_f32x4(typingctx, a, i):
+        """a[i : i + 4] of a float32 array in one 16-byte load (16-byte aligned)."""
+        sig = types.UniTuple(types.float32, 4)(a, types.intp)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args,
+                                "ld.global.nc.v4.f32 {$0,$1,$2,$3}, [$4];", "f", ir.FloatType(), 4)
+        return sig, codegen
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, h):
+        """The IEEE half whose bits are the low 16 bits of h, as float32 (one cvt.f32.f16)."""
+        sig = types.float32(h)
+
+        def codegen(context, builder, sig, args):
+            bits = _resize(builder, args[0], 16)
+            return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+        return sig, codegen
+
+    @intrinsic
+    def u32_bits_to_f32(typingctx, u):
+        sig = types.float32(u)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(_resize(builder, args[0], 32), ir.FloatType())
+        return sig, codegen
