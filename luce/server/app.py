@@ -1,0 +1,250 @@
+"""The Starlette application: routes, API keys, the engine's lifetime, and the plumbing
+every API shares (JSON bodies, submitting to the queue, streaming with cancellation)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine.engine import Engine, Job, QueueFull
+from ..engine.request import Done, Error, Request
+from .errors import APIError, error_response
+from .metrics import Metrics
+
+log = logging.getLogger("luce.server")
+
+
+class ServerState:
+    def __init__(self, model, *, model_name: str | None = None, api_key: str | None = None,
+                 max_queue: int = 64, request_timeout: float | None = 600.0, draft: str | None = None,
+                 stepper_factory=None, accept_any_model: bool = False, settings: dict | None = None):
+        self.model = model
+        self.model_name = model_name or model.path.stem
+        self.aliases = {self.model_name, model.path.name, model.path.stem}
+        self.api_key = api_key
+        self.accept_any_model = accept_any_model
+        self.request_timeout = request_timeout
+        self.draft = draft
+        self.settings = dict(settings or {})
+        self.metrics = Metrics()
+        self.engine = Engine(model, max_queue=max_queue, request_timeout=request_timeout,
+                             stepper_factory=stepper_factory, metrics=self.metrics)
+        cf = model.family.chat_format
+        template = getattr(model.chat_template, "source", "") or ""
+        # a template that knows the reasoning markers renders for a model that emits them
+        self.supports_reasoning = bool(cf.reasoning or cf.reasoning_markers[0] in template)
+        self.started = time.time()
+
+    def check_model(self, name):
+        if name is None:
+            raise APIError(400, "'model' is required", param="model")
+        if not isinstance(name, str):
+            raise APIError(400, "'model' must be a string", param="model")
+        if name not in self.aliases and not self.accept_any_model:
+            raise APIError(404, f"model {name!r} is not served here (this server serves {self.model_name!r}; "
+                                "see GET /v1/models)", param="model", code="model_not_found")
+
+
+def state_of(request: HTTPRequest) -> ServerState:
+    return request.app.state.luce
+
+
+async def read_json(request: HTTPRequest) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_key(state: ServerState, request: HTTPRequest, api: str):
+    if not state.api_key:
+        return
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    if given is None:
+        raise APIError(401, "missing API key (send 'Authorization: Bearer KEY'"
+                            + (" or 'x-api-key: KEY')" if api == "anthropic" else ")"), code="invalid_api_key")
+    if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+def submit(state: ServerState, req: Request) -> Job:
+    try:
+        job = state.engine.submit(req)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="queue_full") from None
+    return job
+
+
+async def _watch_disconnect(request: HTTPRequest, job: Job):
+    # after the body is read, the next ASGI message is the client going away
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+async def collect(request: HTTPRequest, job: Job) -> list:
+    """All of a job's events, cancelling it if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    events = []
+    try:
+        async for ev in job.events():
+            events.append(ev)
+    finally:
+        watcher.cancel()
+        job.cancel()  # no-op when finished; stops the generation if this task was cancelled
+    return events
+
+
+def raise_error_event(events: list):
+    for ev in events:
+        if isinstance(ev, Error):
+            raise APIError(ev.status, ev.message, code=ev.kind)
+
+
+def stream_response(job: Job, frames: AsyncIterator[str]) -> StreamingResponse:
+    async def body():
+        try:
+            async for frame in frames:
+                yield frame
+        finally:
+            # the client went away (or the stream ended): stop the generation at its next token
+            job.cancel()
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+def endpoint(api: str, handler: Callable, auth: bool = True):
+    """Wrap a handler: API key, the API's error format, request metrics."""
+    async def route(request: HTTPRequest) -> Response:
+        state = state_of(request)
+        status = 200
+        try:
+            if auth:
+                check_key(state, request, api)
+            resp = await handler(request, state)
+            status = resp.status_code
+            return resp
+        except APIError as e:
+            status = e.status
+            if e.status >= 500:
+                log.error("%s %s: %s", request.method, request.url.path, e.message)
+            return error_response(api, e)
+        except Exception as e:
+            status = 500
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(api, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            state.metrics.request(api, request.url.path, status)
+    return route
+
+
+# -- small endpoints -----------------------------------------------------------------------
+async def health(request, state):
+    return JSONResponse({"status": "ok", "model": state.model_name, "queue_depth": state.engine.queue_depth,
+                         "busy": state.engine.busy})
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "luce",
+            "context_length": state.model.n_ctx,
+            # Anthropic's /v1/models shape, for clients that list models that way
+            "type": "model", "display_name": state.model_name}
+
+
+async def models(request, state):
+    return JSONResponse({"object": "list", "data": [_model_card(state)], "has_more": False,
+                         "first_id": state.model_name, "last_id": state.model_name})
+
+
+async def model_info(request, state):
+    name = request.path_params["name"]
+    state.check_model(name)
+    return JSONResponse(_model_card(state))
+
+
+async def props(request, state):
+    m = state.model
+    fam = m.family
+    opt = fam.optimizations
+    opts = opt.as_dict() if hasattr(opt, "as_dict") else dict(opt)
+    cf = fam.chat_format
+    defaults = m.sampling_params()
+    return JSONResponse({
+        "model": state.model_name,
+        "model_path": str(m.path),
+        "family": fam.name,
+        "architecture": m.config.arch,
+        "backend": m.backend.name,
+        "n_ctx": m.n_ctx,
+        "n_ctx_train": m.config.n_ctx_train,
+        "draft": state.draft,
+        "optimizations": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
+        "chat_format": {"tool_call_format": cf.tool_call_format, "reasoning": state.supports_reasoning},
+        "chat_template": getattr(m.chat_template, "source", None),
+        "default_sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in defaults.__dict__.items()},
+        "runtime": {"max_queue": state.engine.max_queue, "request_timeout_s": state.request_timeout,
+                    "api_key_required": bool(state.api_key), "accept_any_model": state.accept_any_model,
+                    "load_s": round(getattr(m, "load_s", 0.0), 3), **state.settings},
+        "queue_depth": state.engine.queue_depth,
+    })
+
+
+async def metrics(request, state):
+    body, ctype = state.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+def create_app(model, **kw) -> Starlette:
+    """The ASGI app serving `model` (a loaded luce Model). Keywords: see ServerState."""
+    from . import anthropic, openai, responses
+
+    state = ServerState(model, **kw)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.close()
+
+    routes = [
+        Route("/health", endpoint("openai", health, auth=False), methods=["GET"]),
+        Route("/v1/health", endpoint("openai", health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint("openai", metrics, auth=False), methods=["GET"]),
+        Route("/props", endpoint("openai", props), methods=["GET"]),
+        Route("/v1/models", endpoint("openai", models), methods=["GET"]),
+        Route("/v1/models/{name:path}", endpoint("openai", model_info), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint("openai", openai.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint("openai", openai.completions), methods=["POST"]),
+        Route("/v1/messages", endpoint("anthropic", anthropic.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", endpoint("anthropic", anthropic.count_tokens), methods=["POST"]),
+        Route("/v1/responses", endpoint("openai", responses.create), methods=["POST"]),
+    ]
+    # the same routes without /v1, for clients configured with a bare base URL
+    routes += [Route(r.path[3:], r.endpoint, methods=r.methods) for r in list(routes) if r.path.startswith("/v1/")
+               and r.path not in ("/v1/health",)]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.luce = state
+    return app
+
+
+__all__ = ["create_app", "ServerState", "Done", "Error"]

@@ -1,0 +1,181 @@
+"""Request parsing shared by the three APIs: typed field access that fails with a 400
+naming the field, sampling parameters, and the one place a conversation becomes an
+internal `Request` (template, tokens, context check, reasoning settings)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..engine.request import EFFORT_BUDGETS, Request
+from .errors import APIError
+
+_KINDS = {
+    "str": ((str,), "a string"),
+    "int": ((int,), "an integer"),
+    "number": ((int, float), "a number"),
+    "bool": ((bool,), "a boolean"),
+    "list": ((list,), "an array"),
+    "dict": ((dict,), "an object"),
+}
+
+
+def get(body: dict, name: str, kind: str | tuple[str, ...], default: Any = None, *, required: bool = False,
+        where: str = "") -> Any:
+    """`body[name]` checked against `kind` ("str", "int", "number", "bool", "list", "dict",
+    or a tuple of them); None and absent give `default`."""
+    label = f"{where}{name}"
+    if name not in body or body[name] is None:
+        if required:
+            raise APIError(400, f"'{label}' is required", param=label)
+        return default
+    v = body[name]
+    kinds = (kind,) if isinstance(kind, str) else kind
+    for k in kinds:
+        types, _ = _KINDS[k]
+        if isinstance(v, bool) and k != "bool":
+            continue
+        if isinstance(v, types):
+            return v
+        if k == "int" and isinstance(v, float) and v.is_integer():
+            return int(v)
+    want = " or ".join(_KINDS[k][1] for k in kinds)
+    raise APIError(400, f"'{label}' must be {want}, got {_json_type(v)}", param=label)
+
+
+def _json_type(v) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def unsupported(body: dict, checks: dict[str, Any]):
+    """400 for parameters set to a value the server cannot honour. `checks` maps a name
+    to a predicate that is true when the value is acceptable."""
+    bad = [name for name, ok in checks.items() if body.get(name) is not None and not ok(body[name])]
+    if bad:
+        raise APIError(400, f"unsupported parameter(s): {', '.join(bad)} (luce cannot honour "
+                            f"{'it' if len(bad) == 1 else 'them'}; leave {'it' if len(bad) == 1 else 'them'} out)",
+                       param=bad[0], code="unsupported_parameter")
+
+
+def stop_list(body: dict, name: str) -> tuple[str, ...]:
+    v = get(body, name, ("str", "list"))
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if not all(isinstance(s, str) for s in v):
+        raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
+    return tuple(s for s in v if s)
+
+
+def sampling(body: dict, max_tokens_names: tuple[str, ...], stop_name: str = "stop") -> dict:
+    """SamplingParams keywords from the fields every API shares (OpenAI names, plus the
+    llama.cpp extensions top_k, min_p, repeat_penalty)."""
+    out: dict[str, Any] = {}
+    for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
+                       ("presence_penalty", "number"), ("frequency_penalty", "number"),
+                       ("repeat_penalty", "number"), ("seed", "int")):
+        v = get(body, name, kind)
+        if v is not None:
+            out[name] = v
+    for name, lo, hi in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1), ("top_k", 0, None),
+                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+        v = out.get(name)
+        if v is not None and (v < lo or (hi is not None and v > hi)):
+            rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise APIError(400, f"'{name}' must be {rng}, got {v}", param=name)
+    if out.get("top_p") == 0:
+        raise APIError(400, "'top_p' must be greater than 0", param="top_p")
+    if "repeat_penalty" in out and out["repeat_penalty"] <= 0:
+        raise APIError(400, "'repeat_penalty' must be > 0", param="repeat_penalty")
+    given = [n for n in max_tokens_names if body.get(n) is not None]
+    for n in given:
+        v = get(body, n, "int")
+        if v < 1:
+            raise APIError(400, f"'{n}' must be at least 1, got {v}", param=n)
+        # when a client sends several spellings, the tightest limit wins
+        out["max_tokens"] = min(v, out.get("max_tokens", v))
+    stops = stop_list(body, stop_name)
+    if stops:
+        out["stop"] = stops
+    return out
+
+
+def check_context(state, n_prompt: int, max_tokens: int | None):
+    n_ctx = state.model.n_ctx
+    if n_prompt >= n_ctx:
+        raise APIError(413, f"the prompt is {n_prompt} tokens, over the context of {n_ctx} tokens",
+                       code="context_length_exceeded")
+    if max_tokens is not None and n_prompt + max_tokens > n_ctx:
+        raise APIError(413, f"the prompt ({n_prompt} tokens) plus max tokens ({max_tokens}) is over the "
+                            f"context of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
+
+
+def check_tools(tools) -> list[dict] | None:
+    """Tools in the OpenAI chat form, validated."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be an array", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise APIError(400, f"'tools[{i}]' must be an object", param=f"tools[{i}]")
+        if t.get("type", "function") != "function":
+            raise APIError(400, f"'tools[{i}]': tool type {t.get('type')!r} is not supported (only 'function')",
+                           param=f"tools[{i}].type")
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"'tools[{i}].function.name' is required", param=f"tools[{i}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"'tools[{i}].function.parameters' must be an object",
+                           param=f"tools[{i}].function.parameters")
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out or None
+
+
+def arguments_text(value, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if value is None:
+        return "{}"
+    raise APIError(400, f"'{where}' must be a JSON string or an object", param=where)
+
+
+def effort_budget(effort: str | None, where: str) -> tuple[int | None, bool | None]:
+    """(reasoning budget, enable_thinking) for an effort level."""
+    if effort is None:
+        return None, None
+    if effort not in EFFORT_BUDGETS:
+        raise APIError(400, f"'{where}' must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}", param=where)
+    budget = EFFORT_BUDGETS[effort]
+    return budget, budget != 0
+
+
+def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] | None, samp: dict, *,
+                       stream: bool, reasoning_budget: int | None = None, enable_thinking: bool | None = None,
+                       template_kwargs: dict | None = None) -> Request:
+    """Render the conversation with the model's chat template, tokenize, check the context."""
+    from ..text.chat_template import TemplateError
+
+    model = state.model
+    extra = dict(template_kwargs or {})
+    if enable_thinking is not None:
+        extra.setdefault("enable_thinking", enable_thinking)
+    try:
+        text = model.render_chat(messages, tools=tools, add_generation_prompt=True, **extra)
+    except TemplateError as e:
+        raise APIError(400, str(e)) from None
+    ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
+    check_context(state, len(ids), samp.get("max_tokens"))
+    reasoning = state.supports_reasoning
+    open_tag = model.family.chat_format.reasoning_markers[0]
+    starts = reasoning and text.rstrip().endswith(open_tag)
+    if enable_thinking is False and reasoning_budget is None:
+        reasoning_budget = 0
+    return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning,
+                   starts_in_reasoning=starts, reasoning_budget=reasoning_budget if reasoning else None,
+                   stream=stream, api=api, model=state.model_name, timeout_s=state.request_timeout)
