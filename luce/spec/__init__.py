@@ -1,0 +1,48 @@
+"""Speculative decoding: drafters (a same-tokenizer draft model, prompt lookup), chain
+and DDTree tree verification, lossless greedy and sampled acceptance.
+
+    model = luce.load(target)
+    opts = SpecOptions(mode="ddtree", draft="auto")
+    drafter = make_drafter(model, opts)
+    for delta in luce.spec.stream(model, "def quicksort(", opts, drafter, temperature=0): ...
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from .ddtree import Tree, build_tree, chain_tree
+from .drafters import Draft, DraftModel, PromptLookup
+from .options import SPEC_MODES, SpecOptions, make_drafter, spec_options
+from .stepper import SpecCounters, SpeculativeStepper
+from .verify import Verdict, verify
+
+__all__ = ["Tree", "build_tree", "chain_tree", "Draft", "DraftModel", "PromptLookup", "SPEC_MODES",
+           "SpecOptions", "make_drafter", "spec_options", "SpecCounters", "SpeculativeStepper", "Verdict",
+           "verify", "make_stepper", "stream"]
+
+
+def make_stepper(session, params, opts: SpecOptions, drafter):
+    """A SpeculativeStepper for one generation on `session` with SamplingParams `params`
+    (None when opts is off)."""
+    from ..engine.sampling import Sampler
+    if not opts.enabled:
+        return None
+    return SpeculativeStepper(session, Sampler(params), drafter, method=opts.method,
+                              draft_max=opts.draft_max, budget=opts.ddtree_budget)
+
+
+def stream(model, prompt, opts: SpecOptions, drafter=None, session=None, **params) -> Iterator:
+    """Model.stream with speculative decoding. The last Delta's stats carry draft_s and
+    verify_s; its target_forwards already counts one per step."""
+    from ..engine.generator import generate
+    ids = model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    session = session or model.session
+    sp = model.sampling_params(**params)
+    if opts.enabled and drafter is None:
+        drafter = make_drafter(model, opts)
+    stepper = make_stepper(session, sp, opts, drafter)
+    for d in generate(session, ids, sp, stepper=stepper):
+        if d.stats is not None and stepper is not None:
+            d.stats.draft_s = stepper.counters.draft_s
+            d.stats.verify_s = stepper.counters.verify_s
+        yield d

@@ -1,0 +1,140 @@
+"""Drafters: what proposes the tokens the target verifies.
+
+Every drafter answers `propose(context, n, params, rng, sample)` with a `Draft`: a chain
+of up to n tokens continuing `context` and, per position, its top-K candidates with
+log-probabilities (what DDTree builds its tree from). A drafter keeps whatever state it
+likes between calls; `context` is always the full committed history plus the target's
+next token, so a drafter can bring its state in line by itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine.sampling import SamplingParams, distribution
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    topk_ids: np.ndarray  # int64 [len(tokens), K]; rank 0 is tokens[i] unless sampled
+    topk_logp: np.ndarray  # float [len(tokens), K]; -inf pads
+    # The distribution each token was sampled from when the drafter sampled; None when
+    # the tokens are deterministic proposals (greedy draft, lookup). Verification needs
+    # it for the p/q acceptance rule.
+    q: list[np.ndarray] | None = None
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft([], np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1)))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def _topk(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.argpartition(-logp, k - 1)[:k] if k < len(logp) else np.arange(len(logp))
+    idx = idx[np.argsort(-logp[idx], kind="stable")]
+    return idx.astype(np.int64), logp[idx]
+
+
+class DraftModel:
+    """A small autoregressive model sharing the target's tokenizer, on its own KV cache.
+
+    Drafting n tokens costs n forwards: one that catches the cache up with the context
+    (the tokens the target accepted since the last call, usually one to three; the whole
+    prompt the first time) and n - 1 single-token decodes.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model, n_ctx: int | None = None, top_k: int = 8):
+        self.model = model
+        self.session = model.new_session(n_ctx)
+        self.top_k = top_k
+
+    @classmethod
+    def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8) -> "DraftModel":
+        from ..model import load
+        return cls(load(path, backend=backend, n_ctx=n_ctx), n_ctx=n_ctx, top_k=top_k)
+
+    def propose(self, context, n: int, params: SamplingParams | None = None, rng=None,
+                sample: bool = False) -> Draft:
+        if n <= 0:
+            return Draft.empty()
+        context = list(context)
+        room = self.session.n_ctx - len(context)
+        n = min(n, room + 1)
+        if n <= 0:
+            return Draft.empty()
+        # prefill reuses the longest common prefix: after an accepted path that left the
+        # draft's own chain, the rows past the divergence are dropped and recomputed
+        logits, _ = self.session.prefill(context)
+        k = min(self.top_k, len(logits))
+        toks, ids, lps, qs = [], [], [], []
+        for i in range(n):
+            logp = _log_softmax(logits)
+            top_i, top_l = _topk(logp, k)
+            if sample:
+                q = distribution(logits, context + toks, params)
+                t = int(rng.choice(len(q), p=q))
+                qs.append(q)
+            else:
+                t = int(top_i[0])
+            toks.append(t)
+            ids.append(top_i)
+            lps.append(top_l)
+            if i < n - 1:
+                logits = self.session.decode(t)
+        return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
+
+
+class PromptLookup:
+    """N-gram lookup in the context (prompt and output so far): no model.
+
+    The longest suffix n-gram (max_ngram down to min_ngram tokens) that occurred before
+    proposes what followed its most recent earlier occurrence. Per position, the
+    candidates are the tokens that followed all its occurrences (up to `max_matches`),
+    ranked by count, so DDTree can branch where earlier occurrences disagree.
+    """
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, top_k: int = 4, max_matches: int = 16):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.top_k, self.max_matches = top_k, max_matches
+
+    def propose(self, context, n: int, params=None, rng=None, sample: bool = False) -> Draft:
+        ctx = np.asarray(context, dtype=np.int64)
+        if n <= 0:
+            return Draft.empty()
+        for g in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            pattern = ctx[-g:]
+            # candidate starts j with a continuation: j + g < len(ctx)
+            win = np.lib.stride_tricks.sliding_window_view(ctx[:-1], g)
+            hits = np.flatnonzero((win == pattern).all(axis=1))[::-1][:self.max_matches]
+            if len(hits):
+                return self._draft(ctx, hits + g, n)
+        return Draft.empty()
+
+    def _draft(self, ctx: np.ndarray, starts: np.ndarray, n: int) -> Draft:
+        chain = ctx[starts[0]:starts[0] + n]
+        L, K = len(chain), self.top_k
+        ids = np.zeros((L, K), dtype=np.int64)
+        lps = np.full((L, K), -np.inf)
+        for i in range(L):
+            follow = [int(ctx[s + i]) for s in starts if s + i < len(ctx)]
+            vals, counts = np.unique(follow, return_counts=True)
+            freq = dict(zip(vals.tolist(), counts.tolist()))
+            top = int(chain[i])
+            # the chain's token ranks first (most recent match), the rest by count
+            others = sorted((t for t in freq if t != top), key=lambda t: -freq[t])[:K - 1]
+            total = len(follow)
+            for r, t in enumerate([top] + others):
+                ids[i, r] = t
+                lps[i, r] = np.log(freq[t] / total)
+        return Draft([int(t) for t in chain], ids, lps)

@@ -1,0 +1,124 @@
+"""The speculative-decoding options every command shares (--spec, --draft, --ddtree-budget,
+--draft-max), and turning them into a drafter and a stepper for a loaded target."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LuceError
+
+SPEC_MODES = ("off", "chain", "ddtree", "lookup")
+DEFAULT_BUDGET = 22
+DEFAULT_DRAFT_MAX = 8
+DEFAULT_TOP_K = 8
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """mode: off | chain | ddtree | lookup (lookup: prompt n-gram drafts, chain verification).
+    draft: a GGUF path, `repo:file`, or "auto" (the target family's declared draft).
+    chain and ddtree without a usable draft model fall back to prompt lookup."""
+    mode: str = "off"
+    draft: str | None = None
+    ddtree_budget: int = DEFAULT_BUDGET
+    draft_max: int = DEFAULT_DRAFT_MAX
+    top_k: int = DEFAULT_TOP_K
+
+    def __post_init__(self):
+        if self.mode not in SPEC_MODES:
+            raise LuceError(f"--spec must be one of {', '.join(SPEC_MODES)}, not {self.mode!r}")
+        if self.ddtree_budget < 1 or self.draft_max < 1 or self.top_k < 1:
+            raise LuceError("--ddtree-budget, --draft-max and the draft top-k must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def method(self) -> str:
+        return "ddtree" if self.mode == "ddtree" else "chain"
+
+    @classmethod
+    def from_cli(cls, spec: str | None, draft: str | None, ddtree_budget: int | None = None,
+                 draft_max: int | None = None) -> "SpecOptions":
+        # naming a draft is asking for speculation: DDTree unless said otherwise
+        mode = spec or ("ddtree" if draft else "off")
+        return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
+                   draft_max=draft_max or DEFAULT_DRAFT_MAX)
+
+
+def spec_options(f):
+    """click decorator: adds spec, draft, ddtree_budget, draft_max keyword arguments;
+    `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)` turns them into options."""
+    import click
+    opts = [
+        click.option("--spec", type=click.Choice(SPEC_MODES), default=None,
+                     help="speculative decoding: chain or ddtree verification of a draft model's guesses, "
+                          "or lookup (prompt n-grams, no model); default ddtree when --draft is given, else off"),
+        click.option("--draft", default=None, metavar="PATH|auto",
+                     help="draft model sharing the target's tokenizer; auto: the one the model family declares"),
+        click.option("--ddtree-budget", type=int, default=None,
+                     help=f"DDTree node budget per target forward [{DEFAULT_BUDGET}]"),
+        click.option("--draft-max", type=int, default=None,
+                     help=f"longest draft (tokens drafted per step, the tree's depth) [{DEFAULT_DRAFT_MAX}]"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+# Short draft names a family's DraftSpec may use, for models that travel in packages.
+def _known_drafts() -> dict:
+    from ..models import test_models
+    return {"qwen2.5-coder-0.5b": test_models.qwen_coder_05b_path}
+
+
+def resolve_draft_path(target, draft: str) -> Path | None:
+    """The draft model file for `draft` ("auto" or a model argument); None when auto
+    finds nothing usable for this target."""
+    from ..models.bundled import resolve_model
+    if draft != "auto":
+        return resolve_model(draft)
+    for d in target.family.drafts:
+        if d.kind != "model" or d.model is None:
+            continue
+        try:
+            if callable(d.model):
+                path = Path(d.model())
+            elif d.model in _known_drafts():
+                path = Path(_known_drafts()[d.model]())
+            else:
+                path = resolve_model(d.model)
+        except Exception as e:  # a declared draft that is not installed: fall through to lookup
+            print(f"luce: draft {d.model!r} unavailable ({str(e).splitlines()[0][:120]})", file=sys.stderr)
+            continue
+        if not path.is_file() or path.resolve() == Path(target.path).resolve():
+            continue
+        if _same_vocab(target, path):
+            return path
+    return None
+
+
+def _same_vocab(target, path: Path) -> bool:
+    from ..gguf_file import GGUFFile
+    f = GGUFFile(path)
+    toks = f.get("tokenizer.ggml.tokens")
+    mine = target.file.get("tokenizer.ggml.tokens")
+    return toks is not None and mine is not None and len(toks) == len(mine) and toks[:1000] == mine[:1000]
+
+
+def make_drafter(target, opts: SpecOptions, backend=None, n_ctx: int | None = None):
+    """The drafter `opts` asks for, for the loaded target model."""
+    from .drafters import DraftModel, PromptLookup
+    if opts.mode == "lookup" or not opts.draft:
+        return PromptLookup()
+    path = resolve_draft_path(target, opts.draft)
+    if path is None:
+        print("luce: no draft model for this target; drafting with prompt lookup", file=sys.stderr)
+        return PromptLookup()
+    if not _same_vocab(target, path):
+        raise LuceError(f"draft {path} does not share the target's tokenizer")
+    from ..model import load
+    draft = load(path, backend=backend or target.backend, n_ctx=n_ctx or target.n_ctx)
+    return DraftModel(draft, n_ctx=n_ctx or target.n_ctx, top_k=opts.top_k)

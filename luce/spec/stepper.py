@@ -1,0 +1,102 @@
+"""SpeculativeStepper: the generator's stepper interface, one target forward per step.
+
+A step takes the target's next token t0 (sampled from the logits it was handed, or the
+replacement token a rejection drew last step), asks the drafter for a continuation of
+history + [t0], and verifies t0 plus the draft (a chain, or a DDTree tree) in a single
+target forward: t0 at position n_past, each node at n_past + depth, each attending to
+the committed context and its own ancestors. It returns t0 and the accepted path; the
+target's logits after the last accepted node come from that same forward, so `advance`
+commits the path's K/V rows (compacted to their final positions) without computing
+anything. Tokens per step, i.e. per target forward, is the acceptance length.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine.generator import Session
+from ..engine.sampling import Sampler
+from .ddtree import Tree, build_tree, chain_tree, empty_tree
+from .verify import verify
+
+METHODS = ("chain", "ddtree")
+
+
+@dataclass
+class SpecCounters:
+    steps: int = 0  # target forwards
+    tokens: int = 0  # tokens committed by those forwards
+    drafted: int = 0  # nodes sent to the target
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+class SpeculativeStepper:
+    def __init__(self, session: Session, sampler: Sampler, drafter, method: str = "ddtree",
+                 draft_max: int = 8, budget: int = 22):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, not {method!r}")
+        self.session, self.sampler, self.drafter = session, sampler, drafter
+        self.method, self.draft_max, self.budget = method, draft_max, budget
+        self.counters = SpecCounters()
+        self._next: int | None = None
+        self._rows: list[int] = []
+        self._logits: np.ndarray | None = None
+
+    @property
+    def model(self):
+        return self.session.model
+
+    def step(self, last_logits: np.ndarray, history: list[int]) -> list[int]:
+        params = self.sampler.params
+        t0 = self._next if self._next is not None else self.sampler.sample(last_logits, history)
+        self._next = None
+        cache = self.session.cache
+        # every node needs a row, and an accepted path must still fit the context
+        room = self.session.n_ctx - cache.n_past - 1
+        t = time.perf_counter()
+        context = history + [t0]
+        depth = min(self.draft_max, room)
+        sample = self.method == "chain" and not params.greedy
+        draft = self.drafter.propose(context, depth, params, self.sampler.rng, sample=sample)
+        tree = self._tree(draft, room)
+        t1 = time.perf_counter()
+        tokens, positions, mask = tree.forward_inputs(t0, cache.n_past)
+        logits = self.model.forward(cache, tokens, positions, mask=mask)
+        verdict = verify(tree, logits, context, params, self.sampler.rng,
+                         q=draft.q if self.method == "chain" else None)
+        t2 = time.perf_counter()
+        c = self.counters
+        c.steps += 1
+        c.tokens += 1 + len(verdict.nodes)
+        c.drafted += len(tree)
+        c.draft_s += t1 - t
+        c.verify_s += t2 - t1
+        self._rows = [0] + [n + 1 for n in verdict.nodes]
+        self._logits = logits
+        self._next = verdict.next_token
+        return [t0] + verdict.tokens
+
+    def _tree(self, draft, room: int) -> Tree:
+        if not draft.tokens or room <= 0:
+            return empty_tree()
+        if self.method == "chain":
+            return chain_tree(draft.tokens[:room])
+        return build_tree(draft.topk_ids, draft.topk_logp, min(self.budget, room))
+
+    def advance(self, tokens: list[int]) -> np.ndarray:
+        n = len(tokens)
+        if n < len(self._rows):
+            # the caller stopped early: a pending replacement belongs after tokens it dropped
+            self._next = None
+        rows = self._rows[:n]
+        self.session.cache.commit(rows)
+        self.session.tokens.extend(tokens)
+        self.counters.tokens -= len(self._rows) - n
+        return self._logits[rows[-1]]

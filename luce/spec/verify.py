@@ -1,0 +1,106 @@
+"""Verification: follow the target down a draft tree (a chain is a tree with one child
+per node) and decide which nodes it keeps.
+
+Greedy: a child is accepted when it is the target's argmax at its parent, so the output
+is the target's greedy output whatever the draft proposed.
+
+Sampling, lossless in distribution:
+- Drafted tokens that were sampled from a known draft distribution q (a sampled chain)
+  go through standard speculative sampling: accept x with probability min(1, p(x)/q(x));
+  on rejection the next token is drawn from max(0, p - q), normalized.
+- Deterministic proposals (DDTree's branches, greedy drafts, lookup) are a point-mass q,
+  handled by recursive rejection over a node's children in rank order: child c is
+  accepted with probability r(c)/sum(r) where r starts as p and loses each rejected
+  child's mass; if every child is rejected the next token is drawn from r. The token
+  that comes out at each depth is distributed exactly as p, so whole paths are too.
+A rejection's replacement token has no K/V or logits yet: the verdict hands it back as
+`next_token` and the stepper emits it first in the next step, whose forward computes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine.sampling import SamplingParams, distribution
+from .ddtree import Tree
+
+
+@dataclass
+class Verdict:
+    nodes: list[int]  # accepted tree nodes, root to leaf
+    tokens: list[int]  # their tokens
+    next_token: int | None  # drawn from a rejection's residual; None: sample the last node's logits as usual
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.repeat_penalty == 1.0 and not params.presence_penalty \
+        and not params.frequency_penalty
+
+
+def _draw(rng, probs: np.ndarray) -> int:
+    return int(rng.choice(len(probs), p=probs))
+
+
+def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingParams, rng,
+           q: list[np.ndarray] | None = None) -> Verdict:
+    """Walk `tree` from the root. logits[0] are the target's logits after the root (the
+    last token of `history`), logits[i + 1] after node i. `q[d]`: the distribution the
+    depth-(d+1) chain token was sampled from (chains only)."""
+    nodes: list[int] = []
+    toks: list[int] = []
+    node = -1
+    fast = _plain_greedy(params)
+    while True:
+        children = tree.children(node)
+        if not children:
+            return Verdict(nodes, toks, None)
+        row = logits[node + 1]
+        hist = history + toks
+        if fast:
+            best = int(np.argmax(row))
+            nxt = next((c for c in children if tree.tokens[c] == best), None)
+            if nxt is None:
+                return Verdict(nodes, toks, None)
+        elif params.greedy:
+            p = distribution(row, hist, params)
+            best = int(np.argmax(p))
+            nxt = next((c for c in children if tree.tokens[c] == best), None)
+            if nxt is None:
+                return Verdict(nodes, toks, None)
+        else:
+            p = distribution(row, hist, params)
+            if q is not None:
+                nxt, replacement = _accept_sampled(children, tree, p, q[len(toks)], rng)
+            else:
+                nxt, replacement = _accept_points(children, tree, p, rng)
+            if nxt is None:
+                return Verdict(nodes, toks, replacement)
+        nodes.append(nxt)
+        toks.append(int(tree.tokens[nxt]))
+        node = nxt
+
+
+def _accept_sampled(children, tree: Tree, p: np.ndarray, q: np.ndarray, rng):
+    c = children[0]
+    x = int(tree.tokens[c])
+    if q[x] > 0 and rng.random() < min(1.0, p[x] / q[x]):
+        return c, None
+    r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    # s == 0 means p == q, where rejection has probability 0: only rounding gets here
+    return None, _draw(rng, r / s if s > 1e-12 else p)
+
+
+def _accept_points(children, tree: Tree, p: np.ndarray, rng):
+    r = p.copy()
+    for c in children:
+        x = int(tree.tokens[c])
+        s = r.sum()
+        if s <= 1e-12:
+            break
+        if r[x] > 0 and rng.random() < r[x] / s:
+            return c, None
+        r[x] = 0.0
+    s = r.sum()
+    return None, _draw(rng, r / s if s > 1e-12 else p)
