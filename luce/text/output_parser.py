@@ -111,6 +111,7 @@ TOOL_FORMATS = {
 _CALL_KEYS = ("name", "type", "function", "arguments", "parameters")
 
 _CONTENT, _REASONING, _TOOL, _FUNCTION, _JSON = range(5)
+_INVALID = "invalid"
 
 
 class ToolParseError(ValueError):
@@ -151,6 +152,7 @@ class OutputParser:
         self._after_json = False  # just after a bare-JSON call: ';' separates calls
         self._swallow_close = False  # after a bare <function=...>: a stray </tool_call> may follow
         self._scan = 0            # where the search for a closing tag resumes
+        self._xscan = 0           # how far a structural scan has looked for a new ">"
         self._jpos = self._jdepth = 0
         self._jstr = self._jesc = False
         self._n_calls = 0
@@ -235,7 +237,7 @@ class OutputParser:
             self._ws = ""  # whitespace before markup is not content
             self._buf = buf[p + len(tag):]
             self._mode = _TOOL if tag == TOOL_OPEN else _FUNCTION
-            self._scan = 0
+            self._scan = self._xscan = 0
             return True
         if final:
             self._text(buf, ev)
@@ -281,13 +283,30 @@ class OutputParser:
 
     def _tool(self, final: bool, ev: list[Event]) -> bool:
         buf = self._buf
+        head = buf.lstrip()
+        if not final and len(head) < len(FUNCTION_OPEN) and FUNCTION_OPEN.startswith(head):
+            return False  # JSON or XML is not decided yet
+        if head.startswith(FUNCTION_OPEN):
+            # Parameter values are free text (a file being written may contain
+            # "</tool_call>"), so the block's end is found by walking its structure.
+            end = self._xml_end(buf, len(buf) - len(head), final)
+            if end is None and not final:
+                return False
+            # at the end of the output an unfinished structure (a dropped </parameter>)
+            # is cut at the first closing tag instead, like malformed text
+            if end is not None and end != _INVALID:
+                inner_end, after = end
+                self._block(buf[:inner_end], TOOL_OPEN + buf[:after], ev)
+                self._buf = buf[after:]
+                self._mode, self._start = _CONTENT, True
+                return True
         close = buf.find(TOOL_CLOSE, self._scan)
         # a model that forgets a closing tag and opens the next call
         reopen = buf.find(TOOL_OPEN, self._scan)
         if reopen >= 0 and (close < 0 or reopen < close):
             self._block(buf[:reopen], TOOL_OPEN + buf[:reopen], ev)
             self._buf = buf[reopen + len(TOOL_OPEN):]
-            self._scan = 0
+            self._scan = self._xscan = 0
             return True
         if close >= 0:
             self._block(buf[:close], TOOL_OPEN + buf[:close + len(TOOL_CLOSE)], ev)
@@ -303,21 +322,73 @@ class OutputParser:
         return False
 
     def _function(self, final: bool, ev: list[Event]) -> bool:
-        buf = self._buf
-        close = buf.find(FUNCTION_CLOSE, self._scan)
-        if close >= 0:
-            raw = FUNCTION_OPEN + buf[:close + len(FUNCTION_CLOSE)]
-            self._block(raw, raw, ev)
-            self._buf = buf[close + len(FUNCTION_CLOSE):]
-            self._mode, self._start, self._swallow_close = _CONTENT, True, True
-            return True
-        if final:
-            self._block(FUNCTION_OPEN + buf, FUNCTION_OPEN + buf, ev)
-            self._buf = ""
-            self._mode, self._start = _CONTENT, True
+        buf = FUNCTION_OPEN + self._buf  # the marker was consumed in content mode
+        end = self._xml_end(buf, 0, final, wrapped=False)
+        if end is None and not final:
             return False
-        self._scan = max(0, len(buf) - len(FUNCTION_CLOSE) + 1)
-        return False
+        if end is None or end == _INVALID:
+            close = buf.find(FUNCTION_CLOSE)
+            if close < 0 and not final:
+                return False
+            after = close + len(FUNCTION_CLOSE) if close >= 0 else len(buf)
+            end = (after, after)
+        self._block(buf[:end[0]], buf[:end[1]], ev)
+        self._buf = buf[end[1]:]
+        self._mode, self._start, self._swallow_close = _CONTENT, True, True
+        return True
+
+    def _xml_end(self, buf: str, pos: int, final: bool, wrapped: bool = True):
+        """Where the ``<function=...>`` elements starting at `pos` end: (end of the inner
+        text, end of the block including its closing tag), None when more text is
+        needed, or _INVALID when the text is not of that shape."""
+        if not final:
+            # every tag that can end a step ends in ">": no new ">", no new answer
+            if ">" not in buf[self._xscan:]:
+                return None
+            self._xscan = len(buf)
+        n = len(buf)
+
+        def ws(i):
+            while i < n and buf[i].isspace():
+                i += 1
+            return i
+
+        def pending(i, *tags):
+            # the text from i on could still grow into one of the tags
+            rest = buf[i:]
+            return len(rest) < max(map(len, tags)) and any(t.startswith(rest) for t in tags)
+
+        n_functions = 0
+        while True:
+            pos = ws(pos)
+            if n_functions:
+                if not wrapped:
+                    return pos_after_function, pos_after_function
+                if buf.startswith(TOOL_CLOSE, pos):
+                    return pos, pos + len(TOOL_CLOSE)
+                if pending(pos, TOOL_CLOSE, FUNCTION_OPEN):
+                    return None
+            if not buf.startswith(FUNCTION_OPEN, pos):
+                return None if pending(pos, FUNCTION_OPEN) else _INVALID
+            gt = buf.find(">", pos)
+            if gt < 0:
+                return None
+            pos = gt + 1
+            while True:
+                pos = ws(pos)
+                if buf.startswith(PARAM_OPEN, pos):
+                    span = _value_span(buf, pos + len(PARAM_OPEN), final=False)
+                    if span is None:
+                        return None
+                    pos = span[1]
+                elif buf.startswith(FUNCTION_CLOSE, pos):
+                    pos = pos_after_function = pos + len(FUNCTION_CLOSE)
+                    n_functions += 1
+                    break
+                elif pending(pos, PARAM_OPEN, FUNCTION_CLOSE):
+                    return None
+                else:
+                    return _INVALID
 
     def _enter_json(self):
         self._mode = _JSON
@@ -551,43 +622,50 @@ def _parse_functions(s: str) -> list[tuple[str, dict]]:
         name = s[pos + len(FUNCTION_OPEN):gt].strip()
         if not name or any(c in name for c in "<\n\"'"):
             raise ToolParseError(f"bad function name {name!r}")
-        end = s.find(FUNCTION_CLOSE, gt)
-        body = s[gt + 1:end if end >= 0 else n]
-        calls.append((name, _parse_parameters(body, name)))
-        pos = end + len(FUNCTION_CLOSE) if end >= 0 else n
+        args, pos = {}, gt + 1
+        while True:
+            while pos < n and s[pos].isspace():
+                pos += 1
+            if pos >= n:
+                break  # </function> dropped at the end of the output
+            if s.startswith(FUNCTION_CLOSE, pos):
+                pos += len(FUNCTION_CLOSE)
+                break
+            if not s.startswith(PARAM_OPEN, pos):
+                raise ToolParseError(f"unexpected text in {name!r}: {s[pos:pos + 40]!r}")
+            gt = s.find(">", pos)
+            if gt < 0:
+                raise ToolParseError(f"unterminated <parameter=...> tag in {name!r}")
+            pname = s[pos + len(PARAM_OPEN):gt].strip()
+            if not pname:
+                raise ToolParseError(f"parameter without a name in {name!r}")
+            value_end, pos = _value_span(s, gt + 1, final=True)
+            value = s[gt + 1:value_end]
+            # the template writes "<parameter=p>\nvalue\n</parameter>": one newline each side is format
+            if value.startswith("\n"):
+                value = value[1:]
+            if value.endswith("\n"):
+                value = value[:-1]
+            args[pname] = value
+        calls.append((name, args))
 
 
-def _parse_parameters(body: str, fname: str) -> dict:
-    args, pos, n = {}, 0, len(body)
-    while True:
-        while pos < n and body[pos].isspace():
-            pos += 1
-        if pos >= n:
-            return args
-        if not body.startswith(PARAM_OPEN, pos):
-            raise ToolParseError(f"unexpected text in {fname!r}: {body[pos:pos + 40]!r}")
-        gt = body.find(">", pos)
-        if gt < 0:
-            raise ToolParseError(f"unterminated <parameter=...> tag in {fname!r}")
-        pname = body[pos + len(PARAM_OPEN):gt].strip()
-        if not pname:
-            raise ToolParseError(f"parameter without a name in {fname!r}")
-        close = body.find(PARAM_CLOSE, gt)
-        if close < 0:
-            # the model dropped </parameter>: the value runs to the next parameter
-            nxt = body.find(PARAM_OPEN, gt)
-            close = nxt if nxt >= 0 else n
-            after = close
-        else:
-            after = close + len(PARAM_CLOSE)
-        value = body[gt + 1:close]
-        # the template writes "<parameter=p>\nvalue\n</parameter>": one newline each side is format
-        if value.startswith("\n"):
-            value = value[1:]
-        if value.endswith("\n"):
-            value = value[:-1]
-        args[pname] = value
-        pos = after
+def _value_span(s: str, start: int, final: bool):
+    """(end of a parameter's value, where parsing resumes). Values are free text, so
+    only </parameter> ends one; a <parameter= before it means the model dropped the
+    close. With neither in sight the answer waits for more text, or, at the end of the
+    output, the value runs to </function> or the end."""
+    close = s.find(PARAM_CLOSE, start)
+    nxt = s.find(PARAM_OPEN, start)
+    if close >= 0 and (nxt < 0 or close < nxt):
+        return close, close + len(PARAM_CLOSE)
+    if nxt >= 0:
+        return nxt, nxt
+    if not final:
+        return None
+    fn = s.find(FUNCTION_CLOSE, start)
+    end = fn if fn >= 0 else len(s)
+    return end, end
 
 
 # -- schema coercion --------------------------------------------------------------
