@@ -140,5 +140,69 @@ def families(as_json):
     click.echo(families_report(as_json=as_json))
 
 
+def _serve_options(f):
+    from .spec.options import spec_options
+    return spec_options(f)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (loopback by default)")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-ctx", "n_ctx", type=int, default=None, help="context size in tokens")
+@click.option("--api-key", envvar="LUCE_API_KEY", default=None,
+              help="require this key (Authorization: Bearer KEY or x-api-key: KEY); env LUCE_API_KEY")
+@click.option("--model-name", default=None, help="the model id clients use [default: the file name]")
+@click.option("--accept-any-model", is_flag=True,
+              help="answer any model name with this model (for clients with fixed model names)")
+@click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template to use instead of the model's own")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="requests that may wait for the engine; more are answered 429")
+@click.option("--timeout", "request_timeout", type=float, default=600.0, show_default=True,
+              help="seconds a request may take, queue wait included (0: no limit)")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@backend_option
+@_serve_options
+def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
+          request_timeout, log_level, backend, spec, draft, ddtree_budget, draft_max):
+    """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
+    import logging
+
+    import uvicorn
+
+    from .model import load
+    from .server.app import create_app
+    from .spec import SpecOptions, make_drafter, make_stepper
+
+    if max_queue < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--max-queue")
+    template = None
+    if chat_template_file:
+        with open(chat_template_file, encoding="utf-8") as fh:
+            template = fh.read()
+    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)
+    # the model loads before the port opens: a client never meets a half-started server
+    m = load(model, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty(), chat_template=template)
+    stepper_factory, draft_label = None, None
+    if opts.enabled:
+        drafter = make_drafter(m, opts)
+        stepper_factory = lambda session, params: make_stepper(session, params, opts, drafter)  # noqa: E731
+        draft_label = {"mode": opts.mode, "draft": opts.draft, "drafter": type(drafter).__name__,
+                       "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max}
+    app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
+                     request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
+                     accept_any_model=accept_any_model,
+                     settings={"host": host, "port": port, "chat_template_file": chat_template_file})
+    name = app.state.luce.model_name
+    click.echo(f"luce: {name} loaded in {m.load_s:.1f} s [{m.backend.name}, ctx {m.n_ctx}]; serving on "
+               f"http://{host}:{port}/v1 (OpenAI, Anthropic /v1/messages, Responses /v1/responses)", err=True)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        click.echo("luce: warning: listening beyond loopback without --api-key", err=True)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
 if __name__ == "__main__":
     main()
