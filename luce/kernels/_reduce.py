@@ -34,6 +34,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def stride_grid(n_items: int, threads: int, gpu_max_blocks: int = 4096) -> int:
+    """Grid size for a grid-stride kernel: enough blocks to cover n_items on a GPU
+    (capped), two on the simulator, where every thread is an OS thread to start."""
+    return max(1, min(ceil_div(n_items, threads), 2 if SIM else gpu_max_blocks))
+
+
 # ---------------------------------------------------------------- simulator path
 
 @cuda.jit(device=True)
@@ -177,5 +183,5 @@ if SIM:
 else:
     block_sum, block_max, block_argmax = _shfl_sum, _shfl_max, _shfl_argmax
 
-__all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div",
+__all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div", "stride_grid",
            "block_sum", "block_max", "block_argmax"]
