@@ -407,17 +407,20 @@ def register_commands(cli) -> None:
         if id(cli) in st.commands_done:
             return
         st.commands_done.add(id(cli))
+    # luce's own commands: those the group had before any plugin added one
+    core = getattr(cli, "_luce_core_commands", None)
+    if core is None:
+        core = cli._luce_core_commands = dict(cli.commands)
     for info, impl in _impls(st, "register_commands"):
-        before = dict(cli.commands)
         try:
             _call(impl, cli=cli)
         except Exception as e:
             _problem(st, info, "register_commands", _short(e))
-        for name, cmd in before.items():
+        for name, cmd in core.items():
             if cli.commands.get(name) is not cmd:
                 cli.commands[name] = cmd
                 if not info.builtin:
-                    _problem(st, info, "register_commands", f"may not replace the command {name!r}")
+                    _problem(st, info, "register_commands", f"may not replace luce's command {name!r}")
 
 
 # -- `luce families` -----------------------------------------------------------------
