@@ -36,6 +36,10 @@ class NumpyOps:
         return y
 
     @staticmethod
+    def gated_linear(x, w_gate, w_up):
+        return swiglu_ref(x @ w_gate.T, x @ w_up.T)
+
+    @staticmethod
     def split_heads(x, n_heads, head_dim):
         return x.reshape(x.shape[0], n_heads, head_dim)
 
