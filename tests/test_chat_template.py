@@ -342,3 +342,12 @@ DYNAMIC_ESCAPES = [
 def test_sandbox_blocks_at_run_time(src):
     with pytest.raises(TemplateError):
         ChatTemplate(src).render([{"role": "user", "content": "hi"}])
+
+
+def test_make_output_parser_reads_drifting_formats_and_open_think():
+    tools = TOOLS
+    p = make_output_parser(fixture(QWEN25_CODER), "<|im_start|>assistant\n", tools=tools)
+    events = p.feed('{"name": "get_weather", "arguments": {"city": "Oslo", "days": "1"}}') + p.finish()
+    assert [(e.name, e.arguments) for e in events] == [("get_weather", {"city": "Oslo", "days": 1})]
+    p = make_output_parser(fixture(DEEPSEEK_R1), "<｜Assistant｜><think>\n", tools=None)
+    assert coalesce(p.feed("hmm\n</think>\n\nYes.") + p.finish()) == [ReasoningDelta("hmm"), TextDelta("Yes.")]

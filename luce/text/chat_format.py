@@ -48,12 +48,16 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 
 def make_output_parser(template_source: str | None, prompt: str, tools: list[dict] | None = None,
                        **kwargs) -> OutputParser:
-    """An OutputParser set up for this template and this rendered prompt. With no tools
-    offered, tool-call markup is not parsed: a client that sent no tools cannot take
-    tool calls back, and the text is more use to it as content."""
+    """An OutputParser set up for this template and this rendered prompt.
+
+    With tools offered it reads every format ("auto"), not only the family's own: small
+    models drift (Qwen2.5 answers with bare JSON, Qwen3-Coder with Hermes JSON), and a
+    bare JSON object only counts when it names an offered tool. With no tools offered,
+    tool-call markup is not parsed: a client that sent no tools cannot take calls back,
+    and the text is more use to it as content."""
     fmt = detect_chat_format(template_source)
     kwargs.setdefault("reasoning", fmt.reasoning or prompt_opens_reasoning(prompt))
-    kwargs.setdefault("tool_format", fmt.tool_format if tools else None)
+    kwargs.setdefault("tool_format", "auto" if tools else None)
     kwargs.setdefault("starts_in_reasoning", prompt_opens_reasoning(prompt))
     return OutputParser(tools=tools, **kwargs)
 
