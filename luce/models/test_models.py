@@ -13,6 +13,9 @@ import importlib
 import os
 from pathlib import Path
 
+from luce.errors import LuceError
+from luce.models.bundled import cache_dir
+
 __all__ = [
     "ModelPackageMissing",
     "cache_dir",
@@ -34,14 +37,8 @@ _GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA_SIZE = 253_113_024
 
 
-class ModelPackageMissing(RuntimeError):
-    pass
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("LUCE_MODEL_CACHE", Path.home() / ".cache" / "luce" / "models"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+class ModelPackageMissing(LuceError):
+    """A test model's part packages are not installed."""
 
 
 def _import_or_explain(module: str, packages: tuple[str, ...]):
@@ -88,7 +85,7 @@ def qwen_coder_05b_path() -> Path:
                         h.update(block)
                         out.write(block)
         if tmp.stat().st_size != _QWEN_SIZE or not h.hexdigest().startswith(_QWEN_SHA256_PREFIX):
-            raise RuntimeError(
+            raise LuceError(
                 f"assembled Qwen2.5-Coder-0.5B GGUF is corrupt (size {tmp.stat().st_size}, "
                 f"sha256 {h.hexdigest()[:12]}); reinstall {' '.join(QWEN_CODER_05B_PACKAGES)}"
             )
@@ -144,7 +141,7 @@ def qwen_coder_15b_path() -> Path:
         with tmp.open("rb") as f:
             magic = f.read(4)
         if tmp.stat().st_size != _QWEN15_SIZE or magic != b"GGUF":
-            raise RuntimeError(
+            raise LuceError(
                 f"assembled Qwen2.5-Coder-1.5B GGUF is corrupt (size {tmp.stat().st_size}); "
                 f"reinstall {' '.join(QWEN_CODER_15B_PACKAGES)}"
             )

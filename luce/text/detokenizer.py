@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import codecs
 
-from luce.text.tokenizer import Tokenizer, clean_up_holdback, clean_up_spaces
+from luce.text.tokenizer import Tokenizer, clean_up_spaces_stream
 
 __all__ = ["StreamingDetokenizer"]
 
@@ -51,6 +51,5 @@ class StreamingDetokenizer:
         if not self._clean:
             self._pending = ""
             return pending
-        cut = len(pending) if final else len(pending) - clean_up_holdback(pending)
-        self._pending = pending[cut:]
-        return clean_up_spaces(pending[:cut])
+        out, self._pending = clean_up_spaces_stream(pending, final)
+        return out

@@ -131,20 +131,38 @@ _EOT_TEXTS = (
 # stream can apply it piecewise and get the same text.
 # --------------------------------------------------------------------------- #
 _CLEAN_RE = re.compile(r" ([.?!,])| ' | (n't|'m|'s|'ve|'re)")
-# Tails that may still turn into a match once more text arrives, longest first.
-_CLEAN_PARTIAL = (" n'", " 'v", " 'r", " n", " '", " ")
+# Every alternative starts with a space and is at most this long, so whether a
+# match starts at position p depends on text[p : p + _CLEAN_SPAN] alone.
+_CLEAN_SPAN = 4
+
+
+def _clean_repl(m: re.Match) -> str:
+    return m.group(1) or m.group(2) or "'"
 
 
 def clean_up_spaces(text: str) -> str:
-    return _CLEAN_RE.sub(lambda m: m.group(1) or m.group(2) or "'", text)
+    return _CLEAN_RE.sub(_clean_repl, text)
 
 
-def clean_up_holdback(text: str) -> int:
-    """How many trailing characters of `text` could still change under clean-up."""
-    for tail in _CLEAN_PARTIAL:
-        if text.endswith(tail):
-            return len(tail)
-    return 0
+def clean_up_spaces_stream(text: str, final: bool) -> tuple[str, str]:
+    """Clean up the part of `text` that later text cannot affect.
+
+    Returns (cleaned, rest): feeding `rest + next_text` back in, and finally
+    calling with final=True, yields exactly clean_up_spaces(whole text).
+    """
+    n = len(text)
+    # Positions from here on may start a match that needs characters not seen yet.
+    undecided = n if final else next((p for p in range(max(0, n - _CLEAN_SPAN + 1), n) if text[p] == " "), n)
+    out, pos = [], 0
+    for m in _CLEAN_RE.finditer(text):
+        if m.start() >= undecided:
+            break
+        out.append(text[pos : m.start()])
+        out.append(_clean_repl(m))
+        pos = m.end()
+    cut = max(pos, undecided)
+    out.append(text[pos:cut])
+    return "".join(out), text[cut:]
 
 
 # --------------------------------------------------------------------------- #
@@ -379,7 +397,8 @@ class Tokenizer:
         vocab = self._first_id
         if self.model == "gpt2":
             merges = []
-            for m in _as_list(meta.get("tokenizer.ggml.merges") or []):
+            raw_merges = meta.get("tokenizer.ggml.merges")
+            for m in _as_list(raw_merges) if raw_merges is not None else []:
                 cut = m.find(" ", 1)
                 left, right = m[:cut], m[cut + 1 :]
                 if cut > 0 and left in vocab and right in vocab and left + right in vocab:
@@ -419,8 +438,9 @@ class Tokenizer:
 
     def _spm_merges(self, meta) -> list[tuple[str, str]]:
         """Every split of a normal token into two normal tokens, best score first."""
-        if meta.get("tokenizer.ggml.merges"):
-            return [tuple(m.split(" ", 1)) for m in _as_list(meta["tokenizer.ggml.merges"])]
+        raw_merges = meta.get("tokenizer.ggml.merges")
+        if raw_merges is not None and len(raw_merges):
+            return [tuple(m.split(" ", 1)) for m in _as_list(raw_merges)]
         tokens, types = self._tokens, self._types
         raw_scores = meta.get("tokenizer.ggml.scores")
         # Without scores, file order is the usual merge priority.
