@@ -217,7 +217,7 @@ def _call_families(st: _State) -> None:
             try:
                 fam = family.validate()
             except FamilyDeclarationError as e:
-                _problem(st, _info, "register_model_families", str(e.located(plugin=_info.dist)))
+                _problem(st, _info, "register_model_families", str(e))
                 return None
             fam = dataclasses.replace(fam, plugin=_info.dist)
             prev = st.by_name.get(fam.name)
