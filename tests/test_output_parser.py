@@ -244,3 +244,27 @@ def test_coerce_arguments(given, expected):
 def test_coerce_without_schema_keeps_values():
     assert coerce_arguments({"a": "1"}, {}) == {"a": "1"}
     assert coerce_arguments({"a": "1"}, {"type": "object"}) == {"a": "1"}
+
+
+@pytest.mark.parametrize("text,expected", [
+    # closing tags inside a JSON string argument do not end the block
+    ('<tool_call>{"name": "write_file", "arguments": {"content": "a</tool_call><tool_call>\\"}{b"}}</tool_call>ok',
+     [call("write_file", {"content": 'a</tool_call><tool_call>"}{b'}), TextDelta("ok")]),
+    # two objects in one block
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}\n{"name": "get_weather", "arguments": '
+     '{"city": "B"}}</tool_call>',
+     [call("get_weather", {"city": "A"}), call("get_weather", {"city": "B"}, 1)]),
+    # XML block whose closing tag is forgotten before the next one
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n</function>\n<tool_call>\n"
+     "<function=get_weather>\n<parameter=city>\nB\n</parameter>\n</function>\n</tool_call>",
+     [call("get_weather", {"city": "A"}), call("get_weather", {"city": "B"}, 1)]),
+    # unbalanced JSON: the first closing tag ends it once the output is over
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}</tool_call> then',
+     [InvalidToolCall('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}</tool_call>',
+                      "invalid JSON: Expecting ',' delimiter at char 50"), TextDelta("then")]),
+])
+def test_block_structure(text, expected):
+    assert parse(text) == expected
+    assert streamed(list(text)) == expected
+    for i in range(len(text) + 1):
+        assert streamed([text[:i], text[i:]]) == expected

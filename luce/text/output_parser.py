@@ -153,8 +153,10 @@ class OutputParser:
         self._swallow_close = False  # after a bare <function=...>: a stray </tool_call> may follow
         self._scan = 0            # where the search for a closing tag resumes
         self._xscan = 0           # how far a structural scan has looked for a new ">"
-        self._jpos = self._jdepth = 0
-        self._jstr = self._jesc = False
+        self._jscan: _JsonScanner | None = None  # bare JSON being read
+        self._tscan: _JsonScanner | None = None  # a JSON object inside <tool_call>
+        self._tnext = -1          # where the <tool_call> walk resumes
+        self._tcount = 0          # objects seen in the current <tool_call>
         self._n_calls = 0
         self._done = False
 
@@ -237,7 +239,7 @@ class OutputParser:
             self._ws = ""  # whitespace before markup is not content
             self._buf = buf[p + len(tag):]
             self._mode = _TOOL if tag == TOOL_OPEN else _FUNCTION
-            self._scan = self._xscan = 0
+            self._begin_block()
             return True
         if final:
             self._text(buf, ev)
@@ -281,32 +283,44 @@ class OutputParser:
         self._buf = buf[len(buf) - keep:]
         return False
 
+    def _begin_block(self):
+        self._scan = self._xscan = self._tcount = 0
+        self._tscan, self._tnext = None, -1
+
     def _tool(self, final: bool, ev: list[Event]) -> bool:
         buf = self._buf
         head = buf.lstrip()
         if not final and len(head) < len(FUNCTION_OPEN) and FUNCTION_OPEN.startswith(head):
             return False  # JSON or XML is not decided yet
+        # Arguments are free text (a file being written may contain "</tool_call>"), so
+        # the block's end is found by walking its structure; only text that has no
+        # structure falls back to the first closing tag.
         if head.startswith(FUNCTION_OPEN):
-            # Parameter values are free text (a file being written may contain
-            # "</tool_call>"), so the block's end is found by walking its structure.
             end = self._xml_end(buf, len(buf) - len(head), final)
-            if end is None and not final:
-                return False
-            # at the end of the output an unfinished structure (a dropped </parameter>)
-            # is cut at the first closing tag instead, like malformed text
-            if end is not None and end != _INVALID:
-                inner_end, after = end
+        elif head.startswith("{"):
+            end = self._json_block_end(buf, len(buf) - len(head))
+        else:
+            end = _INVALID
+        if end is None and not final:
+            return False
+        if end is not None and end != _INVALID:
+            inner_end, after, reopened = end
+            if reopened:  # the model forgot </tool_call> and opened the next call
+                self._block(buf[:inner_end], TOOL_OPEN + buf[:inner_end], ev)
+                self._buf = buf[after:]
+                self._begin_block()
+            else:
                 self._block(buf[:inner_end], TOOL_OPEN + buf[:after], ev)
                 self._buf = buf[after:]
                 self._mode, self._start = _CONTENT, True
-                return True
+            return True
+        # unstructured, or unfinished at the end of the output (a dropped </parameter>)
         close = buf.find(TOOL_CLOSE, self._scan)
-        # a model that forgets a closing tag and opens the next call
         reopen = buf.find(TOOL_OPEN, self._scan)
         if reopen >= 0 and (close < 0 or reopen < close):
             self._block(buf[:reopen], TOOL_OPEN + buf[:reopen], ev)
             self._buf = buf[reopen + len(TOOL_OPEN):]
-            self._scan = self._xscan = 0
+            self._begin_block()
             return True
         if close >= 0:
             self._block(buf[:close], TOOL_OPEN + buf[:close + len(TOOL_CLOSE)], ev)
@@ -318,8 +332,35 @@ class OutputParser:
             self._buf = ""
             self._mode, self._start = _CONTENT, True
             return False
-        self._scan = max(0, len(buf) - len(TOOL_CLOSE) + 1)
+        self._scan = max(0, len(buf) - max(len(TOOL_CLOSE), len(TOOL_OPEN)) + 1)
         return False
+
+    def _json_block_end(self, buf: str, start: int):
+        """Like _xml_end, for JSON objects: (end of inner text, end of block, whether the
+        block ended by opening another <tool_call>), None, or _INVALID."""
+        pos = start if self._tnext < 0 else self._tnext
+        n = len(buf)
+        while True:
+            if self._tscan is not None:
+                end = self._tscan.end(buf)
+                if end is None:
+                    return None
+                self._tscan, self._tcount = None, self._tcount + 1
+                pos = end
+            while pos < n and (buf[pos].isspace() or (self._tcount and buf[pos] in ",;")):
+                pos += 1
+            self._tnext = pos
+            if pos < n and buf[pos] == "{":
+                self._tscan = _JsonScanner(pos)
+                continue
+            if self._tcount:
+                if buf.startswith(TOOL_CLOSE, pos):
+                    return pos, pos + len(TOOL_CLOSE), False
+                if buf.startswith(TOOL_OPEN, pos):
+                    return pos, pos + len(TOOL_OPEN), True
+            if _could_become(buf, pos, TOOL_CLOSE, TOOL_OPEN):
+                return None
+            return _INVALID
 
     def _function(self, final: bool, ev: list[Event]) -> bool:
         buf = FUNCTION_OPEN + self._buf  # the marker was consumed in content mode
@@ -331,7 +372,7 @@ class OutputParser:
             if close < 0 and not final:
                 return False
             after = close + len(FUNCTION_CLOSE) if close >= 0 else len(buf)
-            end = (after, after)
+            end = (after, after, False)
         self._block(buf[:end[0]], buf[:end[1]], ev)
         self._buf = buf[end[1]:]
         self._mode, self._start, self._swallow_close = _CONTENT, True, True
@@ -339,8 +380,9 @@ class OutputParser:
 
     def _xml_end(self, buf: str, pos: int, final: bool, wrapped: bool = True):
         """Where the ``<function=...>`` elements starting at `pos` end: (end of the inner
-        text, end of the block including its closing tag), None when more text is
-        needed, or _INVALID when the text is not of that shape."""
+        text, end of the block including its closing tag, whether that "closing tag"
+        opened the next call), None when more text is needed, or _INVALID when the
+        text is not of that shape."""
         if not final:
             # every tag that can end a step ends in ">": no new ">", no new answer
             if ">" not in buf[self._xscan:]:
@@ -353,23 +395,20 @@ class OutputParser:
                 i += 1
             return i
 
-        def pending(i, *tags):
-            # the text from i on could still grow into one of the tags
-            rest = buf[i:]
-            return len(rest) < max(map(len, tags)) and any(t.startswith(rest) for t in tags)
-
         n_functions = 0
         while True:
             pos = ws(pos)
             if n_functions:
                 if not wrapped:
-                    return pos_after_function, pos_after_function
+                    return pos_after_function, pos_after_function, False
                 if buf.startswith(TOOL_CLOSE, pos):
-                    return pos, pos + len(TOOL_CLOSE)
-                if pending(pos, TOOL_CLOSE, FUNCTION_OPEN):
+                    return pos, pos + len(TOOL_CLOSE), False
+                if buf.startswith(TOOL_OPEN, pos):
+                    return pos, pos + len(TOOL_OPEN), True
+                if _could_become(buf, pos, TOOL_CLOSE, TOOL_OPEN, FUNCTION_OPEN):
                     return None
             if not buf.startswith(FUNCTION_OPEN, pos):
-                return None if pending(pos, FUNCTION_OPEN) else _INVALID
+                return None if _could_become(buf, pos, FUNCTION_OPEN) else _INVALID
             gt = buf.find(">", pos)
             if gt < 0:
                 return None
@@ -385,25 +424,27 @@ class OutputParser:
                     pos = pos_after_function = pos + len(FUNCTION_CLOSE)
                     n_functions += 1
                     break
-                elif pending(pos, PARAM_OPEN, FUNCTION_CLOSE):
+                elif _could_become(buf, pos, PARAM_OPEN, FUNCTION_CLOSE):
                     return None
                 else:
                     return _INVALID
 
     def _enter_json(self):
         self._mode = _JSON
-        self._jpos = self._jdepth = 0
-        self._jstr = self._jesc = False
+        self._jscan = None
 
     def _json(self, final: bool, ev: list[Event]) -> bool:
-        buf = self._buf.lstrip() if self._jpos == 0 else self._buf
-        self._buf = buf
+        if self._jscan is None:
+            self._buf = self._buf.lstrip()
+        buf = self._buf
         if not buf:
             if final:
                 self._mode, self._start = _CONTENT, False
             return False
         verdict = _json_head_verdict(buf)
-        end = self._json_end(buf) if verdict else None
+        if verdict and self._jscan is None:
+            self._jscan = _JsonScanner(0)
+        end = self._jscan.end(buf) if verdict else None
         calls = None
         if end is not None:
             calls = self._json_calls(buf[:end])
@@ -418,29 +459,6 @@ class OutputParser:
         self._buf = buf[end:]
         self._mode, self._start, self._after_json = _CONTENT, True, True
         return True
-
-    def _json_end(self, buf: str) -> int | None:
-        depth, in_str, esc = self._jdepth, self._jstr, self._jesc
-        for i in range(self._jpos, len(buf)):
-            c = buf[i]
-            if in_str:
-                if esc:
-                    esc = False
-                elif c == "\\":
-                    esc = True
-                elif c == '"':
-                    in_str = False
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth <= 0:
-                    self._jpos = i + 1
-                    return i + 1
-        self._jpos, self._jdepth, self._jstr, self._jesc = len(buf), depth, in_str, esc
-        return None
 
     def _json_calls(self, text: str):
         try:
@@ -516,6 +534,56 @@ def _tool_schemas(tools) -> dict[str, dict]:
             params = fn.get("parameters", fn.get("input_schema"))
             out[name] = params if isinstance(params, dict) else {}
     return out
+
+
+_JSON_STRUCT = re.compile(r'["{}\[\]]')
+_JSON_STRING_STOP = re.compile(r'["\\]')
+
+
+class _JsonScanner:
+    """Finds where the JSON value opening at `start` ({ or [) closes, resuming where it
+    left off as the text grows. It balances brackets outside strings and does not
+    validate; json.loads judges the result."""
+
+    def __init__(self, start: int):
+        self.pos, self.depth, self.in_str = start, 0, False
+
+    def end(self, s: str) -> int | None:
+        pos, n = self.pos, len(s)
+        while True:
+            if self.in_str:
+                m = _JSON_STRING_STOP.search(s, pos)
+                if m is None:
+                    self.pos = n
+                    return None
+                if m.group() == "\\":
+                    if m.end() >= n:  # the escaped character has not arrived yet
+                        self.pos = m.start()
+                        return None
+                    pos = m.end() + 1
+                    continue
+                self.in_str, pos = False, m.end()
+                continue
+            m = _JSON_STRUCT.search(s, pos)
+            if m is None:
+                self.pos = n
+                return None
+            c, pos = m.group(), m.end()
+            if c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.pos = pos
+                    return pos
+
+
+def _could_become(buf: str, pos: int, *tags: str) -> bool:
+    """Whether the text from `pos` on is short enough to still grow into one of `tags`."""
+    rest = buf[pos:]
+    return any(len(rest) < len(t) and t.startswith(rest) for t in tags)
 
 
 def _partial_tag_len(buf: str, tags) -> int:
