@@ -188,24 +188,35 @@ DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale q
 _dev = cuda.jit(device=True)
 
 
-# Readers return int64 so that the simulator's numpy scalars and numba's typing (int64
-# literals promote everything anyway) give the same arithmetic.
+# Bit fiddling stays in uint32: numba promotes any int64 literal to 64-bit arithmetic (twice
+# the instructions on the GPU), and numpy keeps uint32 with these constants too, so the
+# simulator computes the same. Nothing here subtracts in integers (it would wrap).
+U = np.uint32
+B1, B2, B4, B8, B16, B24 = U(1), U(2), U(4), U(8), U(16), U(24)
+M1, M3, M15, M63, M255, M16 = U(1), U(3), U(15), U(63), U(255), U(0xFFFF)
+
+
+# numba widens integer arithmetic to 64 bits; the U() around each result lets LLVM narrow
+# it back, and unsigned indices skip numba's negative-index wraparound code.
 @_dev
 def rd8(sh, o):
-    return (np.int64(sh[o >> 2]) >> ((o & 3) * 8)) & 0xFF
+    o = U(o)
+    return U(U(sh[o >> B2] >> ((o & U(3)) << U(3))) & M255)
 
 
 @_dev
 def rd16(sh, o):  # o even
-    return (np.int64(sh[o >> 2]) >> ((o & 2) * 8)) & 0xFFFF
+    o = U(o)
+    return U(U(sh[o >> B2] >> ((o & B2) << U(3))) & M16)
 
 
 @_dev
 def rd32(sh, o):  # o even; blocks only guarantee 2-byte alignment
-    i = o >> 2
-    if o & 2:
-        return ((np.int64(sh[i]) >> 16) | (np.int64(sh[i + 1]) << 16)) & 0xFFFFFFFF
-    return np.int64(sh[i])
+    o = U(o)
+    i = o >> B2
+    if o & B2:
+        return U(U(sh[i] >> B16) | U(sh[i + U(1)] << B16))
+    return sh[i]
 
 
 @_dev
@@ -214,16 +225,20 @@ def f16_at(sh, o):
 
 
 @_dev
-def nib4(w, shift):
-    """Four fields of width 4 at bit `shift` of each byte of w."""
-    return (np.float32((w >> shift) & 15), np.float32((w >> (8 + shift)) & 15),
-            np.float32((w >> (16 + shift)) & 15), np.float32((w >> (24 + shift)) & 15))
+def fbits(w, shift, mask):
+    """(w >> shift) & mask as float32, for each byte of w."""
+    return (np.float32(U(U(w >> shift) & mask)), np.float32(U(U(w >> U(B8 + shift)) & mask)),
+            np.float32(U(U(w >> U(B16 + shift)) & mask)), np.float32(U(U(w >> U(B24 + shift)) & mask)))
 
 
 @_dev
-def bit4(h, shift):
-    """Bit `shift` of each byte of h."""
-    return ((h >> shift) & 1, (h >> (8 + shift)) & 1, (h >> (16 + shift)) & 1, (h >> (24 + shift)) & 1)
+def nib4(w, k):
+    return fbits(w, U(4 * k), M15)
+
+
+@_dev
+def i8(b):
+    return np.float32(b) - np.float32(b & U(0x80)) * np.float32(2.0)
 
 
 @_dev
@@ -262,16 +277,17 @@ def quad_f32(sh, bo, u, k, j):
 def quad_f16(sh, bo, u, k, j):
     a = rd32(sh, bo + 8 * j)
     b = rd32(sh, bo + 8 * j + 4)
-    return (f16_bits_to_f32(a & 0xFFFF), f16_bits_to_f32(a >> 16),
-            f16_bits_to_f32(b & 0xFFFF), f16_bits_to_f32(b >> 16))
+    return (f16_bits_to_f32(a & M16), f16_bits_to_f32(a >> B16),
+            f16_bits_to_f32(b & M16), f16_bits_to_f32(b >> B16))
 
 
 @_dev
 def quad_bf16(sh, bo, u, k, j):
     a = rd32(sh, bo + 8 * j)
     b = rd32(sh, bo + 8 * j + 4)
-    return (u32_bits_to_f32((a & 0xFFFF) << 16), u32_bits_to_f32(a & 0xFFFF0000),
-            u32_bits_to_f32((b & 0xFFFF) << 16), u32_bits_to_f32(b & 0xFFFF0000))
+    hi = U(0xFFFF0000)
+    return (u32_bits_to_f32(a << B16), u32_bits_to_f32(a & hi),
+            u32_bits_to_f32(b << B16), u32_bits_to_f32(b & hi))
 
 
 # Q4_0 / Q4_1 / Q5_0 / Q5_1: d (f16) [m (f16)] [qh (u32)] qs[16]; run k = nibble k.
@@ -283,7 +299,7 @@ def scale_q4_0(sh, bo, u, k):
 
 @_dev
 def quad_q4_0(sh, bo, u, k, j):
-    return nib4(rd32(sh, bo + 2 + 4 * j), 4 * k)
+    return nib4(rd32(sh, bo + 2 + 4 * j), k)
 
 
 @_dev
@@ -293,15 +309,16 @@ def scale_q4_1(sh, bo, u, k):
 
 @_dev
 def quad_q4_1(sh, bo, u, k, j):
-    return nib4(rd32(sh, bo + 4 + 4 * j), 4 * k)
+    return nib4(rd32(sh, bo + 4 + 4 * j), k)
 
 
 @_dev
 def q5_quad(sh, qh_o, j, k):
-    lo = nib4(rd32(sh, qh_o + 4 + 4 * j), 4 * k)
-    h = rd32(sh, qh_o) >> (16 * k + 4 * j)  # bit c of qh is the fifth bit of column c
-    return (lo[0] + np.float32(16 * (h & 1)), lo[1] + np.float32(16 * ((h >> 1) & 1)),
-            lo[2] + np.float32(16 * ((h >> 2) & 1)), lo[3] + np.float32(16 * ((h >> 3) & 1)))
+    lo = nib4(rd32(sh, qh_o + 4 + 4 * j), k)
+    h = rd32(sh, qh_o) >> U(16 * k + 4 * j)  # bit c of qh is the fifth bit of column c
+    f = np.float32(16.0)
+    return (lo[0] + f * np.float32(h & M1), lo[1] + f * np.float32((h >> B1) & M1),
+            lo[2] + f * np.float32((h >> B2) & M1), lo[3] + f * np.float32((h >> U(3)) & M1))
 
 
 @_dev
@@ -327,30 +344,22 @@ def scale_q8_0(sh, bo, u, k):
 
 
 @_dev
-def i8(b):
-    return np.float32(b - ((b & 0x80) << 1))
-
-
-@_dev
 def quad_q8_0(sh, bo, u, k, j):
     w = rd32(sh, bo + 2 + 4 * j)
-    return i8(w & 0xFF), i8((w >> 8) & 0xFF), i8((w >> 16) & 0xFF), i8((w >> 24) & 0xFF)
+    return i8(w & M255), i8((w >> B8) & M255), i8((w >> B16) & M255), i8(w >> B24)
 
 
 # Q2_K: scales[16] qs[64] d dmin. Column 128n + 32s + l: (qs[32n + l] >> 2s) & 3, scale (128n + 32s + l) // 16.
 @_dev
 def scale_q2_k(sh, bo, u, k):
     sc = rd8(sh, bo + 8 * (u >> 1) + 2 * k + (u & 1))
-    return (f16_at(sh, bo + 80) * np.float32(sc & 15),
-            -f16_at(sh, bo + 82) * np.float32(sc >> 4))
+    return (f16_at(sh, bo + 80) * np.float32(sc & M15),
+            -f16_at(sh, bo + 82) * np.float32(sc >> B4))
 
 
 @_dev
 def quad_q2_k(sh, bo, u, k, j):
-    w = rd32(sh, bo + 16 + 32 * (u >> 1) + 16 * (u & 1) + 4 * j)
-    s = 2 * k
-    return (np.float32((w >> s) & 3), np.float32((w >> (8 + s)) & 3),
-            np.float32((w >> (16 + s)) & 3), np.float32((w >> (24 + s)) & 3))
+    return fbits(rd32(sh, bo + 16 + 32 * (u >> 1) + 16 * (u & 1) + 4 * j), U(2 * k), M3)
 
 
 # Q3_K: hmask[32] qs[64] scales[12] d. Low 2 bits as Q2_K; a clear hmask bit (byte l, bit
@@ -358,18 +367,17 @@ def quad_q2_k(sh, bo, u, k, j):
 @_dev
 def scale_q3_k(sh, bo, u, k):
     i = 8 * (u >> 1) + 2 * k + (u & 1)
-    lo = (rd8(sh, bo + 96 + (i & 7)) >> (4 * (i >> 3))) & 15
-    hi = (rd8(sh, bo + 104 + (i & 3)) >> (2 * (i >> 2))) & 3
-    return f16_at(sh, bo + 108) * np.float32((lo | (hi << 4)) - 32), np.float32(0.0)
+    lo = (rd8(sh, bo + 96 + (i & 7)) >> U(4 * (i >> 3))) & M15
+    hi = (rd8(sh, bo + 104 + (i & 3)) >> U(2 * (i >> 2))) & M3
+    return f16_at(sh, bo + 108) * (np.float32(lo | (hi << B4)) - np.float32(32.0)), np.float32(0.0)
 
 
 @_dev
 def quad_q3_k(sh, bo, u, k, j):
-    l0 = 16 * (u & 1) + 4 * j
     q = quad_q2_k(sh, bo + 16, u, k, j)  # qs sits 16 bytes later than in Q2_K
-    h = bit4(rd32(sh, bo + l0), 4 * (u >> 1) + k)
-    return (q[0] + np.float32(4 * h[0] - 4), q[1] + np.float32(4 * h[1] - 4),
-            q[2] + np.float32(4 * h[2] - 4), q[3] + np.float32(4 * h[3] - 4))
+    h = fbits(rd32(sh, bo + 16 * (u & 1) + 4 * j), U(4 * (u >> 1) + k), M1)
+    f = np.float32(4.0)
+    return q[0] + f * h[0] - f, q[1] + f * h[1] - f, q[2] + f * h[2] - f, q[3] + f * h[3] - f
 
 
 # Q4_K / Q5_K: d dmin scales[12] [qh[32]] qs[128]; eight (6-bit scale, 6-bit min) pairs.
@@ -378,25 +386,25 @@ def scale_k(sh, bo, u, k):
     i = 2 * u + k
     s = bo + 4
     if i < 4:
-        sc = rd8(sh, s + i) & 63
-        mn = rd8(sh, s + i + 4) & 63
+        sc = rd8(sh, s + i) & M63
+        mn = rd8(sh, s + i + 4) & M63
     else:
-        sc = (rd8(sh, s + i + 4) & 15) | ((rd8(sh, s + i - 4) >> 6) << 4)
-        mn = (rd8(sh, s + i + 4) >> 4) | ((rd8(sh, s + i) >> 6) << 4)
+        sc = (rd8(sh, s + i + 4) & M15) | ((rd8(sh, s + i - 4) >> U(6)) << B4)
+        mn = (rd8(sh, s + i + 4) >> B4) | ((rd8(sh, s + i) >> U(6)) << B4)
     return f16_at(sh, bo) * np.float32(sc), -f16_at(sh, bo + 2) * np.float32(mn)
 
 
 @_dev
 def quad_q4_k(sh, bo, u, k, j):
-    return nib4(rd32(sh, bo + 16 + 32 * u + 4 * j), 4 * k)
+    return nib4(rd32(sh, bo + 16 + 32 * u + 4 * j), k)
 
 
 @_dev
 def quad_q5_k(sh, bo, u, k, j):
-    q = nib4(rd32(sh, bo + 48 + 32 * u + 4 * j), 4 * k)
-    h = bit4(rd32(sh, bo + 16 + 4 * j), 2 * u + k)
-    return (q[0] + np.float32(16 * h[0]), q[1] + np.float32(16 * h[1]),
-            q[2] + np.float32(16 * h[2]), q[3] + np.float32(16 * h[3]))
+    q = nib4(rd32(sh, bo + 48 + 32 * u + 4 * j), k)
+    h = fbits(rd32(sh, bo + 16 + 4 * j), U(2 * u + k), M1)
+    f = np.float32(16.0)
+    return q[0] + f * h[0], q[1] + f * h[1], q[2] + f * h[2], q[3] + f * h[3]
 
 
 # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l:
@@ -411,10 +419,10 @@ def scale_q6_k(sh, bo, u, k):
 def quad_q6_k(sh, bo, u, k, j):
     n = u >> 1
     l0 = 16 * (u & 1) + 4 * j
-    q = nib4(rd32(sh, bo + 64 * n + 32 * (k & 1) + l0), 4 * (k >> 1))
-    h = rd32(sh, bo + 128 + 32 * n + l0) >> (2 * k)
-    return (q[0] + np.float32(16 * (h & 3)), q[1] + np.float32(16 * ((h >> 8) & 3)),
-            q[2] + np.float32(16 * ((h >> 16) & 3)), q[3] + np.float32(16 * ((h >> 24) & 3)))
+    q = nib4(rd32(sh, bo + 64 * n + 32 * (k & 1) + l0), k >> 1)
+    h = fbits(rd32(sh, bo + 128 + 32 * n + l0), U(2 * k), M3)
+    f = np.float32(16.0)
+    return q[0] + f * h[0], q[1] + f * h[1], q[2] + f * h[2], q[3] + f * h[3]
 
 
 # tile_blocks: blocks a warp stages per step: a multiple of 16 bytes, about 2 KiB, and a

@@ -1,0 +1,341 @@
+"""Quantized matrix-vector products y = W x for decode, on raw GGUF weights.
+
+One warp per weight row. A warp stages a tile of its row (whole blocks, ~2 KiB) into shared
+memory with 16-byte loads (narrower when rows are not 16-byte aligned), then each lane
+decodes units of the tile into registers with the per-type device functions of
+luce.kernels.dequant and multiplies them with x. The same kernel body serves every type,
+the batched case (2..64 activation rows share each weight read), the bias/residual
+epilogues and the fused SwiGLU (silu(Wg x) * (Wu x)).
+
+Batches beyond a few rows are bound by CUDA-core FMAs rather than memory (64 rows of Q4_K
+would need ~1 PFLOP/s at full bandwidth); tensor cores are the way there, not this kernel.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from numba import cuda
+
+from .dequant import (
+    DEVICE_SPECS, SIM, _as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
+    warp_barrier, weight_u16,
+)
+from .vector_load import ldg_f32x4
+
+__all__ = ["MATVEC_TYPES", "MAX_BATCH", "matvec", "swiglu", "matvec_ref", "swiglu_ref", "bench_matvec"]
+
+MATVEC_TYPES = frozenset(DEVICE_SPECS)
+MAX_BATCH = 64
+MV_WARPS = 4  # rows per thread block
+
+_dev = cuda.jit(device=True)
+
+if SIM:
+    # No warp shuffles in the simulator: reduce through shared memory (lane 0 gets the sum).
+    RED_SIZE = MV_WARPS * 32
+
+    @_dev
+    def warp_sum(v, red, wid, lane):
+        red[wid * 32 + lane] = v
+        cuda.syncthreads()
+        t = np.float32(0.0)
+        if lane == 0:
+            for i in range(32):
+                t += red[wid * 32 + i]
+        cuda.syncthreads()
+        return t
+else:
+    RED_SIZE = 1
+
+    @_dev
+    def warp_sum(v, red, wid, lane):
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
+        return v
+
+
+def _batch_slots(nr: int) -> int:
+    """Compiled batch width for nr rows: exact up to 8, then multiples of 8 (padding rows
+    repeat the last row and are not stored)."""
+    return nr if nr <= 8 else -(-nr // 8) * 8
+
+
+def _make_row_dot(qtype, vw: int, tb: int, nr_slots: int):
+    spec = DEVICE_SPECS[qtype]
+    QK, BS, UPB, RUNS, NQ = spec.qk, spec.bs, spec.upb, spec.runs, spec.rl // 4
+    BH = BS // 2
+    NR = nr_slots
+    col, scale, quad = spec.col, spec.scale, spec.quad
+    stage = make_stage(vw, tb * BS)
+
+    @_dev
+    def row_dot(w, row, row_h, blocks_row, x, xo, sh, s0, red, wid, lane, acc):
+        """acc[r] = (row of w) . x[xo[r]:], the full sum in lane 0."""
+        for r in range(NR):
+            acc[r] = np.float32(0.0)
+        for t0 in range(0, blocks_row, tb):
+            nb = min(tb, blocks_row - t0)
+            stage(w, row * row_h + t0 * BH, nb * BS, sh, s0, lane)
+            warp_barrier()
+            for ub in range(lane, nb * UPB, 32):
+                b = ub // UPB
+                u = ub - b * UPB
+                bo = 4 * s0 + b * BS
+                c0 = (t0 + b) * QK
+                for k in range(RUNS):
+                    s, o = scale(sh, bo, u, k)
+                    c = c0 + col(u, k)
+                    for j in range(NQ):
+                        q = quad(sh, bo, u, k, j)
+                        v0 = cuda.fma(s, q[0], o)
+                        v1 = cuda.fma(s, q[1], o)
+                        v2 = cuda.fma(s, q[2], o)
+                        v3 = cuda.fma(s, q[3], o)
+                        for r in range(NR):
+                            x0, x1, x2, x3 = ldg_f32x4(x, xo[r] + c + 4 * j)
+                            acc[r] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
+            warp_barrier()  # the next tile overwrites sh
+        for r in range(NR):
+            acc[r] = warp_sum(acc[r], red, wid, lane)
+    return row_dot
+
+
+def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, glu: bool, has_bias: bool, has_res: bool):
+    spec = DEVICE_SPECS[qtype]
+    NW, NR = MV_WARPS, nr_slots
+    SW = tb * spec.bs // 4 + 4  # words per warp, padded for reads past a tile's last block
+    SH = NW * SW
+    RED = RED_SIZE
+    row_dot = _make_row_dot(qtype, vw, tb, nr_slots)
+
+    @cuda.jit
+    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, blocks_row, n_cols, nr):
+        sh = cuda.shared.array(SH, np.uint32)
+        red = cuda.shared.array(RED, np.float32)
+        lane = cuda.threadIdx.x & 31
+        wid = cuda.threadIdx.x >> 5
+        row = cuda.blockIdx.x * NW + wid
+        # Rows past the end still run the loop: the simulator's barriers are block-wide.
+        rr = min(row, n_rows - 1)
+        xo = cuda.local.array(NR, np.int64)
+        for r in range(NR):
+            xo[r] = min(r, nr - 1) * n_cols
+        acc = cuda.local.array(NR, np.float32)
+        row_dot(w, rr, row_h, blocks_row, x, xo, sh, wid * SW, red, wid, lane, acc)
+        up = cuda.local.array(NR, np.float32)
+        if glu:
+            row_dot(w_up, rr, row_h, blocks_row, x, xo, sh, wid * SW, red, wid, lane, up)
+        if lane == 0 and row < n_rows:
+            for r in range(NR):
+                if r < nr:
+                    y = acc[r]
+                    if glu:
+                        y = y / (np.float32(1.0) + math.exp(-y)) * up[r]
+                    if has_bias:
+                        y += bias[row]
+                    if has_res:
+                        y += res[r * n_rows + row]
+                    out[r * n_rows + row] = y
+    return kernel
+
+
+_KERNELS: dict = {}
+_DUMMY: dict = {}
+
+
+def _kernel(*key):
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_kernel(*key)
+    return _KERNELS[key]
+
+
+def _dummy():
+    """A 1-element device array standing in for absent bias/residual arguments."""
+    if "f32" not in _DUMMY:
+        _DUMMY["f32"] = cuda.to_device(np.zeros(1, np.float32))
+    return _DUMMY["f32"]
+
+
+def _flat_f32(a, what: str, size: int | None = None):
+    a = _as_device(a)
+    if a.dtype != np.float32:
+        raise ValueError(f"{what}: expected float32, got {a.dtype}")
+    if size is not None and a.size != size:
+        raise ValueError(f"{what}: expected {size} elements, got shape {tuple(a.shape)}")
+    if not a.is_c_contiguous():
+        raise ValueError(f"{what}: must be C-contiguous")
+    return a.reshape(a.size)
+
+
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream, tile_blocks):
+    qtype = as_qtype(qtype)
+    if qtype not in MATVEC_TYPES:
+        raise NotImplementedError(f"matvec: {qtype.name} is not supported")
+    spec = DEVICE_SPECS[qtype]
+    x_dev = _as_device(x_dev)
+    xshape = tuple(x_dev.shape)  # the simulator's shape objects lack negative indexing
+    if len(xshape) not in (1, 2):
+        raise ValueError(f"x must be (K,) or (batch, K), got {xshape}")
+    n_cols = xshape[-1]
+    nr = 1 if len(xshape) == 1 else xshape[0]
+    if not 1 <= nr <= MAX_BATCH:
+        raise ValueError(f"batch of {nr} rows: 1..{MAX_BATCH} supported")
+    if n_cols % spec.qk:
+        raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk} on the device")
+    ws = [weight_u16(w, qtype, n_cols) for w in w_list]
+    n_rows = ws[0][1]
+    if any(r != n_rows for _, r in ws):
+        raise ValueError("gate and up weights differ in rows")
+    x = _flat_f32(x_dev, "x")
+    if not SIM and x.__cuda_array_interface__["data"][0] % 16:
+        x = _aligned_copy(x, stream)
+    out_shape = (n_rows,) if len(xshape) == 1 else (nr, n_rows)
+    if out is None:
+        out = cuda.device_array(out_shape, np.float32, stream=stream)
+    out_flat = _flat_f32(out, "out", nr * n_rows)
+    b = _flat_f32(bias, "bias", n_rows) if bias is not None else _dummy()
+    r = _flat_f32(residual, "residual", nr * n_rows) if residual is not None else _dummy()
+    tb = tile_blocks or spec.tile_blocks
+    if tb % tile_step(qtype):
+        raise ValueError(f"tile_blocks must be a multiple of {tile_step(qtype)} for {qtype.name}")
+    rb = row_bytes(qtype, n_cols)
+    kern = _kernel(qtype, load_width(rb), tb, _batch_slots(nr), len(ws) == 2, bias is not None,
+                   residual is not None)
+    grid = -(-n_rows // MV_WARPS)
+    w0 = ws[0][0]
+    w1 = ws[1][0] if len(ws) == 2 else w0
+    kern[grid, 32 * MV_WARPS, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk, n_cols, nr)
+    return out
+
+
+def _aligned_copy(x, stream):
+    """16-byte loads of x need a 16-byte aligned start; a fresh allocation has one."""
+    y = cuda.device_array(x.shape, x.dtype, stream=stream)
+    y.copy_to_device(x, stream=stream)
+    return y
+
+
+def matvec(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, tile_blocks=None):
+    """out = W x (+ bias) (+ residual), float32.
+
+    w_dev: raw GGUF bytes of W (N rows x K columns) as a uint8 device array (N, row_bytes).
+    x_dev: float32 (K,) or (batch, K) with batch <= 64; the batched form reads W once for
+    all rows and gives out (batch, N). bias: (N,); residual: shaped like out. Any array with
+    __cuda_array_interface__ is accepted.
+    """
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, tile_blocks)
+
+
+def swiglu(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, tile_blocks=None):
+    """out = silu(Wg x) * (Wu x), Wg and Wu of the same type and shape; x as in matvec."""
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, tile_blocks)
+
+
+# ---------------------------------------------------------------------------------------
+# numpy references
+# ---------------------------------------------------------------------------------------
+def _ref_weight(raw, qtype, n_cols):
+    raw = np.asarray(raw).reshape(-1).view(np.uint8)
+    n_rows = raw.size // row_bytes(qtype, n_cols)
+    return dequantize(raw, qtype, (n_rows, n_cols))
+
+
+def matvec_ref(raw, qtype, x, bias=None, residual=None):
+    """dequantize(raw) @ x (x: (K,) or (batch, K)) with the same epilogues, in float64 then float32."""
+    x = np.asarray(x, np.float32)
+    w = _ref_weight(raw, qtype, x.shape[-1]).astype(np.float64)
+    y = x.astype(np.float64) @ w.T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y.astype(np.float32)
+
+
+def swiglu_ref(raw_gate, raw_up, qtype, x):
+    g = matvec_ref(raw_gate, qtype, x).astype(np.float64)
+    u = matvec_ref(raw_up, qtype, x).astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# benchmark
+# ---------------------------------------------------------------------------------------
+def _capture(launch, stream, n):
+    """A CUDA graph of n launches on stream: numba's host launch cost (~50 us) exceeds
+    these kernels' run time, so eager back-to-back launches would time the host."""
+    from cuda.bindings import driver as drv
+
+    h = drv.CUstream(int(stream.handle))
+    err, = drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamBeginCapture: {err}")
+    try:
+        for _ in range(n):
+            launch()
+    finally:
+        err, graph = drv.cuStreamEndCapture(h)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamEndCapture: {err}")
+    err, gexec = drv.cuGraphInstantiate(graph, 0)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuGraphInstantiate: {err}")
+
+    def replay():
+        err, = drv.cuGraphLaunch(gexec, h)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuGraphLaunch: {err}")
+    return replay
+
+
+def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = False, seed: int = 0) -> list[dict]:
+    """Time matvec (or swiglu with glu=True) for each (rows, cols) in shapes and each qtype.
+
+    Weights are random bytes (timing does not depend on values). Each row reports time_us
+    per call from cuda events around a replayed CUDA graph of `iters` launches (eager
+    launches as fallback, noted in "timing"), and GB/s = weight bytes / time.
+    """
+    rng = np.random.default_rng(seed)
+    stream = cuda.stream()
+    rows = []
+    for n_rows, n_cols in shapes:
+        x = cuda.to_device(rng.standard_normal((batch, n_cols) if batch > 1 else n_cols).astype(np.float32))
+        out = cuda.device_array((batch, n_rows) if batch > 1 else n_rows, np.float32)
+        for qtype in qtypes:
+            qtype = as_qtype(qtype)
+            rb = row_bytes(qtype, n_cols)
+            ws = [cuda.to_device(rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)) for _ in range(1 + glu)]
+            if glu:
+                def launch():
+                    swiglu(ws[0], ws[1], qtype, x, out=out, stream=stream)
+            else:
+                def launch():
+                    matvec(ws[0], qtype, x, out=out, stream=stream)
+            t0 = time.perf_counter()
+            launch()  # compiles
+            stream.synchronize()
+            compile_s = time.perf_counter() - t0
+            try:
+                run, timing = _capture(launch, stream, iters), "graph"
+            except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
+                def run():
+                    for _ in range(iters):
+                        launch()
+                timing = f"eager ({type(e).__name__})"
+            run()
+            stream.synchronize()
+            start, end = cuda.event(), cuda.event()
+            start.record(stream)
+            run()
+            end.record(stream)
+            end.synchronize()
+            us = cuda.event_elapsed_time(start, end) * 1e3 / iters
+            nbytes = rb * n_rows * len(ws)
+            rows.append(dict(kernel="swiglu" if glu else "matvec", qtype=qtype.name, rows=n_rows, cols=n_cols,
+                             batch=batch, weight_bytes=nbytes, time_us=round(us, 2),
+                             gbps=round(nbytes / (us * 1e-6) / 1e9, 1), timing=timing,
+                             compile_s=round(compile_s, 2)))
+            del ws
+    return rows
