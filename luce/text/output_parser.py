@@ -20,6 +20,10 @@ Rules, so that clients never see half a tag and never lose a real answer:
 - A ``<tool_call>`` block that does not parse is dropped from the content and reported as
   `InvalidToolCall` (the model meant to call a tool; echoing the markup to the user helps
   no one). A block still open when the output ends is parsed as if it were closed.
+- A block ends where its structure ends (the JSON object, or ``</parameter>`` ...
+  ``</function>``), not at the first ``</tool_call>``: arguments are free text, and a
+  file being written may well contain that tag. Only a block with no such structure is
+  cut at the first closing tag.
 - Bare JSON has no tag to announce it, so it counts as a tool call only when it parses
   completely into the tool-call shape and (when tools were given) names one of them;
   anything else is content. Once its first key shows it cannot be a call (e.g.
@@ -27,6 +31,10 @@ Rules, so that clients never see half a tag and never lose a real answer:
 - Whitespace that separates content from markup (before a tag, after ``</think>`` or
   ``</tool_call>``, at the very start and end of the output) is not content; whitespace
   inside content is kept. Reasoning is trimmed the same way.
+- ``<think>`` opens reasoning only at the start of the output (after whitespace); later
+  it is content, since models that reason do so first and prose may mention the tag.
+- A ``<tool_call>`` naming a tool that was not offered is still a `ToolCall`: the client
+  answers it with an error the model can recover from, where dropping it would not.
 - An output that ends inside reasoning (no ``</think>``, e.g. cut by max_tokens) stays
   reasoning: it has already been streamed as such.
 - Arguments are coerced to the tool's JSON schema: ``"5"`` becomes ``5`` for an integer,
