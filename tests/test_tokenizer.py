@@ -320,6 +320,32 @@ def test_clean_spaces_llama3_style():
         check_stream(tok, [rng.choice(pool) for _ in range(rng.randint(0, 12))])
 
 
+def test_every_known_pre_tokenizer_builds():
+    from luce.text.tokenizer import SUPPORTED_PRE
+
+    assert {"smollm", "qwen2", "llama-bpe", "llama3", "gpt-4o", "default"} <= SUPPORTED_PRE
+    text = "Hello 12345 world's\n\n  x 東京 ok"
+    for pre in sorted(SUPPORTED_PRE):
+        tok = tiny_bpe(pre)
+        assert tok.decode(tok.encode(text, add_special=False)) == text, pre
+
+
+def test_llama3_and_qwen2_splits():
+    # Pre-tokens come back in GPT-2's byte alphabet: map them back to text.
+    alphabet = {c: b for b, c in _byte_alphabet().items()}
+
+    def split(pre, text):
+        tok = tiny_bpe(pre)
+        return [bytes(alphabet[c] for c in p).decode() for p, _ in tok._hf.pre_tokenizer.pre_tokenize_str(text)]
+
+    text = "I'VE got 12345 apples\n\n  and it's 東京!!\t"
+    assert split("llama-bpe", text) == [
+        "I", "'VE", " got", " ", "123", "45", " apples", "\n\n", " ", " and", " it", "'s", " 東京", "!!", "\t",
+    ]  # fmt: skip
+    assert split("qwen2", text)[3:7] == [" ", "1", "2", "3"]
+    assert split("smollm", "a 12 b") == ["a", " ", "1", "2", " b"]
+
+
 def test_no_clean_spaces_for_qwen2_pre():
     tok = tiny_bpe("qwen2")
     ids = tok.encode("Hi , there .", add_special=False)

@@ -34,6 +34,7 @@ __all__ = [
     "Tokenizer",
     "read_tokenizer_metadata",
     "clean_up_spaces",
+    "SUPPORTED_PRE",
     "TOKEN_NORMAL",
     "TOKEN_UNKNOWN",
     "TOKEN_CONTROL",
@@ -106,10 +107,30 @@ def _pre_table() -> dict[str, _Pre]:
     put(["falcon"], _Pre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")))
     put(["gpt-4o", "llama4", "kanana2", "minimax-m2"], _Pre((_GPT4O,), clean_spaces=False))
     put(["tekken"], _Pre((_TEKKEN,), ignore_merges=True, clean_spaces=False, add_bos=True))
+    put(
+        ["deepseek-coder"],
+        _Pre((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"), clean_spaces=False),
+    )
+    put(
+        ["deepseek-v3"],
+        _Pre(
+            (
+                r"\p{N}{1,3}",
+                r"[一-龥぀-ゟ゠-ヿ]+",
+                r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            ),
+            clean_spaces=False,
+        ),
+    )
+    put(["bloom", "gpt3-finnish"], _Pre((r" ?[^(\s|.,!?…。，、।۔،)]+",)))
+    put(["poro-chat"], _Pre((r" ?[^(\s|.,!?…。，、।۔،)]+",), clean_spaces=False))
+    put(["viking"], _Pre((r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"), clean_spaces=False))
     return table
 
 
 _PRE = _pre_table()
+SUPPORTED_PRE: frozenset[str] = frozenset(_PRE)
 
 # Token texts llama.cpp treats as end of generation whatever their id
 # (llama_vocab::impl::load); the FIM pad/separator ones end a completion too.
