@@ -125,7 +125,7 @@ def _selected(ep_name: str, dist: str) -> bool:
 def _entry_points() -> list[tuple[importlib.metadata.EntryPoint, str, str]]:
     seen, out = set(), []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
+        dist = (getattr(ep.dist, "name", None) or "?") if ep.dist is not None else "?"
         version = ep.dist.version if ep.dist is not None else "?"
         key = (ep.name, ep.value, _canon(dist))
         if key in seen:  # the same distribution visible twice on sys.path
@@ -339,9 +339,15 @@ def family_for(path, arch: str):
 # -- kernels -------------------------------------------------------------------------
 
 def _family_name(family) -> str:
+    """A family name from a ModelFamily, a name, a ModelConfig (by its arch) or None ("*")."""
     if family is None:
         return "*"
-    return getattr(family, "name", family)
+    if isinstance(family, str):
+        return family
+    if hasattr(family, "arch") and not hasattr(family, "name"):  # a ModelConfig
+        fam = _state().arch_map.get(family.arch)
+        return fam.name if fam is not None else "*"
+    return family.name
 
 
 def kernel_entry(family, op: str, backend: str = "*") -> tuple[PluginInfo, Callable] | None:
@@ -358,7 +364,7 @@ def kernel_entry(family, op: str, backend: str = "*") -> tuple[PluginInfo, Calla
 
 def kernels(family, op: str, backend: str = "*") -> Callable | None:
     """The kernel for `op` (an op name of the forward's op interface) for `family` (a
-    ModelFamily or its name) on `backend` ("cpu", "cuda" or "*"), or None when no
+    ModelFamily, its name, or a ModelConfig) on `backend` ("cpu", "cuda" or "*"), or None when no
     plugin registered one (the backend then uses its own).
 
     Precedence: (family, backend) > (family, any backend) > (any family, backend) > (any
