@@ -51,3 +51,287 @@ def tree_mask(parents: np.ndarray) -> np.ndarray:
                 raise ValueError("a node's parent must come before it")
             m[i] |= m[p]
     return m
+
+
+def tree_mask_bits(mask: np.ndarray) -> np.ndarray:
+    """An N x N ancestor mask (N <= 64) as uint64 [N]: bit j of row i = mask[i, j]."""
+    m = np.asarray(mask, dtype=bool)
+    n = m.shape[0]
+    if n > 64:
+        raise ValueError("bitmask rows hold at most 64 new tokens")
+    weights = np.left_shift(np.uint64(1), np.arange(n, dtype=np.uint64))
+    return (m.astype(np.uint64) * weights[None, :]).sum(axis=1, dtype=np.uint64)
+
+
+# ------------------------------------------------------------------------------ CUDA
+#
+# One kernel for decode, tree verification and causal prefill, over the paged KV pool of
+# luce.kernels.paging (the new tokens' K/V are written into the pool first, so every key
+# is read the same way). The cases differ only in which new keys a query sees:
+#   tree/decode: bit j of mask[i] (N <= 64);  prefill: causal (j <= i).
+# Flash-decoding: grid (split, kv head, query tile); a split walks `pages_per_split`
+# 64-token pages with an online softmax and leaves (acc, m, l) per row; a combine kernel
+# merges the splits. One split writes the normalized output directly.
+# A query tile is QT rows of (query, head in the GQA group): all q heads sharing a kv
+# head are served by one read of each K/V tile.
+import functools  # noqa: E402
+import math  # noqa: E402
+
+from numba import cuda  # noqa: E402
+
+from ._reduce import SIM, block_threads, ceil_div  # noqa: E402
+from .paging import BLOCK  # noqa: E402
+
+_SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
+
+
+def _qt_cap(dim: int) -> int:
+    """Largest power-of-two query tile whose Q tile (QT*D f32), scores (QT*64 f32) and
+    row state fit beside one K/V tile (64*(D+2) f16): 64 / 32 / 8 rows at D = 64/128/256."""
+    room = (_SMEM - BLOCK * (dim + 2) * 2) // (dim * 4 + BLOCK * 4 + 12)
+    return min(64, 1 << (room.bit_length() - 1))
+_TARGET_BLOCKS = 264  # two waves over the H200's 132 SMs
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_kernel(dim: int, qt: int, nt: int):
+    ept = qt * dim // nt  # output elements a thread accumulates in registers
+    kv_stride = dim + 2  # padded rows: threads reading different keys hit different banks
+    assert ept * nt == qt * dim
+
+    @cuda.jit
+    def kernel(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
+               pages_per_split, direct, out, part_o, part_ml):
+        split = cuda.blockIdx.x
+        hkv = cuda.blockIdx.y
+        tile = cuda.blockIdx.z
+        t = cuda.threadIdx.x
+        n_ctx = meta[0]
+        n_new = meta[1]
+        n_keys = n_ctx + n_new
+        group = q.shape[1] // k_pool.shape[2]
+        n_rows = n_new * group
+        r0 = tile * qt
+
+        qs = cuda.shared.array((qt, dim), np.float32)
+        kv = cuda.shared.array((BLOCK, kv_stride), np.float16)
+        sc = cuda.shared.array((qt, BLOCK), np.float32)
+        m_s = cuda.shared.array(qt, np.float32)
+        l_s = cuda.shared.array(qt, np.float32)
+        a_s = cuda.shared.array(qt, np.float32)
+        acc = cuda.local.array(ept, np.float32)
+        for e in range(ept):
+            acc[e] = 0.0
+
+        for e in range(t, qt * dim, nt):
+            r = e // dim
+            d = e % dim
+            row = r0 + r
+            if row < n_rows:
+                qs[r, d] = q[row // group, hkv * group + row % group, d] * scale
+            else:
+                qs[r, d] = 0.0
+        if t < qt:
+            m_s[t] = -math.inf
+            l_s[t] = 0.0
+
+        # Keys this tile may see: causal rows stop at their own token; a window starts
+        # after (smallest query position in the tile) - window, and committed pages
+        # wholly before that are skipped (their positions are non-decreasing).
+        last_row = min(r0 + qt, n_rows) - 1
+        key_end = n_keys
+        if causal:
+            key_end = min(n_keys, n_ctx + last_row // group + 1)
+        min_qpos = 2147483647
+        if window > 0:
+            for i in range(r0 // group, last_row // group + 1):
+                min_qpos = min(min_qpos, q_pos[i])
+        n_pages = (key_end + BLOCK - 1) // BLOCK
+        p_lo = split * pages_per_split
+        p_hi = min(p_lo + pages_per_split, n_pages)
+        if r0 >= n_rows:
+            p_hi = p_lo  # an idle tile of a graph-sized grid: still writes m=-inf, l=0
+        cuda.syncthreads()
+
+        for page in range(p_lo, p_hi):
+            j0 = page * BLOCK
+            if window > 0 and j0 + BLOCK <= n_ctx and kv_pos[j0 + BLOCK - 1] <= min_qpos - window:
+                continue  # uniform over the block: no barrier is skipped by only some threads
+            slot = table[page]
+            for e in range(t, BLOCK * dim, nt):
+                kv[e // dim, e % dim] = k_pool[slot, layer, hkv, e // dim, e % dim]
+            cuda.syncthreads()
+
+            for p in range(t, qt * BLOCK, nt):
+                r = p // BLOCK
+                kk = p % BLOCK
+                j = j0 + kk
+                row = r0 + r
+                ok = row < n_rows and j < key_end
+                if ok:
+                    i = row // group
+                    if j >= n_ctx:
+                        if causal:
+                            ok = j - n_ctx <= i
+                        else:
+                            ok = ((mask[i] >> np.uint64(j - n_ctx)) & np.uint64(1)) != np.uint64(0)
+                    if ok and window > 0:
+                        ok = kv_pos[j] > q_pos[i] - window
+                s = np.float32(-math.inf)
+                if ok:
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += qs[r, d] * np.float32(kv[kk, d])
+                sc[r, kk] = s
+            cuda.syncthreads()
+
+            # V replaces K in the tile buffer while the row owners do the softmax bookkeeping.
+            # Rows past the last key are zeroed: unwritten pool memory may hold NaN, and
+            # 0 * NaN would leak into the output.
+            for e in range(t, BLOCK * dim, nt):
+                kk = e // dim
+                if j0 + kk < key_end:
+                    kv[kk, e % dim] = v_pool[slot, layer, hkv, kk, e % dim]
+                else:
+                    kv[kk, e % dim] = np.float16(0.0)
+            if t < qt:
+                m_old = m_s[t]
+                mx = m_old
+                for kk in range(BLOCK):
+                    mx = max(mx, sc[t, kk])
+                if mx == -math.inf:
+                    a_s[t] = 1.0
+                    for kk in range(BLOCK):
+                        sc[t, kk] = 0.0
+                else:
+                    alpha = math.exp(m_old - mx)
+                    ssum = np.float32(0.0)
+                    for kk in range(BLOCK):
+                        pk = math.exp(sc[t, kk] - mx)
+                        sc[t, kk] = pk
+                        ssum += pk
+                    a_s[t] = alpha
+                    l_s[t] = l_s[t] * alpha + ssum
+                    m_s[t] = mx
+            cuda.syncthreads()
+
+            for e in range(ept):
+                idx = t + e * nt
+                r = idx // dim
+                d = idx % dim
+                o = acc[e] * a_s[r]
+                for kk in range(BLOCK):
+                    o += sc[r, kk] * np.float32(kv[kk, d])
+                acc[e] = o
+            cuda.syncthreads()
+
+        for e in range(ept):
+            idx = t + e * nt
+            r = idx // dim
+            d = idx % dim
+            row = r0 + r
+            if row < n_rows:
+                i = row // group
+                hq = hkv * group + row % group
+                if direct:
+                    out[i, hq, d] = acc[e] / l_s[r]
+                else:
+                    part_o[split, i, hq, d] = acc[e]
+        if not direct and t < qt and r0 + t < n_rows:
+            row = r0 + t
+            part_ml[split, row // group, hkv * group + row % group, 0] = m_s[t]
+            part_ml[split, row // group, hkv * group + row % group, 1] = l_s[t]
+
+    return kernel
+
+
+@cuda.jit
+def _combine_kernel(part_o, part_ml, n_splits, meta, out):
+    # one block per (query, q head); splits that saw no key (l == 0) are skipped, so
+    # their never-written accumulators are never read
+    i = cuda.blockIdx.x
+    hq = cuda.blockIdx.y
+    if i >= meta[1]:
+        return
+    big_m = -math.inf
+    for s in range(n_splits):
+        if part_ml[s, i, hq, 1] > 0:
+            big_m = max(big_m, part_ml[s, i, hq, 0])
+    den = np.float32(0.0)
+    for s in range(n_splits):
+        ls = part_ml[s, i, hq, 1]
+        if ls > 0:
+            den += ls * math.exp(part_ml[s, i, hq, 0] - big_m)
+    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        o = np.float32(0.0)
+        for s in range(n_splits):
+            if part_ml[s, i, hq, 1] > 0:
+                o += part_o[s, i, hq, d] * math.exp(part_ml[s, i, hq, 0] - big_m)
+        out[i, hq, d] = o / den
+
+
+def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
+                   max_splits: int | None = None) -> dict:
+    """Launch geometry for n_q queries over n_keys keys (the largest context for a graph)."""
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
+    group = n_heads // n_kv_heads
+    nt = block_threads(128)
+    rows = n_q * group
+    qt = max(2, min(_qt_cap(head_dim), 1 << max(0, rows - 1).bit_length()))
+    if SIM:
+        qt = min(qt, 8)
+    n_tiles = ceil_div(rows, qt)
+    n_pages = max(1, ceil_div(n_keys, BLOCK))
+    n_splits = max(1, min(n_pages, ceil_div(_TARGET_BLOCKS, n_kv_heads * n_tiles)))
+    if max_splits is not None:
+        n_splits = min(n_splits, max_splits)
+    pps = ceil_div(n_pages, n_splits)
+    n_splits = ceil_div(n_pages, pps)
+    return dict(qt=qt, nt=nt, n_tiles=n_tiles, n_splits=n_splits, pages_per_split=pps)
+
+
+def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
+                         window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
+                         stream=0):
+    """Attention of N new queries over the paged pool (luce.kernels.paging layout).
+
+    q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
+    meta[1] = N (the new rows C..C+N-1 already written to the pool); kv_pos: device int32
+    position of every logical row; q_pos: device int32 [N]; mask_bits: device uint64 [N]
+    (tree_mask_bits) or None for causal (prefill/chain of any length); window: sliding
+    window (0: none). n_keys >= C + N sizes the split grid. Returns out f32 [N, Hq, D];
+    the same result as attention_ref.
+    """
+    n_q, n_heads, dim = q.shape
+    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits)
+    kernel = _attn_kernel(dim, plan["qt"], plan["nt"])
+    if out is None:
+        out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)
+    causal = 1 if mask_bits is None else 0
+    if mask_bits is None:
+        mask_bits = kv_pos  # never read when causal (numba needs an array here)
+    ns = plan["n_splits"]
+    direct = 1 if ns == 1 else 0
+    if direct:
+        part_o, part_ml = out, out  # never touched
+    else:
+        if scratch is None:
+            scratch = (cuda.device_array((ns, n_q, n_heads, dim), np.float32, stream=stream),
+                       cuda.device_array((ns, n_q, n_heads, 2), np.float32, stream=stream))
+        part_o, part_ml = scratch
+    grid = (ns, k_pool.shape[2], plan["n_tiles"])
+    kernel[grid, plan["nt"], stream](q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, mask_bits, causal,
+                                     window, np.float32(1.0 / math.sqrt(dim)), plan["pages_per_split"], direct,
+                                     out, part_o, part_ml)
+    if not direct:
+        _combine_kernel[(n_q, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
+    return out
+
+
+def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: int | None = None, out=None,
+                         max_splits: int | None = None):
+    """paged_attention_cuda over a device PagedKVCache after its write() of this layer."""
+    return paged_attention_cuda(q, cache.k_pool, cache.v_pool, cache.table_d, layer, cache.meta, cache.pos_d, q_pos,
+                                mask_bits, window=window or 0, n_keys=cache.n_past + cache.n_pending, out=out,
+                                max_splits=max_splits, stream=cache.stream)
