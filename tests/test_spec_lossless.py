@@ -1,0 +1,112 @@
+"""Greedy speculative decoding on SmolLM2-135M is token-for-token the plain greedy output,
+with a perfect draft (the model itself), a random-weight draft whose guesses are almost
+all wrong, and prompt lookup, under chain and DDTree verification."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import luce.spec as spec
+from luce.spec import DraftModel, PromptLookup, SpecOptions
+
+N_CTX = 256
+MAX_TOKENS = 24
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def random_draft_path(tmp_path_factory, smollm2_path):
+    import gguf
+
+    from luce.bench.synthetic import tiny, write_gguf
+    path = tmp_path_factory.mktemp("draft") / "random-draft.gguf"
+    return write_gguf(path, tiny("llama", 49152), types=lambda name: gguf.GGMLQuantizationType.F32, seed=3,
+                      tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    return smollm2.tokenize(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompt_ids):
+    return _run(smollm2, prompt_ids, SpecOptions(), None)[0]
+
+
+def _run(model, ids, opts, drafter, **params):
+    out, stats = [], None
+    for d in spec.stream(model, ids, opts, drafter, session=model.new_session(N_CTX), temperature=0,
+                         max_tokens=MAX_TOKENS, **params):
+        out += d.token_ids
+        stats = d.stats or stats
+    return out, stats
+
+
+def test_plain_output_is_long_enough(plain):
+    assert len(plain) == MAX_TOKENS  # otherwise the comparisons below prove little
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_perfect_draft(smollm2, prompt_ids, plain, mode):
+    out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=6), DraftModel(smollm2, n_ctx=N_CTX))
+    assert out == plain
+    # a draft identical to the target is accepted all the way: 1 + draft_max per forward
+    assert stats.acceptance_length > 5
+    assert stats.draft_s > 0 and stats.verify_s > 0
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_random_draft(smollm2, prompt_ids, plain, random_draft_path, mode):
+    import luce
+    draft = luce.load(random_draft_path, backend="cpu", n_ctx=N_CTX)
+    out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=4, ddtree_budget=8),
+                      DraftModel(draft, n_ctx=N_CTX))
+    assert out == plain
+    assert stats.target_forwards >= MAX_TOKENS - 2  # wrong guesses cost nothing but time
+
+
+@pytest.mark.parametrize("mode", ["lookup", "ddtree"])
+def test_prompt_lookup(smollm2, prompt_ids, plain, mode):
+    out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=6), PromptLookup())
+    assert out == plain
+    assert stats.target_forwards <= MAX_TOKENS
+
+
+def test_repeat_penalty_greedy(smollm2, prompt_ids):
+    # penalties make the greedy choice depend on each node's own path
+    base, _ = _run(smollm2, prompt_ids, SpecOptions(), None, repeat_penalty=1.3)
+    out, _ = _run(smollm2, prompt_ids, SpecOptions(mode="ddtree", draft_max=4), PromptLookup(), repeat_penalty=1.3)
+    assert out == base
+
+
+def test_tree_commit_matches_sequential_decode(smollm2, prompt_ids):
+    """Verify a branching tree, commit a path that skips rows, then decode: the logits
+    match a cache that decoded the same path token by token."""
+    from luce.spec.ddtree import Tree
+    m = smollm2
+    ref = m.new_session(N_CTX)
+    logits, _ = ref.prefill(prompt_ids)
+    path = []
+    for _ in range(3):
+        path.append(int(np.argmax(logits)))
+        logits = ref.decode(path[-1])
+    ref_next = ref.decode(7)
+
+    s = m.new_session(N_CTX)
+    s.prefill(prompt_ids)
+    # root = path[0]; the accepted path goes through nodes 1 and 4, decoys elsewhere
+    tree = Tree(tokens=np.array([11, path[1], 13, 14, path[2]]), parents=np.array([-1, -1, 0, 1, 1]),
+                depth=np.array([1, 1, 2, 2, 2]))
+    tokens, positions, mask = tree.forward_inputs(path[0], s.cache.n_past)
+    tree_logits = m.forward(s.cache, tokens, positions, mask=mask)
+    np.testing.assert_allclose(tree_logits[5], logits, rtol=1e-3, atol=1e-3)
+    s.cache.commit([0, 2, 5])
+    s.tokens += path
+    got = s.decode(7)
+    np.testing.assert_allclose(got, ref_next, rtol=1e-3, atol=1e-3)
+
+
+def test_auto_draft_without_a_declared_model_falls_back_to_lookup(smollm2):
+    from luce.spec import make_drafter
+    assert isinstance(make_drafter(smollm2, SpecOptions(mode="ddtree", draft="auto")), PromptLookup)
