@@ -580,9 +580,10 @@ def weight_u16(w_dev, qtype, n_cols: int):
     """The raw (rows, row_bytes) uint8 device weight as a flat uint16 array, and its rows."""
     w_dev = _as_device(w_dev)
     rb = row_bytes(qtype, n_cols)
-    if w_dev.dtype != np.uint8 or w_dev.size % rb:
+    shape = tuple(w_dev.shape)
+    if w_dev.dtype != np.uint8 or w_dev.size % rb or (len(shape) == 2 and shape[1] != rb):
         raise ValueError(f"weight: expected uint8 rows of {rb} bytes for {as_qtype(qtype).name} x {n_cols}, "
-                         f"got {w_dev.dtype} {w_dev.shape}")
+                         f"got {w_dev.dtype} {shape}")
     return w_dev.reshape(w_dev.size).view(np.uint16), w_dev.size // rb
 
 

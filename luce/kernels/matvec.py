@@ -56,6 +56,12 @@ else:
         return v
 
 
+@_dev
+def silu(y):
+    e = math.exp(-abs(y))  # never overflows
+    return y / (np.float32(1.0) + e) if y >= 0 else y * e / (np.float32(1.0) + e)
+
+
 def _batch_slots(nr: int) -> int:
     """Compiled batch width for nr rows: exact up to 8, then multiples of 8 (padding rows
     repeat the last row and are not stored)."""
@@ -132,7 +138,7 @@ def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, glu: bool, has_bias: bo
                 if r < nr:
                     y = acc[r]
                     if glu:
-                        y = y / (np.float32(1.0) + math.exp(-y)) * up[r]
+                        y = silu(y) * up[r]
                     if has_bias:
                         y += bias[row]
                     if has_res:
@@ -257,7 +263,7 @@ def matvec_ref(raw, qtype, x, bias=None, residual=None):
 def swiglu_ref(raw_gate, raw_up, qtype, x):
     g = matvec_ref(raw_gate, qtype, x).astype(np.float64)
     u = matvec_ref(raw_up, qtype, x).astype(np.float64)
-    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+    return (g * np.exp(-np.logaddexp(0.0, -g)) * u).astype(np.float32)  # sigmoid without overflow
 
 
 # ---------------------------------------------------------------------------------------
