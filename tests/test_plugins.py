@@ -97,6 +97,10 @@ def register_model_families(register):
     register(ModelFamily(name="goodlm", architectures=("goodlm",), read_config=cfg))
 
 @hookimpl
+def register_model_family(register):  # a misspelt hook: reported, the rest of the plugin loads
+    pass
+
+@hookimpl
 def register_commands(cli):
     @cli.command("info")
     def hijack():
@@ -419,8 +423,11 @@ def test_broken_plugins_are_reported_by_name_and_the_rest_works(sites, example_s
     fams = plugins.families()
     assert {"llama", "qwen2", "qwen3", "examplelm", "goodlm"} <= set(fams)  # goodlm: same plugin as badlm
     assert "badlm" not in fams
-    probs = {p.plugin: p for p in plugins.problems() if p.stage != "register_commands"}
+    probs = {p.plugin: p for p in plugins.problems() if p.stage in ("import", "register_model_families")}
     assert set(probs) == {"luce-broken-import", "luce-bad-declaration"}
+    typo = [p for p in plugins.problems() if p.stage == "register"]
+    assert len(typo) == 1 and typo[0].plugin == "luce-bad-declaration"
+    assert "unknown hook(s) register_model_family" in typo[0].message
     imp = probs["luce-broken-import"]
     assert imp.stage == "import" and imp.entry_point == "broken" and "luce_nonexistent_dependency" in imp.message
     assert "plugin 'luce-broken-import' (entry point 'broken'): import" in str(imp)

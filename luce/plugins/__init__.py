@@ -167,7 +167,7 @@ def _build() -> _State:
     st.plugins.append(info)
 
     for ep, dist, version in _entry_points():
-        if _canon(dist) == BUILTIN:
+        if ep.value == "luce.plugins.builtin":  # luce's own, already registered above
             continue
         if not _selected(ep.name, dist):
             continue
@@ -183,14 +183,26 @@ def _build() -> _State:
         except Exception as e:  # pluggy.PluginValidationError: a hookimpl that doesn't fit its spec
             _problem(st, info, "register", _short(e))
             continue
-        if not pm.get_hookcallers(obj):
-            _problem(st, info, "register", f"{ep.value!r} implements no luce hook (mark functions with "
-                                           "luce.plugins.hookimpl and name them after the hooks)")
+        callers = pm.get_hookcallers(obj) or []
+        unknown = sorted(c.name for c in callers if c.spec is None)
+        if unknown:
+            _problem(st, info, "register", f"unknown hook(s) {', '.join(unknown)} (luce's hooks: "
+                                           f"{', '.join(_hook_names())})")
+        if len(unknown) == len(callers):
+            if not callers:
+                _problem(st, info, "register", f"{ep.value!r} implements no luce hook (mark functions with "
+                                               "luce.plugins.hookimpl and name them after the hooks)")
+            pm.unregister(obj)
+            continue
         info.loaded = True
 
     _call_families(st)
     _call_kernels(st)
     return st
+
+
+def _hook_names() -> list[str]:
+    return sorted(n for n in dir(hookspecs) if n.startswith("register_"))
 
 
 def _impls(st: _State, hook: str):
