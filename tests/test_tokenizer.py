@@ -399,9 +399,11 @@ def test_sentencepiece_without_space_prefix():
 
 
 def test_unsupported_tokenizers_fail_clearly():
-    with pytest.raises(NotImplementedError, match="t5"):
+    from luce.text.tokenizer import UnsupportedTokenizerError
+
+    with pytest.raises(UnsupportedTokenizerError, match="t5"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.raises(NotImplementedError, match="no-such-pre"):
+    with pytest.raises(ValueError, match="no-such-pre"):
         tiny_bpe("no-such-pre")
 
 

@@ -30,8 +30,11 @@ from typing import Any, Iterable, Mapping, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from luce.errors import LuceError
+
 __all__ = [
     "Tokenizer",
+    "UnsupportedTokenizerError",
     "read_tokenizer_metadata",
     "clean_up_spaces",
     "SUPPORTED_PRE",
@@ -47,6 +50,10 @@ __all__ = [
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 _SPM_SPACE = "\u2581"
+
+
+class UnsupportedTokenizerError(LuceError, ValueError):
+    """The GGUF describes a tokenizer type or pre-tokenizer luce does not implement."""
 
 # --------------------------------------------------------------------------- #
 # Pre-tokenizer splits, per tokenizer.ggml.pre (from llama.cpp's llm_tokenizer_bpe).
@@ -296,6 +303,11 @@ def _as_list(value) -> list:
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
+def _text(value) -> str:
+    # Readers differ: some hand GGUF strings over as bytes.
+    return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
 def _valid_id(value, n_vocab: int) -> int | None:
     if value is None:
         return None
@@ -308,13 +320,14 @@ class Tokenizer:
 
     def __init__(self, meta: Mapping[str, Any]):
         model = meta.get("tokenizer.ggml.model")
+        model = _text(model) if model is not None else None
         if model not in ("gpt2", "llama"):
-            raise NotImplementedError(
+            raise UnsupportedTokenizerError(
                 f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2' byte-level BPE "
                 "and 'llama' SentencePiece)"
             )
         self.model: str = model
-        tokens = [str(t) for t in _as_list(meta["tokenizer.ggml.tokens"])]
+        tokens = [_text(t) for t in _as_list(meta["tokenizer.ggml.tokens"])]
         n = len(tokens)
         types = meta.get("tokenizer.ggml.token_type")
         types = [int(t) for t in _as_list(types)] if types is not None else [TOKEN_NORMAL] * n
@@ -324,16 +337,16 @@ class Tokenizer:
         self._types = types
 
         if model == "gpt2":
-            pre_name = meta.get("tokenizer.ggml.pre") or "default"
+            pre_name = _text(meta.get("tokenizer.ggml.pre") or "default")
             if pre_name not in _PRE:
-                raise NotImplementedError(
+                raise UnsupportedTokenizerError(
                     f"tokenizer.ggml.pre={pre_name!r} is not supported; known: {sorted(_PRE)}"
                 )
             self.pre: str = pre_name
             pre = _PRE[pre_name]
             add_bos_default, add_space_default, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
         else:
-            self.pre = meta.get("tokenizer.ggml.pre") or "default"
+            self.pre = _text(meta.get("tokenizer.ggml.pre") or "default")
             pre = None
             add_bos_default, add_space_default, self.clean_spaces = True, True, False
 
@@ -420,6 +433,7 @@ class Tokenizer:
             merges = []
             raw_merges = meta.get("tokenizer.ggml.merges")
             for m in _as_list(raw_merges) if raw_merges is not None else []:
+                m = _text(m)
                 cut = m.find(" ", 1)
                 left, right = m[:cut], m[cut + 1 :]
                 if cut > 0 and left in vocab and right in vocab and left + right in vocab:
@@ -461,7 +475,7 @@ class Tokenizer:
         """Every split of a normal token into two normal tokens, best score first."""
         raw_merges = meta.get("tokenizer.ggml.merges")
         if raw_merges is not None and len(raw_merges):
-            return [tuple(m.split(" ", 1)) for m in _as_list(raw_merges)]
+            return [tuple(_text(m).split(" ", 1)) for m in _as_list(raw_merges)]
         tokens, types = self._tokens, self._types
         raw_scores = meta.get("tokenizer.ggml.scores")
         # Without scores, file order is the usual merge priority.
