@@ -2,8 +2,9 @@
 
 Text is emitted only once it can no longer change: an incomplete UTF-8
 sequence (a character split across byte-level or `<0xXX>` tokens) waits for
-its remaining bytes, and when the tokenizer cleans up spaces (" ." -> "."),
-a trailing space that may yet be removed waits for the next character.
+its remaining bytes, and when the tokenizer cleans up spaces (" ." -> ".",
+" n't" -> "n't"), a space that the next few characters may still remove
+waits for them.
 The concatenation of every push() and the final flush() is exactly
 `tokenizer.decode(all_ids, skip_special)`.
 """
