@@ -127,6 +127,18 @@ CASES = {
     "bare json list": ('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "write_file", '
                        '"arguments": {"path": "p"}}]', {},
                        [call("get_weather", {"city": "A"}), call("write_file", {"path": "p"}, 1)]),
+    "fenced json call (Qwen2.5-Coder-0.5B)": (
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "days": 3\n  }\n}\n```',
+        {}, [call("get_weather", {"city": "Paris", "days": 3})]),
+    "fenced call, then text": ('```\n{"name": "get_weather", "arguments": {"city": "A"}}\n```\nDone.', {},
+                               [call("get_weather", {"city": "A"}), TextDelta("Done.")]),
+    "fenced json answer is content": ('```json\n{"city": "A"}\n```', {}, [TextDelta('```json\n{"city": "A"}\n```')]),
+    "fenced call without closing fence is content": (
+        '```json\n{"name": "get_weather", "arguments": {}} trailing', {},
+        [TextDelta('```json\n{"name": "get_weather", "arguments": {}} trailing')]),
+    "python fence is content": ("```python\nprint({'a': 1})\n```", {}, [TextDelta("```python\nprint({'a': 1})\n```")]),
+    "fence without tools is content": ('```json\n{"name": "get_weather", "arguments": {}}\n```', {"tools": None},
+                                       [TextDelta('```json\n{"name": "get_weather", "arguments": {}}\n```')]),
     "json answer is content": ('{"answer": 42, "name": "x"}', {}, [TextDelta('{"answer": 42, "name": "x"}')]),
     "json with unknown tool name is content": ('{"name": "rm_rf", "parameters": {}}', {},
                                               [TextDelta('{"name": "rm_rf", "parameters": {}}')]),
@@ -268,3 +280,24 @@ def test_block_structure(text, expected):
     assert streamed(list(text)) == expected
     for i in range(len(text) + 1):
         assert streamed([text[:i], text[i:]]) == expected
+
+
+FUZZ_PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "</function>",
+               "<parameter=days>", "</parameter>", '{"name": "get_weather", "arguments": {"days": "1"}}',
+               '{"name": "write_file", "parameters": {"path": 2}}', "{", "}", "[", "]", '"', "\\", ";", " ", "\n",
+               "hello", "é🌍", "<", "<t", "<|python_tag|>", "x", '{"answer": 1}', "<think", "</th", "```json\n", "```"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"starts_in_reasoning": True}, {"tool_format": "json"},
+                                {"tool_format": "qwen3_coder", "reasoning": False}, {"tool_format": None, "tools": None}],
+                         ids=["auto", "in-reasoning", "json", "xml", "off"])
+def test_random_outputs_any_cut(kw):
+    # outputs stitched from markup fragments: cut anywhere, the events must not change
+    rng = random.Random(str(kw))
+    for _ in range(300):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(1, 10)))
+        whole = streamed([text], **kw)
+        cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(1, 6))})
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert streamed(pieces, **kw) == whole, pieces
+        assert streamed(list(text), **kw) == whole, text

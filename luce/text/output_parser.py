@@ -13,7 +13,7 @@ Formats read:
   also without the ``<tool_call>`` wrapper, which that model sometimes drops;
 - Llama 3.x: the whole output (optionally after ``<|python_tag|>``) is
   ``{"name": ..., "parameters"|"arguments": {...}}``, a list of them, or several
-  separated by ``;``.
+  separated by ``;``; also inside a ```json fence, as small Qwen2.5-Coder models write it.
 
 Rules, so that clients never see half a tag and never lose a real answer:
 - Text that might be the start of a tag is held back until the next piece decides it.
@@ -162,6 +162,9 @@ class OutputParser:
         self._scan = 0            # where the search for a closing tag resumes
         self._xscan = 0           # how far a structural scan has looked for a new ">"
         self._jscan: _JsonScanner | None = None  # bare JSON being read
+        self._jstart = 0          # where that JSON starts (after a ``` fence)
+        self._jend: int | None = None
+        self._jcalls = None
         self._tscan: _JsonScanner | None = None  # a JSON object inside <tool_call>
         self._tnext = -1          # where the <tool_call> walk resumes
         self._tcount = 0          # objects seen in the current <tool_call>
@@ -230,10 +233,18 @@ class OutputParser:
                     return True
             if not final and any(tag.startswith(head) for tag in openers):
                 return False
+            fence = 0
+            if self._bare_json and head[0] == "`":
+                # Small models (Qwen2.5-Coder-0.5B) put the call in a ```json block.
+                m = _FENCE_OPEN.match(head)
+                if m and m.end() < len(head):
+                    fence = m.end() if head[m.end()] in "{[" else 0
+                elif not final and (m or _FENCE_PARTIAL.fullmatch(head)):
+                    return False
             self._buf = head
             self._start = self._first = self._after_json = False
-            if self._bare_json and head[0] in "{[":
-                self._enter_json()
+            if self._bare_json and (fence or head[0] in "{["):
+                self._enter_json(fence)
             return True
 
         hit = None
@@ -437,34 +448,47 @@ class OutputParser:
                 else:
                     return _INVALID
 
-    def _enter_json(self):
+    def _enter_json(self, start: int = 0):
         self._mode = _JSON
-        self._jscan = None
+        self._jscan, self._jstart, self._jend, self._jcalls = None, start, None, None
 
     def _json(self, final: bool, ev: list[Event]) -> bool:
-        if self._jscan is None:
-            self._buf = self._buf.lstrip()
-        buf = self._buf
-        if not buf:
+        if self._jscan is None and not self._jstart:
+            self._buf = self._buf.lstrip()  # after <|python_tag|>
+        buf, start = self._buf, self._jstart
+        if len(buf) <= start:
             if final:
                 self._mode, self._start = _CONTENT, False
             return False
-        verdict = _json_head_verdict(buf)
-        if verdict and self._jscan is None:
-            self._jscan = _JsonScanner(0)
-        end = self._jscan.end(buf) if verdict else None
-        calls = None
-        if end is not None:
-            calls = self._json_calls(buf[:end])
-        elif verdict and not final:
-            return False
+        calls, after = None, None
+        verdict = _json_head_verdict(buf[start:])
+        if verdict:
+            if self._jscan is None:
+                self._jscan = _JsonScanner(start)
+            if self._jend is None:
+                self._jend = self._jscan.end(buf)
+                if self._jend is not None:
+                    self._jcalls = self._json_calls(buf[start:self._jend])
+            if self._jend is None:
+                if not final:
+                    return False
+            elif self._jcalls is not None:
+                calls, after = self._jcalls, self._jend
+                if start:  # the closing fence must follow
+                    k = len(buf) - len(buf[after:].lstrip())
+                    if buf.startswith("```", k):
+                        after = k + 3
+                    elif not final and _could_become(buf, k, "```"):
+                        return False
+                    else:
+                        calls = None
         if calls is None:
-            # not a tool call after all: the held text is content
+            # not a tool call after all: the held text (fence included) is content
             self._mode, self._start = _CONTENT, False
             return True
         for name, args in calls:
             ev.append(self._call(name, args))
-        self._buf = buf[end:]
+        self._buf = buf[after:]
         self._mode, self._start, self._after_json = _CONTENT, True, True
         return True
 
@@ -544,6 +568,8 @@ def _tool_schemas(tools) -> dict[str, dict]:
     return out
 
 
+_FENCE_OPEN = re.compile(r"```(?:json|JSON)?[ \t]*\n\s*")
+_FENCE_PARTIAL = re.compile(r"`{1,3}|```(?:j(?:s(?:o(?:n)?)?)?|J(?:S(?:O(?:N)?)?)?)?[ \t]*")
 _JSON_STRUCT = re.compile(r'["{}\[\]]')
 _JSON_STRING_STOP = re.compile(r'["\\]')
 
