@@ -96,11 +96,13 @@ _TARGET_BLOCKS = 264  # two waves over the H200's 132 SMs
 @functools.lru_cache(maxsize=None)
 def _attn_kernel(dim: int, qt: int, nt: int):
     ept = qt * dim // nt  # output elements a thread accumulates in registers
-    kv_stride = dim + 2  # padded rows: threads reading different keys hit different banks
+    dim2 = dim // 2  # the pool travels as uint32 pairs of f16: 4-byte loads, not 2
+    # rows padded by one word: threads reading different keys hit different banks
+    kv_words = dim2 + 1
     assert ept * nt == qt * dim
 
     @cuda.jit
-    def kernel(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
+    def kernel(q, k32, v32, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
                pages_per_split, direct, out, part_o, part_ml):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
@@ -109,12 +111,13 @@ def _attn_kernel(dim: int, qt: int, nt: int):
         n_ctx = meta[0]
         n_new = meta[1]
         n_keys = n_ctx + n_new
-        group = q.shape[1] // k_pool.shape[2]
+        group = q.shape[1] // k32.shape[2]
         n_rows = n_new * group
         r0 = tile * qt
 
         qs = cuda.shared.array((qt, dim), np.float32)
-        kv = cuda.shared.array((BLOCK, kv_stride), np.float16)
+        kv32 = cuda.shared.array((BLOCK, kv_words), np.uint32)
+        kv = kv32.view(np.float16)
         sc = cuda.shared.array((qt, BLOCK), np.float32)
         m_s = cuda.shared.array(qt, np.float32)
         l_s = cuda.shared.array(qt, np.float32)
@@ -158,8 +161,8 @@ def _attn_kernel(dim: int, qt: int, nt: int):
             if window > 0 and j0 + BLOCK <= n_ctx and kv_pos[j0 + BLOCK - 1] <= min_qpos - window:
                 continue  # uniform over the block: no barrier is skipped by only some threads
             slot = table[page]
-            for e in range(t, BLOCK * dim, nt):
-                kv[e // dim, e % dim] = k_pool[slot, layer, hkv, e // dim, e % dim]
+            for e in range(t, BLOCK * dim2, nt):
+                kv32[e // dim2, e % dim2] = k32[slot, layer, hkv, e // dim2, e % dim2]
             cuda.syncthreads()
 
             for p in range(t, qt * BLOCK, nt):
@@ -188,12 +191,12 @@ def _attn_kernel(dim: int, qt: int, nt: int):
             # V replaces K in the tile buffer while the row owners do the softmax bookkeeping.
             # Rows past the last key are zeroed: unwritten pool memory may hold NaN, and
             # 0 * NaN would leak into the output.
-            for e in range(t, BLOCK * dim, nt):
-                kk = e // dim
+            for e in range(t, BLOCK * dim2, nt):
+                kk = e // dim2
                 if j0 + kk < key_end:
-                    kv[kk, e % dim] = v_pool[slot, layer, hkv, kk, e % dim]
+                    kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
                 else:
-                    kv[kk, e % dim] = np.float16(0.0)
+                    kv32[kk, e % dim2] = np.uint32(0)
             if t < qt:
                 m_old = m_s[t]
                 mx = m_old
@@ -215,14 +218,14 @@ def _attn_kernel(dim: int, qt: int, nt: int):
                     m_s[t] = mx
             cuda.syncthreads()
 
+            # keys outermost so the short constant loop over acc unrolls and acc stays in
+            # registers (with the long loop inside, acc spills to local memory)
             for e in range(ept):
-                idx = t + e * nt
-                r = idx // dim
-                d = idx % dim
-                o = acc[e] * a_s[r]
-                for kk in range(BLOCK):
-                    o += sc[r, kk] * np.float32(kv[kk, d])
-                acc[e] = o
+                acc[e] *= a_s[(t + e * nt) // dim]
+            for kk in range(BLOCK):
+                for e in range(ept):
+                    idx = t + e * nt
+                    acc[e] += sc[idx // dim, kk] * np.float32(kv[kk, idx % dim])
             cuda.syncthreads()
 
         for e in range(ept):
@@ -321,7 +324,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
                        cuda.device_array((ns, n_q, n_heads, 2), np.float32, stream=stream))
         part_o, part_ml = scratch
     grid = (ns, k_pool.shape[2], plan["n_tiles"])
-    kernel[grid, plan["nt"], stream](q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, mask_bits, causal,
+    kernel[grid, plan["nt"], stream](q, k_pool.view(np.uint32), v_pool.view(np.uint32), table, layer, meta, kv_pos, q_pos, mask_bits, causal,
                                      window, np.float32(1.0 / math.sqrt(dim)), plan["pages_per_split"], direct,
                                      out, part_o, part_ml)
     if not direct:
