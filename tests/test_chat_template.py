@@ -9,7 +9,7 @@ import pytest
 
 from luce.errors import LuceError
 from luce.text.chat_format import (default_template_kwargs, detect_chat_format, make_output_parser,
-                                   prompt_opens_reasoning)
+                                   prompt_opens_reasoning, supports_tools)
 from luce.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from luce.text.output_parser import ReasoningDelta, TextDelta, ToolCall, coalesce
 
@@ -223,6 +223,7 @@ def test_detect_chat_format():
         f = detect_chat_format(fixture(name))
         assert (f.name, f.tool_format, f.reasoning) == (fmt, tool_format, reasoning), name
     assert detect_chat_format(None).name == "generic"
+    assert [supports_tools(fixture(n)) for n in (SMOLLM2, QWEN25_CODER, QWEN3_CODER, LLAMA33)] == [False, True, True, True]
     assert default_template_kwargs(fixture(LLAMA33), datetime.datetime(2026, 3, 5)) == {"date_string": "05 Mar 2026"}
     assert default_template_kwargs(fixture(QWEN3)) == {}
 

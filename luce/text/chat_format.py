@@ -13,7 +13,7 @@ from datetime import datetime
 from .output_parser import OutputParser
 
 __all__ = ["ChatFormat", "detect_chat_format", "prompt_opens_reasoning", "make_output_parser",
-           "default_template_kwargs"]
+           "default_template_kwargs", "supports_tools"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,13 @@ def detect_chat_format(template_source: str | None) -> ChatFormat:
         # tools in the Hermes format, and "auto" reads that as well as the others
         return ChatFormat("chatml", "auto", reasoning)
     return ChatFormat("generic", "auto", reasoning)
+
+
+def supports_tools(template_source: str | None) -> bool:
+    """Whether the template shows tools to the model at all. SmolLM2's does not: a
+    request with tools would reach the model without them, so a server may prefer
+    `ChatTemplate.chatml()`, which offers them in the Hermes format, for such requests."""
+    return bool(template_source) and "tools" in template_source
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:

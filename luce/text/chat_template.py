@@ -25,13 +25,10 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-try:
-    from ..errors import LuceError
-except ImportError:  # keeps this module usable on its own
-    class LuceError(Exception):  # type: ignore[no-redef]
-        pass
+from ..errors import LuceError
 
-__all__ = ["ChatTemplate", "TemplateError", "CHATML_TEMPLATE", "normalize_messages", "normalize_tools"]
+__all__ = ["ChatTemplate", "TemplateError", "CHATML_TEMPLATE", "normalize_messages", "normalize_tools",
+           "read_gguf_chat_metadata"]
 
 # Bounds on what one render may build; real templates stay far below them.
 MAX_OUTPUT_CHARS = 16 * 1024 * 1024
