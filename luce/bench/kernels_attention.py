@@ -1,0 +1,126 @@
+"""Attention kernel benchmark rows for `luce bench kernels`: decode vs tree verification
+(23 nodes) over an 8K paged context at Qwen3-8B shapes (32 q heads, 8 kv heads, head_dim
+128), timed with CUDA events.
+
+Eager numba launches cost 20-80 us of host time each (shared/gpu/NOTES.md), more than a
+decode attention kernel, so each timing replays the launches from a captured CUDA graph
+when cuda.bindings allows it ("mode": "graph") and falls back to back-to-back eager
+launches ("mode": "eager", an upper bound) otherwise.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+QWEN3_8B = dict(n_heads=32, n_kv_heads=8, head_dim=128)
+
+
+def _ptr(handle) -> int:
+    if hasattr(handle, "value"):  # ctypes handle
+        return handle.value or 0
+    return int(handle)
+
+
+def _time_graph(launch, stream, reps: int) -> float:
+    """Mean us per launch() replayed from one captured graph of `reps` launches."""
+    from cuda.bindings import driver as drv
+    from numba import cuda
+    h = drv.CUstream(_ptr(stream.handle))
+
+    def check(res):
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+    check(drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    try:
+        for _ in range(reps):
+            launch()
+    finally:
+        graph = check(drv.cuStreamEndCapture(h))
+    gexec = check(drv.cuGraphInstantiate(graph, 0))
+    check(drv.cuGraphLaunch(gexec, h))  # warm
+    stream.synchronize()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    check(drv.cuGraphLaunch(gexec, h))
+    end.record(stream)
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    drv.cuGraphExecDestroy(gexec)
+    drv.cuGraphDestroy(graph)
+    return ms * 1e3 / reps
+
+
+def _time_eager(launch, stream, reps: int) -> float:
+    from numba import cuda
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    for _ in range(reps):
+        launch()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
+                    prefill: int = 512, seed: int = 0) -> list[dict]:
+    """Rows {name, shape, time_us, gbps, mode, n_splits}: decode (1 query), decode without
+    sequence splits, tree verification (tree_nodes queries, a random tree) and a causal
+    prefill chain of `prefill` tokens, all over `context` committed rows; gbps counts the K/V
+    bytes the kernel must read (f16 K and V of every visible row, once)."""
+    from numba import cuda
+
+    from ..kernels.attention import attention_plan, paged_attention_cuda, tree_mask, tree_mask_bits
+    from ..kernels.paging import BLOCK
+
+    sh = dict(QWEN3_8B if shape is None else shape)
+    hq, hkv, d = sh["n_heads"], sh["n_kv_heads"], sh["head_dim"]
+    rng = np.random.default_rng(seed)
+    max_new = max(prefill, tree_nodes)
+    n_blocks = math.ceil((context + max_new) / BLOCK)
+    stream = cuda.stream()
+    pool_shape = (n_blocks, 1, hkv, BLOCK, d)
+    k_pool = cuda.to_device(rng.standard_normal(pool_shape).astype(np.float16), stream=stream)
+    v_pool = cuda.to_device(rng.standard_normal(pool_shape).astype(np.float16), stream=stream)
+    table = cuda.to_device(rng.permutation(n_blocks).astype(np.int32), stream=stream)  # scattered slots
+    kv_pos = cuda.to_device(np.arange(context + max_new, dtype=np.int32), stream=stream)
+
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, tree_nodes)])
+    cases = [("decode", 1, np.ones((1, 1), bool), None),
+             ("decode_nosplit", 1, np.ones((1, 1), bool), 1),
+             (f"tree{tree_nodes}", tree_nodes, tree_mask(parents), None),
+             (f"prefill{prefill}", prefill, None, None)]
+    rows = []
+    for name, n, mask, max_splits in cases:
+        q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
+        q_pos = cuda.to_device(np.arange(context, context + n, dtype=np.int32), stream=stream)
+        meta = cuda.to_device(np.array([context, n, 0, 0], np.int32), stream=stream)
+        bits = None if mask is None else cuda.to_device(tree_mask_bits(mask), stream=stream)
+        out = cuda.device_array((n, hq, d), np.float32, stream=stream)
+        plan = attention_plan(n, hq, hkv, d, context + n, max_splits)
+        ns = plan["n_splits"]
+        scratch = (cuda.device_array((ns, n, hq, d), np.float32, stream=stream),
+                   cuda.device_array((ns, n, hq, 2), np.float32, stream=stream))
+
+        def launch():
+            paged_attention_cuda(q, k_pool, v_pool, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n,
+                                 out=out, scratch=scratch, max_splits=max_splits, stream=stream)
+
+        launch()  # compile
+        stream.synchronize()
+        try:
+            us, mode = _time_graph(launch, stream, reps), "graph"
+        except Exception:  # no cuda.bindings driver API, or capture refused
+            us, mode = _time_eager(launch, stream, reps), "eager"
+        kv_bytes = (context + n) * hkv * d * 2 * 2
+        rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}", time_us=round(us, 2),
+                         gbps=round(kv_bytes / (us * 1e-6) / 1e9, 1), mode=mode, n_splits=ns))
+    return rows
+
+
+if __name__ == "__main__":
+    for row in bench_attention():
+        print(row)
