@@ -21,7 +21,9 @@ __all__ = [
     "cache_dir",
     "qwen_coder_05b_path",
     "gemma3_270m_path",
+    "qwen_coder_15b_path",
     "QWEN_CODER_05B_PACKAGES",
+    "QWEN_CODER_15B_PACKAGES",
     "GEMMA3_270M_PACKAGES",
 ]
 
