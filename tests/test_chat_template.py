@@ -352,3 +352,61 @@ def test_make_output_parser_reads_drifting_formats_and_open_think():
     assert [(e.name, e.arguments) for e in events] == [("get_weather", {"city": "Oslo", "days": 1})]
     p = make_output_parser(fixture(DEEPSEEK_R1), "<｜Assistant｜><think>\n", tools=None)
     assert coalesce(p.feed("hmm\n</think>\n\nYes.") + p.finish()) == [ReasoningDelta("hmm"), TextDelta("Yes.")]
+
+
+def test_namespace_and_dict_stand_ins():
+    assert render_src("{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}") == "2"
+    assert render_src("{{ dict(a=1)|tojson }}|{{ dict.fromkeys(['k'], 0)|tojson }}") == '{"a": 1}|{"k": 0}'
+    with pytest.raises(TemplateError, match="not allowed"):
+        ChatTemplate("{% set ns = namespace() %}{% set ns.__dict__ = 1 %}")
+    with pytest.raises(TemplateError, match="sandbox"):
+        render_src("{% set ns = namespace(_x=1) %}")
+    with pytest.raises(TemplateError):
+        render_src("{{ dict.mro() }}")
+
+
+def test_caller_objects_reach_templates_as_plain_data():
+    fired = []
+
+    class Tool:
+        def run(self):
+            fired.append(1)
+            return "ran"
+
+    with pytest.raises(TemplateError):
+        render_src("{{ thing.run() }}", thing=Tool())
+    assert render_src("{{ thing }}", thing=Tool()) == "<Tool>"
+    assert not fired
+
+
+def test_reasoning_field_aliases():
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", key: "thought"}]
+        out = template(QWEN3).render(history, add_generation_prompt=False)
+        assert "<think>\nthought\n</think>\n\nA<|im_end|>" in out, key
+
+
+HF_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi é"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+         "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+     {"role": "assistant", "content": "It is 21."}, {"role": "user", "content": "Thanks"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nA"},
+     {"role": "user", "content": "again"}],
+]
+
+
+@pytest.mark.parametrize("name", [SMOLLM2, QWEN25_CODER, QWEN3, QWEN3_CODER, LLAMA33])
+def test_same_prompt_as_transformers(name):
+    # transformers' own renderer is the reference these templates were written against
+    hf = pytest.importorskip("transformers.utils.chat_template_utils")
+    src = fixture(name)
+    for conv in HF_CONVERSATIONS:
+        for tools in (None, TOOLS):
+            for extra in ({}, {"enable_thinking": False}):
+                want = hf.render_jinja_template([conv], tools=tools, chat_template=src, add_generation_prompt=True,
+                                                bos_token="<s>", eos_token="</s>", **extra)[0][0]
+                got = ChatTemplate(src, bos_token="<s>", eos_token="</s>").render(conv, tools=tools, **extra)
+                assert got == want

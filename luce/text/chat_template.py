@@ -102,18 +102,62 @@ def _strftime_now(fmt):
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> _Sandbox:
+    if _version_tuple(jinja2.__version__) < (3, 1, 6):
+        # earlier releases have published sandbox escapes (through str.format and |attr)
+        raise TemplateError(f"jinja2 {jinja2.__version__} is too old to run untrusted chat templates; "
+                            "pip install 'jinja2>=3.1.6'")
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False,
                    extensions=[jinja2.ext.loopcontrols, _GenerationTag],
                    undefined=jinja2.Undefined)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    # The stock globals are the real `dict` type and jinja's Namespace; like transformers,
+    # hand templates stand-ins that do the same jobs and expose nothing else.
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env
 
 
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+class _TemplateDict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing "_" names, which could shadow its internals."""
+
+    def __init__(*args, **kwargs):  # same signature trick as Namespace: `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
 def _check_static(ast: jinja2.nodes.Template) -> None:
-    for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
-        if isinstance(node, jinja2.nodes.Getattr):
+    for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.NSRef)):
+        if isinstance(node, (jinja2.nodes.Getattr, jinja2.nodes.NSRef)):
             name = node.attr
         elif isinstance(node.arg, jinja2.nodes.Const) and isinstance(node.arg.value, str):
             name = node.arg.value
@@ -224,6 +268,30 @@ def _tool_call(call: dict, where: str) -> dict:
     return out
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _plain(value):
+    """`value` rebuilt from plain JSON types. Templates are untrusted and the sandbox only
+    knows the methods of builtin types; an object from a caller (an enum, a pydantic
+    model, an array) could offer a method that does harm, so it becomes a placeholder."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
 def normalize_messages(messages: list[dict], none_content: str | None = None) -> list[dict]:
     """Copies of the messages in the shape templates are written for: string content
     (text-part lists joined; a missing or null content becomes `none_content`) and tool
@@ -232,10 +300,14 @@ def normalize_messages(messages: list[dict], none_content: str | None = None) ->
     if not isinstance(messages, (list, tuple)):
         raise TemplateError("messages must be a list")
     out = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(_plain(list(messages))):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TemplateError(f"message {i}: must be an object with a string 'role'")
         msg = dict(m)
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            # clients name it differently; Qwen3-style templates read reasoning_content, gpt-oss thinking
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
         content = _content_text(m.get("content"), m["role"])
         msg["content"] = none_content if content is None else content
         calls = m.get("tool_calls")
@@ -255,7 +327,7 @@ def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
         # None, not []: Llama 3 templates test `tools is not none` to enable tool use
         return None
     out = []
-    for i, t in enumerate(tools):
+    for i, t in enumerate(_plain(list(tools))):
         if not isinstance(t, dict):
             raise TemplateError(f"tool {i}: must be an object")
         if isinstance(t.get("function"), dict):
@@ -309,7 +381,7 @@ class ChatTemplate:
         clash = _RESERVED & extra.keys()
         if clash:
             raise TemplateError(f"extra template variables may not replace {sorted(clash)}")
-        variables: dict[str, Any] = dict(extra)
+        variables: dict[str, Any] = _plain(dict(extra))
         variables.update(messages=normalize_messages(messages), tools=normalize_tools(tools),
                          add_generation_prompt=bool(add_generation_prompt),
                          bos_token=self.bos_token, eos_token=self.eos_token)
