@@ -3,7 +3,8 @@
 The template a GGUF carries shows which tool-call syntax the model was trained on and
 whether it thinks in ``<think>`` blocks; the rendered prompt shows whether the template
 already opened one. This module turns those into `OutputParser` settings, so the server
-need not know model families by name.
+need not know model families by name. (A family's declared format lives in
+`luce.models.family.ChatFormat`; this reads what the model file itself says.)
 """
 from __future__ import annotations
 
@@ -12,31 +13,31 @@ from datetime import datetime
 
 from .output_parser import OutputParser
 
-__all__ = ["ChatFormat", "detect_chat_format", "prompt_opens_reasoning", "make_output_parser",
+__all__ = ["DetectedFormat", "detect_chat_format", "prompt_opens_reasoning", "make_output_parser",
            "default_template_kwargs", "supports_tools"]
 
 
 @dataclass(frozen=True)
-class ChatFormat:
+class DetectedFormat:
     name: str                 # "qwen3_coder", "hermes", "llama3", "chatml", "generic"
     tool_format: str | None   # OutputParser's tool_format
     reasoning: bool           # the model may open <think> blocks
 
 
-def detect_chat_format(template_source: str | None) -> ChatFormat:
+def detect_chat_format(template_source: str | None) -> DetectedFormat:
     src = template_source or ""
     reasoning = "<think>" in src or "</think>" in src
     if "<function=" in src and "<parameter=" in src:
-        return ChatFormat("qwen3_coder", "qwen3_coder", reasoning)
+        return DetectedFormat("qwen3_coder", "qwen3_coder", reasoning)
     if "<tool_call>" in src:
-        return ChatFormat("hermes", "hermes", reasoning)
+        return DetectedFormat("hermes", "hermes", reasoning)
     if "<|start_header_id|>" in src and ("ipython" in src or '"parameters"' in src):
-        return ChatFormat("llama3", "json", reasoning)
+        return DetectedFormat("llama3", "json", reasoning)
     if "<|im_start|>" in src:
         # plain ChatML (SmolLM2): no trained tool syntax; luce's ChatML fallback offers
         # tools in the Hermes format, and "auto" reads that as well as the others
-        return ChatFormat("chatml", "auto", reasoning)
-    return ChatFormat("generic", "auto", reasoning)
+        return DetectedFormat("chatml", "auto", reasoning)
+    return DetectedFormat("generic", "auto", reasoning)
 
 
 def supports_tools(template_source: str | None) -> bool:
