@@ -1,0 +1,207 @@
+"""The CUDA kernels of norm/rope/activation/embedding/sampling/paging/attention on a real
+GPU at real shapes (Qwen3-8B: 32 q heads, 8 kv heads, head_dim 128, 8K context, a tree of
+23 nodes) against the numpy references.
+
+Run: NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu tests/gpu/test_kernels_gpu.py
+These are the only tests of the warp-shuffle reductions (luce.kernels._reduce), of
+128..1024-thread blocks, of head_dim 64/128/256 query tiles (8..64 rows) and of the
+8K-context split counts; the simulator tests (tests/kernels/) cover the same code with
+shared-memory reductions, one-warp blocks and small shapes.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(cuda.config.ENABLE_CUDASIM) or not cuda.is_available(),
+                       reason="needs a GPU: NUMBA_ENABLE_CUDASIM=0"),
+]
+
+from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref  # noqa: E402
+from luce.kernels.attention import (attention_cache_cuda, attention_ref, causal_mask, tree_mask,  # noqa: E402
+                                    tree_mask_bits)
+from luce.kernels.embedding import embed_cuda, embed_ref  # noqa: E402
+from luce.kernels.norm import rms_norm_cuda, rms_norm_ref  # noqa: E402
+from luce.kernels.rope import rope_cuda, rope_ref  # noqa: E402
+from luce.kernels.sampling import (apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,  # noqa: E402
+                                   token_counts, topk_cuda, topk_ref)
+from luce.kv.paged import PagedKVCache  # noqa: E402
+from luce.models.config import ROPE_ADJACENT, ROPE_HALVES  # noqa: E402
+
+rng = np.random.default_rng()
+HQ, HKV, D, CTX, TREE, VOCAB = 32, 8, 128, 8192, 23, 151936
+
+
+def nan_out(shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+def randn(*shape, dtype=np.float32, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def test_rms_norm_fused_residual():
+    x, r, w = randn(TREE, 4096), randn(TREE, 4096), randn(4096)
+    dx, out = cuda.to_device(x), nan_out(x.shape)
+    rms_norm_cuda(dx, cuda.to_device(w), 1e-6, out=out, residual=cuda.to_device(r))
+    np.testing.assert_allclose(dx.copy_to_host(), x + r, rtol=1e-6)
+    np.testing.assert_allclose(out.copy_to_host(), rms_norm_ref(x + r, w, 1e-6), rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_per_head():
+    x, w = randn(TREE, HQ, D), randn(D)
+    out = nan_out(x.shape)
+    rms_norm_cuda(cuda.to_device(x), cuda.to_device(w), 1e-6, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), rms_norm_ref(x, w, 1e-6), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", [ROPE_ADJACENT, ROPE_HALVES])
+def test_rope(style):
+    x = randn(TREE, HQ, D)
+    pos = np.concatenate([np.arange(CTX, CTX + 20), rng.integers(0, 40000, TREE - 20)]).astype(np.int32)
+    dx = cuda.to_device(x)
+    rope_cuda(dx, cuda.to_device(pos), D, 1e6, style)
+    np.testing.assert_allclose(dx.copy_to_host(), rope_ref(x, pos, D, 1e6, style), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,ref", [("swiglu", swiglu_ref), ("geglu", geglu_ref)])
+def test_glu(kind, ref):
+    g, u = randn(TREE, 12288, scale=3), randn(TREE, 12288)
+    out = nan_out(g.shape)
+    glu_cuda(cuda.to_device(g), cuda.to_device(u), kind, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), ref(g, u), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_vocab():
+    x = randn(4, VOCAB, scale=5)
+    out = nan_out(x.shape)
+    softmax_cuda(cuda.to_device(x), out=out)
+    np.testing.assert_allclose(out.copy_to_host(), softmax_ref(x), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_embed(dtype):
+    table = randn(32000, 4096, dtype=dtype)
+    tok = rng.integers(0, 32000, TREE).astype(np.int32)
+    out = nan_out((TREE, 4096))
+    embed_cuda(cuda.to_device(table), cuda.to_device(tok), out=out)
+    np.testing.assert_array_equal(out.copy_to_host(), embed_ref(table, tok))
+
+
+def test_argmax_and_penalties():
+    x = randn(TREE, VOCAB, scale=4)
+    x[3, 100] = x[3, VOCAB - 5] = 50.0  # a tie: the smaller id wins
+    counts, recent = token_counts(rng.integers(0, VOCAB, 3000), VOCAB, 64)
+    d = cuda.to_device(x)
+    apply_penalties_cuda(d, cuda.to_device(counts), cuda.to_device(recent), 1.1, 0.3, 0.05)
+    xp = apply_penalties_ref(x, counts, recent, 1.1, 0.3, 0.05)
+    np.testing.assert_allclose(d.copy_to_host(), xp, rtol=1e-6, atol=1e-6)
+    out = cuda.to_device(np.full(TREE, -7, np.int32))
+    argmax_cuda(d, out=out)
+    np.testing.assert_array_equal(out.copy_to_host(), argmax_ref(d.copy_to_host()))
+
+
+@pytest.mark.parametrize("k", [64, 10, 1])
+def test_topk_vocab(k):
+    x = randn(TREE, VOCAB, scale=4)
+    x[0, VOCAB // 3:VOCAB // 3 + 100] = 20.0  # ties beyond k
+    ov, oi = cuda.to_device(np.full((TREE, k), np.nan, np.float32)), cuda.to_device(np.full((TREE, k), -7, np.int32))
+    topk_cuda(cuda.to_device(x), k, ov, oi)
+    rv, ri = topk_ref(x, k)
+    np.testing.assert_array_equal(oi.copy_to_host(), ri)
+    np.testing.assert_array_equal(ov.copy_to_host(), rv)
+
+
+def _fill(caches, layers, n, pos=None):
+    n_past = caches[0].n_past
+    pos = np.arange(n_past, n_past + n) if pos is None else pos
+    for c in caches:
+        c.reserve(n)
+    for layer in range(layers):
+        k, v = randn(n, HKV, D, dtype=np.float16), randn(n, HKV, D, dtype=np.float16)
+        for c in caches:
+            c.write(layer, k, v, pos)
+    return pos
+
+
+def test_paged_cache_device_vs_numpy():
+    layers = 4
+    dev = PagedKVCache(layers, CTX + 64, HKV, D, device=True)
+    ref = PagedKVCache(layers, CTX + 64, HKV, D, device=False)
+    _fill([dev, ref], layers, CTX - 10)
+    for c in (dev, ref):
+        c.commit()
+    _fill([dev, ref], layers, TREE, pos=CTX - 10 + np.arange(TREE) // 3)  # straddles a block boundary
+    acc = [i for i in (0, 2, 5, 9, 14, 22) if i < TREE]
+    for c in (dev, ref):
+        c.commit(acc)
+    evicted = dev.evict(range(dev.max_blocks // 4, dev.max_blocks // 2))
+    dev.synchronize()
+    nan_block = np.full(dev.k_pool.shape[1:], np.nan, np.float16)
+    for slot in dev.free:  # the freed slots are scrambled before the restore reuses them
+        dev.k_pool[slot].copy_to_device(nan_block)
+        dev.v_pool[slot].copy_to_device(nan_block)
+    dev.restore(evicted[::-1])
+    dev.wait()
+    dev.synchronize()
+    for layer in range(layers):
+        for a, b in zip(dev.committed(layer), ref.committed(layer)):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _attention_case(n_ctx, n_new, mask, hq=HQ, hkv=HKV, dim=D, new_pos=None, window=None):
+    cache = PagedKVCache(1, n_ctx + n_new + 64, hkv, dim, device=True)
+    cache.k_pool.copy_to_device(np.full(cache.k_pool.shape, np.nan, np.float16))
+    cache.v_pool.copy_to_device(np.full(cache.v_pool.shape, np.nan, np.float16))
+    kc, vc = randn(n_ctx, hkv, dim, dtype=np.float16), randn(n_ctx, hkv, dim, dtype=np.float16)
+    if n_ctx:
+        cache.reserve(n_ctx)
+        cache.write(0, kc, vc, np.arange(n_ctx))
+        cache.commit()
+    kn, vn = randn(n_new, hkv, dim, dtype=np.float16), randn(n_new, hkv, dim, dtype=np.float16)
+    npos = np.arange(n_ctx, n_ctx + n_new) if new_pos is None else new_pos
+    cache.reserve(n_new)
+    cache.write(0, kn, vn, npos)
+    q = randn(n_new, hq, dim, scale=2)
+    out = nan_out(q.shape)
+    bits = None if mask is None else cuda.to_device(tree_mask_bits(mask))
+    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(npos.astype(np.int32)), bits, window, out=out)
+    full = causal_mask(n_new) if mask is None else mask
+    want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), kn.astype(np.float32),
+                         vn.astype(np.float32), full, q_pos=npos, ctx_pos=np.arange(n_ctx), window=window)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_decode_8k():
+    _attention_case(CTX, 1, np.ones((1, 1), bool))
+
+
+def test_tree23_8k():
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, TREE)])
+    depth = np.zeros(TREE, int)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    _attention_case(CTX, TREE, tree_mask(parents), new_pos=CTX + depth)
+
+
+def test_tree64_full_mask_word():
+    _attention_case(1000, 64, tree_mask(np.arange(-1, 63)))
+
+
+@pytest.mark.parametrize("window", [None, 1024])
+def test_prefill_causal(window):
+    _attention_case(0, 1500, None, window=window)
+
+
+@pytest.mark.parametrize("dim,hq,hkv", [(64, 16, 2), (256, 8, 4)])
+def test_other_head_dims(dim, hq, hkv):
+    _attention_case(3000, 5, causal_mask(5), hq=hq, hkv=hkv, dim=dim)
+    _attention_case(200, 300, None, hq=hq, hkv=hkv, dim=dim, window=100)
+
+
+def test_bench_attention_rows():
+    from luce.bench.kernels_attention import bench_attention
+    rows = bench_attention(reps=5)
+    assert [r["name"] for r in rows][:3] == ["attention_decode", "attention_decode_nosplit", "attention_tree23"]
+    assert all(r["time_us"] > 0 for r in rows)
