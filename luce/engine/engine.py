@@ -269,8 +269,7 @@ class Engine:
             self.metrics.done(req.api, usage, timings, finish)
         job.emit(Done(finish, usage, timings, stop_sequence))
 
-    @staticmethod
-    def _account(stats, timings: Timings, usage: Usage, first_phase: bool):
+    def _account(self, stats, timings: Timings, usage: Usage, first_phase: bool):
         # a generation may run in phases (reasoning budget); the first one saw the prompt
         if first_phase:
             usage.cached_tokens = stats.cached_tokens
@@ -279,5 +278,5 @@ class Engine:
         else:
             timings.predicted_ms += stats.prefill_s * 1000
         timings.predicted_ms += stats.decode_s * 1000
-        if stats.acceptance_length:
+        if stats.acceptance_length and self.stepper_factory is not None:
             timings.acceptance_length = stats.acceptance_length

@@ -136,6 +136,7 @@ def parse(body: dict, state, count_only: bool = False) -> Request:
         "tool_choice": lambda v: isinstance(v, dict) and v.get("type") in ("auto", "none"),
         "mcp_servers": lambda v: not v,
         "container": lambda v: False,
+        "output_config": lambda v: isinstance(v, dict) and not v.get("format"),
     })
     messages = convert_messages(body)
     tools = convert_tools(body)
@@ -154,8 +155,14 @@ def parse(body: dict, state, count_only: bool = False) -> Request:
             enable = True
         elif kind == "disabled":
             budget, enable = 0, False
-        elif kind != "adaptive":
+        elif kind not in ("adaptive", "between_tools"):
             raise APIError(400, "'thinking.type' must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
+    effort = schema.get(schema.get(body, "output_config", "dict") or {}, "effort", "str", where="output_config.")
+    if effort is not None and budget is None and enable is not False:
+        levels = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+        if effort not in levels:
+            raise APIError(400, f"'output_config.effort' must be one of {', '.join(levels)}", param="output_config.effort")
+        budget, _ = schema.effort_budget(levels[effort], "output_config.effort")
     if count_only:
         samp.pop("max_tokens", None)
     return schema.build_chat_request(state, "anthropic", messages, tools, samp, stream=stream,

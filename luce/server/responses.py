@@ -272,8 +272,9 @@ async def create(request, state):
                     for f in build.close():
                         yield frame(f)
                     resp = _response(req, body, state, "completed", build.items, e)
-                    kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
-                    yield frame(build.ev(kind, response=resp))
+                    # response.completed even when incomplete (the status says so): Codex and the
+                    # SDK's stream helper treat a stream without it as broken
+                    yield frame(build.ev("response.completed", response=resp))
                     return
                 for f in build.feed(e):
                     yield frame(f)
