@@ -57,6 +57,11 @@ def sampling_options(f):
     return f
 
 
+def _spec_options(f):
+    from .spec.options import spec_options
+    return spec_options(f)
+
+
 def backend_option(f):
     return click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)(f)
 
@@ -68,15 +73,21 @@ def backend_option(f):
 @click.option("--ctx", "n_ctx", type=int, default=None, help="context size")
 @backend_option
 @sampling_options
-def generate(args, chat, system, n_ctx, backend, max_tokens, stop, **sampling):
+@_spec_options
+def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, ddtree_budget, draft_max,
+             **sampling):
     """Generate text: luce generate [MODEL] PROMPT"""
     from .model import load
+    from .spec import SpecOptions, make_drafter
+    from .spec import stream as spec_stream
 
     if len(args) > 2:
         raise click.UsageError("expected [MODEL] PROMPT (quote the prompt)")
     model_arg, prompt = (None, args[0]) if len(args) == 1 else args
     model = load(model_arg, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty())
     params = {k: v for k, v in sampling.items() if v is not None}
+    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)
+    drafter = make_drafter(model, spec_opts) if spec_opts.enabled else None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = model.chat_prompt_ids(messages)
@@ -84,7 +95,7 @@ def generate(args, chat, system, n_ctx, backend, max_tokens, stop, **sampling):
         prompt_ids = model.tokenize(prompt)
         click.echo(prompt, nl=False)
     stats = None
-    for d in model.stream(prompt_ids, max_tokens=max_tokens, stop=tuple(stop), **params):
+    for d in spec_stream(model, prompt_ids, spec_opts, drafter, max_tokens=max_tokens, stop=tuple(stop), **params):
         if d.text:
             click.echo(d.text, nl=False)
             sys.stdout.flush()
@@ -94,6 +105,10 @@ def generate(args, chat, system, n_ctx, backend, max_tokens, stop, **sampling):
         click.echo(f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tok_s:.1f} tok/s | "
                    f"generated: {stats.completion_tokens} tokens, {stats.decode_tok_s:.1f} tok/s "
                    f"[{model.backend.name}]", err=True)
+        if spec_opts.enabled:
+            click.echo(f"speculative ({spec_opts.mode}, {type(drafter).__name__}): {stats.target_forwards} target "
+                       f"forwards, acceptance length {stats.acceptance_length:.2f}, draft {stats.draft_s:.2f}s, "
+                       f"verify {stats.verify_s:.2f}s", err=True)
 
 
 @main.command()
@@ -124,8 +139,9 @@ def info(model):
     click.echo(f"output head:   {'tied to token_embd' if cfg.tied_output else 'separate'}")
     click.echo("tensor types:  " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
     click.echo(f"chat template: {'yes' if f.get('tokenizer.chat_template') else 'no'}")
-    if fam.drafts:
-        click.echo("drafts:        " + ", ".join(f"{d.kind}:{d.model or '-'}" for d in fam.drafts))
+    drafts = fam.drafts_for(f)
+    if drafts:
+        click.echo("drafts:        " + ", ".join(str(d) for d in drafts))
     if fam.optimizations:
         click.echo("optimizations: " + ", ".join(f"{k}={v}" for k, v in fam.optimizations.items()))
     if fam.sampling_defaults:

@@ -66,7 +66,7 @@ class Model:
 
     # -- low level ------------------------------------------------------------------
     def forward(self, cache, tokens, positions, mask=None, logits_rows=None):
-        return self.backend.forward(self.config, self.weights, cache, tokens, positions, mask=mask,
+        return self.backend.forward(self.family, self.config, self.weights, cache, tokens, positions, mask=mask,
                                     logits_rows=logits_rows)
 
     def new_session(self, n_ctx: int | None = None) -> Session:

@@ -10,15 +10,12 @@ TOKENS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 504, 2988, 314, 42]
 
 
 @pytest.fixture(scope="module")
-def parts(smollm2_path):
-    from luce.backends.cpu import CPUBackend
-    from luce.gguf_file import GGUFFile
-    from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    f = GGUFFile(smollm2_path)
-    cfg = family_for(f.path, f.architecture).read_config(f)
-    be = CPUBackend()
-    return cfg, build_weights(cfg, f, be.load_tensor), be
+def parts(smollm2):
+    """(config, weights, backend-like) where forward(cfg, w, kv, ...) runs the model."""
+    m = smollm2
+    be = type("Runner", (), {"forward": staticmethod(lambda cfg, w, kv, *a, **k: m.forward(kv, *a, **k)),
+                             "new_cache": staticmethod(m.backend.new_cache)})
+    return m.config, m.weights, be
 
 
 def full_pass(parts, tokens):

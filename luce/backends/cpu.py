@@ -15,7 +15,6 @@ from ..kernels.embedding import embed_ref
 from ..kernels.norm import rms_norm_ref
 from ..kernels.rope import rope_ref
 from ..kv.cache import KVCache
-from ..models import transformer
 
 
 class NumpyOps:
@@ -67,10 +66,21 @@ class CPUBackend:
     def new_cache(self, cfg, n_ctx: int) -> KVCache:
         return KVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
 
-    def forward(self, cfg, weights, kv: KVCache, tokens, positions, mask=None, logits_rows=None) -> np.ndarray:
+    def __init__(self):
+        self._ops = {}
+
+    def ops_for(self, family):
+        """NumpyOps with any kernels plugins registered for this family swapped in."""
+        if family.name not in self._ops:
+            from ..plugins import ops_with_overrides
+            self._ops[family.name] = ops_with_overrides(NumpyOps, family, self.name)
+        return self._ops[family.name]
+
+    def forward(self, family, cfg, weights, kv: KVCache, tokens, positions, mask=None,
+                logits_rows=None) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         if mask is None:
             mask = causal_mask(len(tokens))
         kv.reserve(len(tokens))
-        return transformer.forward(cfg, weights, NumpyOps, kv, tokens, positions, mask, logits_rows)
+        return family.run_forward(cfg, weights, self.ops_for(family), kv, tokens, positions, mask, logits_rows)
