@@ -9,12 +9,12 @@ def embed_ref(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------ CUDA
-# Tables of float32 or float16 rows (a GGUF F16 token_embd is used as is). Quantized
-# tables are dequantized at load for now: luce.kernels.dequant exposes no per-block
-# device functions yet to decode a single gathered row with.
+# Tables of float32 or float16 rows are gathered directly; a quantized table stays raw
+# GGUF bytes on the device: the tokens' rows are gathered as bytes and decoded by
+# luce.kernels.dequant.dequantize_device (the same decoders as the matvec kernels).
 from numba import cuda  # noqa: E402
 
-from ._reduce import block_threads  # noqa: E402
+from ._reduce import block_threads, stride_grid  # noqa: E402
 
 
 @cuda.jit
@@ -35,3 +35,31 @@ def embed_cuda(table, tokens, out=None, stream=0):
     nt = block_threads(256)
     _embed_kernel[(n, -(-d // nt)), nt, stream](table, tokens, out)
     return out
+
+
+@cuda.jit
+def _gather_rows_u16_kernel(raw, tokens, out):
+    # raw [V, row_bytes/2], out [N, row_bytes/2]: every GGUF block size is even
+    n_tok, words = out.shape
+    for i in range(cuda.grid(1), n_tok * words, cuda.gridsize(1)):
+        n = i // words
+        w = i - n * words
+        out[n, w] = raw[tokens[n], w]
+
+
+def embed_quant_cuda(table_raw, qtype, n_cols: int, tokens, out=None, stream=0):
+    """Rows of a quantized GGUF table (device uint8 [V, row_bytes]) for device int32
+    tokens [N], dequantized -> f32 [N, n_cols]; only the N rows are read and decoded."""
+    from .dequant import dequantize_device, row_bytes
+
+    rb = row_bytes(qtype, n_cols)
+    n = tokens.shape[0]
+    v = table_raw.size // rb
+    rows = cuda.device_array((n, rb), dtype=np.uint8, stream=stream)
+    src = table_raw.reshape(v, rb).view(np.uint16)
+    dst = rows.view(np.uint16)
+    nt = block_threads(256)
+    _gather_rows_u16_kernel[stride_grid(n * rb // 2, nt), nt, stream](src, tokens, dst)
+    if out is None:
+        out = cuda.device_array((n, n_cols), dtype=np.float32, stream=stream)
+    return dequantize_device(rows, qtype, (n, n_cols), out=out, stream=stream)

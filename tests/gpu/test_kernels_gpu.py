@@ -21,7 +21,7 @@ pytestmark = [
 from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref  # noqa: E402
 from luce.kernels.attention import (attention_cache_cuda, attention_ref, causal_mask, tree_mask,  # noqa: E402
                                     tree_mask_bits)
-from luce.kernels.embedding import embed_cuda, embed_ref  # noqa: E402
+from luce.kernels.embedding import embed_cuda, embed_quant_cuda, embed_ref  # noqa: E402
 from luce.kernels.norm import rms_norm_cuda, rms_norm_ref  # noqa: E402
 from luce.kernels.rope import rope_cuda, rope_ref  # noqa: E402
 from luce.kernels.sampling import (apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,  # noqa: E402
@@ -87,6 +87,24 @@ def test_embed(dtype):
     out = nan_out((TREE, 4096))
     embed_cuda(cuda.to_device(table), cuda.to_device(tok), out=out)
     np.testing.assert_array_equal(out.copy_to_host(), embed_ref(table, tok))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_embed_quantized(qtype):
+    from luce.kernels.dequant import dequantize
+    from luce.kernels.quant_types import as_qtype, block_bytes, block_elems, row_bytes
+    qt, vocab, n_cols = as_qtype(qtype), 32000, 4096
+    nb = vocab * n_cols // block_elems(qt)
+    blocks = rng.integers(0, 256, (nb, block_bytes(qt)), dtype=np.uint8)
+    for off in {"Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[qtype]:
+        d = (rng.uniform(0.01, 2.0, nb) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)
+    raw = blocks.reshape(vocab, row_bytes(qt, n_cols))
+    tok = rng.integers(0, vocab, TREE).astype(np.int32)
+    out = nan_out((TREE, n_cols))
+    embed_quant_cuda(cuda.to_device(raw), qt, n_cols, cuda.to_device(tok), out=out)
+    want = embed_ref(dequantize(raw[tok], qt, (TREE, n_cols)), np.arange(TREE))
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-6, atol=1e-6)
 
 
 def test_argmax_and_penalties():

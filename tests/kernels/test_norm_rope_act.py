@@ -10,7 +10,7 @@ import pytest
 from numba import cuda
 
 from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref
-from luce.kernels.embedding import embed_cuda, embed_ref
+from luce.kernels.embedding import embed_cuda, embed_quant_cuda, embed_ref
 from luce.kernels.norm import rms_norm_cuda, rms_norm_ref
 from luce.kernels.rope import rope_cuda, rope_ref
 from luce.models.config import ROPE_ADJACENT, ROPE_HALVES
@@ -75,3 +75,22 @@ def test_embed(dtype):
     out = nan_out((5, 40))
     embed_cuda(cuda.to_device(table), cuda.to_device(tok), out=out)
     np.testing.assert_array_equal(out.copy_to_host(), embed_ref(table, tok))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_embed_quantized(qtype):
+    # raw GGUF rows with finite f16 scales; the table stays quantized on the device
+    from luce.kernels.dequant import dequantize
+    from luce.kernels.quant_types import as_qtype, block_bytes, block_elems, row_bytes
+    n_cols, vocab = 256, 12
+    nb = vocab * n_cols // block_elems(qtype)
+    blocks = rng.integers(0, 256, (nb, block_bytes(qtype)), dtype=np.uint8)
+    for off in {"Q8_0": (0,), "Q4_K": (0, 2)}[qtype]:
+        d = (rng.uniform(0.01, 2.0, nb) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)
+    raw = blocks.reshape(vocab, row_bytes(qtype, n_cols))
+    tok = rng.integers(0, vocab, 3).astype(np.int32)
+    out = nan_out((3, n_cols))
+    embed_quant_cuda(cuda.to_device(raw), as_qtype(qtype), n_cols, cuda.to_device(tok), out=out)
+    want = embed_ref(dequantize(raw, as_qtype(qtype), (vocab, n_cols)), tok)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-6, atol=1e-6)
