@@ -68,32 +68,23 @@ def spec_options(f):
     return f
 
 
-# Short draft names a family's DraftSpec may use, for models that travel in packages.
-def _known_drafts() -> dict:
-    from ..models import test_models
-    return {"qwen2.5-coder-0.5b": test_models.qwen_coder_05b_path}
-
-
 def resolve_draft_path(target, draft: str) -> Path | None:
     """The draft model file for `draft` ("auto" or a model argument); None when auto
     finds nothing usable for this target."""
     from ..models.bundled import resolve_model
     if draft != "auto":
         return resolve_model(draft)
-    for d in target.family.drafts:
-        if d.kind != "model" or d.model is None:
+    fam = target.family
+    drafts = fam.drafts_for(target.file) if hasattr(fam, "drafts_for") else fam.drafts
+    for d in drafts:
+        if d.kind != "model":
             continue
         try:
-            if callable(d.model):
-                path = Path(d.model())
-            elif d.model in _known_drafts():
-                path = Path(_known_drafts()[d.model]())
-            else:
-                path = resolve_model(d.model)
-        except Exception as e:  # a declared draft that is not installed: fall through to lookup
-            print(f"luce: draft {d.model!r} unavailable ({str(e).splitlines()[0][:120]})", file=sys.stderr)
+            path = d.resolve()
+        except Exception as e:  # a declared draft that is not installed: try the next, then lookup
+            print(f"luce: {str(e).splitlines()[0][:200]}", file=sys.stderr)
             continue
-        if not path.is_file() or path.resolve() == Path(target.path).resolve():
+        if path is None or not path.is_file() or path.resolve() == Path(target.path).resolve():
             continue
         if _same_vocab(target, path):
             return path

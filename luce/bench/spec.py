@@ -1,0 +1,163 @@
+"""`luce bench --spec`: acceptance length and tok/s with and without speculation on the
+fixed prompt set in prompts.jsonl (code, math, chat), greedy.
+
+Acceptance length (tokens committed per target forward) depends only on the two models
+and the prompts, not on the machine, so a CPU run measures it; tok/s is the machine's.
+Every speculative run's output is also compared with the plain run's, token for token.
+
+    python -m luce.bench.spec --modes off,chain,ddtree --max-tokens 64
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+@dataclass
+class Result:
+    mode: str
+    prompt_id: str
+    category: str
+    prompt_tokens: int
+    completion_tokens: int
+    target_forwards: int
+    decode_s: float
+    draft_s: float
+    verify_s: float
+    matches_plain: bool | None
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+
+
+def load_prompts(path=None, categories=None, limit=None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path or PROMPTS).read_text().splitlines() if line.strip()]
+    if categories:
+        rows = [r for r in rows if r["category"] in categories]
+    return rows[:limit] if limit else rows
+
+
+def default_pair() -> tuple[Path, Path]:
+    """Qwen2.5-Coder-1.5B as target, 0.5B as draft (from their part packages)."""
+    from ..models.test_models import qwen_coder_05b_path, qwen_coder_15b_path
+    return qwen_coder_15b_path(), qwen_coder_05b_path()
+
+
+def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
+        limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max: int = 8, backend: str = "cpu",
+        n_ctx: int = 1024, out=None, echo=print) -> list[Result]:
+    """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
+    draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
+    (JSONL) as they come, since a CPU run takes long."""
+    from ..model import load
+    from ..spec import DraftModel, PromptLookup, SpecOptions, stream
+
+    if target is None:
+        target, draft0 = default_pair()
+        draft = draft or draft0
+    rows = load_prompts(prompts, categories, limit)
+    t0 = time.perf_counter()
+    model = load(target, backend=backend, n_ctx=n_ctx)
+    echo(f"target {Path(model.path).name} loaded in {time.perf_counter() - t0:.1f}s")
+    draft_model = None
+    if any(m in ("chain", "ddtree") for m in modes) and draft:
+        t0 = time.perf_counter()
+        draft_model = load(draft, backend=backend, n_ctx=n_ctx)
+        echo(f"draft {Path(draft_model.path).name} loaded in {time.perf_counter() - t0:.1f}s")
+    plain: dict[str, list[int]] = {}
+    results: list[Result] = []
+    sink = open(out, "a") if out else None
+    try:
+        for mode in modes:
+            for row in rows:
+                ids = _prompt_ids(model, row)
+                opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=draft_max)
+                drafter = None
+                if mode == "lookup" or (mode != "off" and draft_model is None):
+                    drafter = PromptLookup()
+                elif mode != "off":
+                    drafter = DraftModel(draft_model, n_ctx=n_ctx)
+                toks, stats = [], None
+                for d in stream(model, ids, opts, drafter, session=model.new_session(n_ctx), temperature=0,
+                                max_tokens=max_tokens):
+                    toks += d.token_ids
+                    stats = d.stats or stats
+                if mode == "off":
+                    plain[row["id"]] = toks
+                r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
+                           stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
+                           (plain[row["id"]] == toks) if row["id"] in plain else None)
+                results.append(r)
+                echo(f"{mode:7s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
+                     f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
+                     + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}"))
+                if sink:
+                    sink.write(json.dumps({**asdict(r), "acceptance_length": r.acceptance_length,
+                                           "max_tokens": max_tokens, "ddtree_budget": ddtree_budget,
+                                           "draft_max": draft_max, "target": Path(model.path).name,
+                                           "draft": Path(draft_model.path).name if draft_model else None}) + "\n")
+                    sink.flush()
+    finally:
+        if sink:
+            sink.close()
+    echo(summary(results))
+    return results
+
+
+def _prompt_ids(model, row) -> list[int]:
+    if model.has_chat_template:
+        return model.chat_prompt_ids([{"role": "user", "content": row["prompt"]}])
+    return model.tokenize(row["prompt"])
+
+
+def summary(results: list[Result]) -> str:
+    """A markdown table: per mode and category, acceptance length (total tokens / total
+    target forwards) and decode tok/s."""
+    lines = ["| mode | category | prompts | tokens | target forwards | acceptance length | decode tok/s | "
+             "draft s | verify s | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in results:
+        for key in ((r.mode, r.category), (r.mode, "all")):
+            groups.setdefault(key, []).append(r)
+    for (mode, cat), rs in groups.items():
+        tok = sum(r.completion_tokens for r in rs)
+        fwd = sum(r.target_forwards for r in rs)
+        dec = sum(r.decode_s for r in rs)
+        checks = [r.matches_plain for r in rs if r.matches_plain is not None]
+        lossless = "-" if not checks else f"{sum(checks)}/{len(checks)}"
+        lines.append(f"| {mode} | {cat} | {len(rs)} | {tok} | {fwd} | {tok / max(fwd, 1):.2f} | "
+                     f"{tok / dec if dec else 0:.2f} | {sum(r.draft_s for r in rs):.1f} | "
+                     f"{sum(r.verify_s for r in rs):.1f} | {lossless} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m luce.bench.spec", description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--modes", default="off,chain,ddtree")
+    ap.add_argument("--categories")
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ddtree-budget", type=int, default=22)
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    run(a.target, a.draft, modes=tuple(a.modes.split(",")),
+        categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
+        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=a.draft_max, backend=a.backend,
+        n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout))
+
+
+if __name__ == "__main__":
+    main()
