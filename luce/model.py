@@ -21,7 +21,7 @@ class Model:
     def __init__(self, path, backend="auto", n_ctx: int | None = None, progress: bool = False,
                  chat_template: str | None = None):
         from .kernels.dequant import SUPPORTED_TYPES
-        from .text.chat_template import CHATML_TEMPLATE, ChatTemplate
+        from .text.chat_template import ChatTemplate, TemplateError
         from .text.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
@@ -37,9 +37,14 @@ class Model:
             raise ModelFileError(self.path, f"bad tokenizer metadata ({e})") from None
         src = chat_template if chat_template is not None else self.file.get_str("tokenizer.chat_template")
         self.has_chat_template = src is not None
-        self.chat_template = ChatTemplate(src, bos_token=self._token_text(self.tokenizer.bos_id),
-                                          eos_token=self._token_text(self.tokenizer.eos_id)) if src else \
-            ChatTemplate(CHATML_TEMPLATE)
+        bos, eos = self._token_text(self.tokenizer.bos_id), self._token_text(self.tokenizer.eos_id)
+        try:
+            self.chat_template = ChatTemplate(src, bos_token=bos, eos_token=eos) if src else \
+                ChatTemplate.chatml(bos_token=bos)
+            self.chat_template_error = None
+        except TemplateError as e:
+            # a hostile or broken template must not stop plain completions: chat fails, naming it
+            self.chat_template, self.chat_template_error = None, f"{self.path}: chat template rejected ({e})"
         self.weights = self._load_weights(progress)
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.config.n_ctx_train) if n_ctx is None else n_ctx
         self._session: Session | None = None
@@ -90,6 +95,8 @@ class Model:
         return base.with_(**kw)
 
     def render_chat(self, messages, tools=None, add_generation_prompt=True, **extra) -> str:
+        if self.chat_template is None:
+            raise TemplateError(self.chat_template_error)
         return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
 
     def chat_prompt_ids(self, messages, tools=None, **extra) -> list[int]:
