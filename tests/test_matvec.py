@@ -36,7 +36,8 @@ def assert_close(got, want, raw, qtype, x):
     np.testing.assert_array_less(np.abs(got - want), 1e-5 * bound + 1e-6)
 
 
-def run_matvec(qtype, n_rows, n_cols, nr=None, bias=False, residual=False, tile_blocks=None, seed=0):
+def run_matvec(qtype, n_rows, n_cols, nr=None, bias=False, residual=False, tile_blocks=None, seed=0,
+               rows_per_warp=None):
     rng = np.random.default_rng(seed)
     raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((nr, n_cols) if nr else n_cols).astype(np.float32)
@@ -46,7 +47,8 @@ def run_matvec(qtype, n_rows, n_cols, nr=None, bias=False, residual=False, tile_
     out = nan_device(out_shape)
     ret = matvec(cuda.to_device(raw), qtype, cuda.to_device(x), out=out,
                  bias=None if b is None else cuda.to_device(b),
-                 residual=None if r is None else cuda.to_device(r), tile_blocks=tile_blocks)
+                 residual=None if r is None else cuda.to_device(r), tile_blocks=tile_blocks,
+                 rows_per_warp=rows_per_warp)
     assert ret is out
     got = out.copy_to_host()
     assert_close(got, matvec_ref(raw, qtype, x, bias=b, residual=r), raw, qtype, x)
@@ -77,8 +79,14 @@ def test_dequantize_device_f16_out():
 # ---------------------------------------------------------------- matvec
 @pytest.mark.parametrize("qtype", sorted(MATVEC_TYPES, key=BY_VALUE), ids=IDS)
 def test_matvec(qtype):
-    """5 rows: the second thread block has rows past the end."""
+    """5 rows: the last warp of the first block has rows past the end."""
     run_matvec(qtype, 5, 512, seed=int(qtype))
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 3])
+def test_matvec_rows_per_warp(rows_per_warp):
+    """7 rows: with 3 rows a warp, the last warp of the first block holds rows 9-11 (past the end)."""
+    run_matvec(T.Q5_K, 7, 256, nr=2, bias=True, rows_per_warp=rows_per_warp)
 
 
 @pytest.mark.parametrize("qtype,n_cols,tile_blocks", [

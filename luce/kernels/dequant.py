@@ -467,58 +467,68 @@ def tile_step(qtype) -> int:
     return 16 // np.gcd(bs, 16)
 
 
-def load_width(row_nbytes: int) -> int:
-    """Widest load (16, 4 or 2 bytes) that keeps every row start aligned."""
+def load_width(row_nbytes: int, w=None) -> int:
+    """Widest load (16, 4 or 2 bytes) that keeps every row start aligned; with the device
+    array w, also its start (a tensor viewed inside a larger buffer may be misaligned)."""
+    if w is not None and not SIM:
+        row_nbytes = int(np.gcd(row_nbytes, w.__cuda_array_interface__["data"][0] % 16 or 16))
     return 16 if row_nbytes % 16 == 0 else 4 if row_nbytes % 4 == 0 else 2
 
 
-def make_stage(vw: int, tile_bytes: int):
-    """Device function copying `nbytes` of a row from the uint16 array w (from element h0)
-    into the uint32 words sh[s0:]. Each lane first issues all its loads, then stores them,
-    so that several loads per lane are in flight."""
+def make_stage(vw: int, tile_bytes: int, rows: int = 1):
+    """Device function stage(w, h0, nbytes, sh, s0, sw, lane) copying `nbytes` from each of
+    `rows` places of the uint16 array w (starting at elements h0[0..rows-1]) into the uint32
+    words sh[s0 + r * sw:]. Each lane issues all its loads before storing any, so that
+    several 16-byte loads per lane are in flight."""
     nvec = -(-tile_bytes // 16)
     per_lane = -(-nvec // 32)
-    regs16 = (per_lane, 4)  # local array shapes must be compile-time constants
-    regs4 = 4 * per_lane
+    regs16 = (rows * per_lane, 4)  # local array shapes must be compile-time constants
+    regs4 = rows * 4 * per_lane
+    words4 = 4 * per_lane
 
     if vw == 16:
         @_dev
-        def stage(w, h0, nbytes, sh, s0, lane):
+        def stage(w, h0, nbytes, sh, s0, sw, lane):
             regs = cuda.local.array(regs16, np.uint32)
             nv = nbytes >> 4
-            for i in range(per_lane):
-                v = lane + 32 * i
-                if v < nv:
-                    a, b, c, d = ldg_u16_u32x4(w, h0 + 8 * v)
-                    regs[i, 0] = a
-                    regs[i, 1] = b
-                    regs[i, 2] = c
-                    regs[i, 3] = d
-            for i in range(per_lane):
-                v = lane + 32 * i
-                if v < nv:
-                    for e in range(4):
-                        sh[s0 + 4 * v + e] = regs[i, e]
+            for r in range(rows):
+                for i in range(per_lane):
+                    v = lane + 32 * i
+                    if v < nv:
+                        a, b, c, d = ldg_u16_u32x4(w, h0[r] + 8 * v)
+                        regs[r * per_lane + i, 0] = a
+                        regs[r * per_lane + i, 1] = b
+                        regs[r * per_lane + i, 2] = c
+                        regs[r * per_lane + i, 3] = d
+            for r in range(rows):
+                for i in range(per_lane):
+                    v = lane + 32 * i
+                    if v < nv:
+                        for e in range(4):
+                            sh[s0 + r * sw + 4 * v + e] = regs[r * per_lane + i, e]
     elif vw == 4:
         @_dev
-        def stage(w, h0, nbytes, sh, s0, lane):
+        def stage(w, h0, nbytes, sh, s0, sw, lane):
             regs = cuda.local.array(regs4, np.uint32)
             nw = nbytes >> 2
-            for i in range(regs4):
-                v = lane + 32 * i
-                if v < nw:
-                    regs[i] = ldg_u16_u32(w, h0 + 2 * v)
-            for i in range(regs4):
-                v = lane + 32 * i
-                if v < nw:
-                    sh[s0 + v] = regs[i]
+            for r in range(rows):
+                for i in range(words4):
+                    v = lane + 32 * i
+                    if v < nw:
+                        regs[r * words4 + i] = ldg_u16_u32(w, h0[r] + 2 * v)
+            for r in range(rows):
+                for i in range(words4):
+                    v = lane + 32 * i
+                    if v < nw:
+                        sh[s0 + r * sw + v] = regs[r * words4 + i]
     else:
         @_dev
-        def stage(w, h0, nbytes, sh, s0, lane):
+        def stage(w, h0, nbytes, sh, s0, sw, lane):
             nh = nbytes >> 1
-            for v in range(lane, (nh + 1) >> 1, 32):
-                hi = np.uint32(w[h0 + 2 * v + 1]) if 2 * v + 1 < nh else np.uint32(0)
-                sh[s0 + v] = np.uint32(w[h0 + 2 * v]) | (hi << np.uint32(16))
+            for r in range(rows):
+                for v in range(lane, (nh + 1) >> 1, 32):
+                    hi = np.uint32(w[h0[r] + 2 * v + 1]) if 2 * v + 1 < nh else np.uint32(0)
+                    sh[s0 + r * sw + v] = np.uint32(w[h0[r] + 2 * v]) | (hi << np.uint32(16))
     return stage
 
 
@@ -559,7 +569,9 @@ def _dequant_kernel(qtype, vw: int, tile_blocks: int):
         t0 = (g - row * tiles_row) * TB
         nb = min(TB, blocks_row - t0)
         s0 = wid * SW
-        stage(w, row * row_h + t0 * (BS // 2), nb * BS, sh, s0, lane)
+        h0 = cuda.local.array(1, np.int64)
+        h0[0] = row * row_h + t0 * (BS // 2)
+        stage(w, h0, nb * BS, sh, s0, SW, lane)
         warp_barrier()
         if active:
             n_cols = blocks_row * QK
@@ -621,7 +633,7 @@ def dequantize_device(w_dev, qtype, shape, out=None, dtype=np.float32, stream=0,
     tb = tile_blocks or spec.tile_blocks
     if tb % tile_step(qtype):
         raise ValueError(f"tile_blocks must be a multiple of {tile_step(qtype)} for {qtype.name}")
-    vw = load_width(row_bytes(qtype, n_cols))
+    vw = load_width(row_bytes(qtype, n_cols), w)
     key = (qtype, vw, tb)
     if key not in _DEQ_CACHE:
         _DEQ_CACHE[key] = _dequant_kernel(qtype, vw, tb)

@@ -28,7 +28,10 @@ __all__ = ["MATVEC_TYPES", "MAX_BATCH", "matvec", "swiglu", "matvec_ref", "swigl
 
 MATVEC_TYPES = frozenset(DEVICE_SPECS)
 MAX_BATCH = 64
-MV_WARPS = 4  # rows per thread block
+MV_WARPS = 4  # warps per thread block
+# Weight rows per warp: each x load serves this many rows, halving the L1 traffic of x,
+# which at one row per warp is 8x the weight bytes of Q4_K. Tune with bench_matvec.
+ROWS_PER_WARP = 2
 
 _dev = cuda.jit(device=True)
 
@@ -68,22 +71,31 @@ def _batch_slots(nr: int) -> int:
     return nr if nr <= 8 else -(-nr // 8) * 8
 
 
-def _make_row_dot(qtype, vw: int, tb: int, nr_slots: int):
+def _make_rows_dot(qtype, vw: int, tb: int, nr_slots: int, rpw: int):
     spec = DEVICE_SPECS[qtype]
     QK, BS, UPB, RUNS, NQ = spec.qk, spec.bs, spec.upb, spec.runs, spec.rl // 4
     BH = BS // 2
-    NR = nr_slots
+    NR, R = nr_slots, rpw
+    SW = tb * BS // 4 + 4  # words per staged row, padded for reads past a tile's last block
+    SWB = 4 * SW
     col, scale, quad = spec.col, spec.scale, spec.quad
-    stage = make_stage(vw, tb * BS)
+    stage = make_stage(vw, tb * BS, R)
 
     @_dev
-    def row_dot(w, row, row_h, blocks_row, x, xo, sh, s0, red, wid, lane, acc):
-        """acc[r] = (row of w) . x[xo[r]:], the full sum in lane 0."""
-        for r in range(NR):
-            acc[r] = np.float32(0.0)
+    def rows_dot(w, rows, row_h, blocks_row, x, xo, sh, s0, red, wid, lane, acc):
+        """acc[i * NR + r] = (row rows[i] of w) . x[xo[r]:] for i < R, r < NR; the full sums
+        end in lane 0. Each x load serves the R rows."""
+        h0 = cuda.local.array(R, np.int64)
+        sc = cuda.local.array(R, np.float32)
+        of = cuda.local.array(R, np.float32)
+        v = cuda.local.array((R, 4), np.float32)
+        for i in range(R * NR):
+            acc[i] = np.float32(0.0)
         for t0 in range(0, blocks_row, tb):
             nb = min(tb, blocks_row - t0)
-            stage(w, row * row_h + t0 * BH, nb * BS, sh, s0, lane)
+            for i in range(R):
+                h0[i] = rows[i] * row_h + t0 * BH
+            stage(w, h0, nb * BS, sh, s0, SW, lane)
             warp_barrier()
             for ub in range(lane, nb * UPB, 32):
                 b = ub // UPB
@@ -91,30 +103,30 @@ def _make_row_dot(qtype, vw: int, tb: int, nr_slots: int):
                 bo = 4 * s0 + b * BS
                 c0 = (t0 + b) * QK
                 for k in range(RUNS):
-                    s, o = scale(sh, bo, u, k)
+                    for i in range(R):
+                        sc[i], of[i] = scale(sh, bo + i * SWB, u, k)
                     c = c0 + col(u, k)
                     for j in range(NQ):
-                        q = quad(sh, bo, u, k, j)
-                        v0 = cuda.fma(s, q[0], o)
-                        v1 = cuda.fma(s, q[1], o)
-                        v2 = cuda.fma(s, q[2], o)
-                        v3 = cuda.fma(s, q[3], o)
+                        for i in range(R):
+                            q = quad(sh, bo + i * SWB, u, k, j)
+                            for e in range(4):
+                                v[i, e] = cuda.fma(sc[i], q[e], of[i])
                         for r in range(NR):
                             x0, x1, x2, x3 = ldg_f32x4(x, xo[r] + c + 4 * j)
-                            acc[r] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
+                            for i in range(R):
+                                acc[i * NR + r] += v[i, 0] * x0 + v[i, 1] * x1 + v[i, 2] * x2 + v[i, 3] * x3
             warp_barrier()  # the next tile overwrites sh
-        for r in range(NR):
-            acc[r] = warp_sum(acc[r], red, wid, lane)
-    return row_dot
+        for i in range(R * NR):
+            acc[i] = warp_sum(acc[i], red, wid, lane)
+    return rows_dot, SW
 
 
-def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, glu: bool, has_bias: bool, has_res: bool):
-    spec = DEVICE_SPECS[qtype]
-    NW, NR = MV_WARPS, nr_slots
-    SW = tb * spec.bs // 4 + 4  # words per warp, padded for reads past a tile's last block
-    SH = NW * SW
+def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, rpw: int, glu: bool, has_bias: bool, has_res: bool):
+    NW, NR, R = MV_WARPS, nr_slots, rpw
+    ACC = R * NR
+    rows_dot, SW = _make_rows_dot(qtype, vw, tb, nr_slots, rpw)
+    SH = NW * R * SW
     RED = RED_SIZE
-    row_dot = _make_row_dot(qtype, vw, tb, nr_slots)
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, blocks_row, n_cols, nr):
@@ -122,28 +134,34 @@ def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, glu: bool, has_bias: bo
         red = cuda.shared.array(RED, np.float32)
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
-        row = cuda.blockIdx.x * NW + wid
-        # Rows past the end still run the loop: the simulator's barriers are block-wide.
-        rr = min(row, n_rows - 1)
+        row0 = (cuda.blockIdx.x * NW + wid) * R
+        # Rows past the end repeat the last row (and are not stored): every warp runs the
+        # same loop, as the simulator's block-wide barriers need.
+        rows = cuda.local.array(R, np.int64)
+        for i in range(R):
+            rows[i] = min(row0 + i, n_rows - 1)
         xo = cuda.local.array(NR, np.int64)
         for r in range(NR):
             xo[r] = min(r, nr - 1) * n_cols
-        acc = cuda.local.array(NR, np.float32)
-        row_dot(w, rr, row_h, blocks_row, x, xo, sh, wid * SW, red, wid, lane, acc)
-        up = cuda.local.array(NR, np.float32)
+        acc = cuda.local.array(ACC, np.float32)
+        rows_dot(w, rows, row_h, blocks_row, x, xo, sh, wid * R * SW, red, wid, lane, acc)
+        up = cuda.local.array(ACC, np.float32)
         if glu:
-            row_dot(w_up, rr, row_h, blocks_row, x, xo, sh, wid * SW, red, wid, lane, up)
-        if lane == 0 and row < n_rows:
-            for r in range(NR):
-                if r < nr:
-                    y = acc[r]
-                    if glu:
-                        y = silu(y) * up[r]
-                    if has_bias:
-                        y += bias[row]
-                    if has_res:
-                        y += res[r * n_rows + row]
-                    out[r * n_rows + row] = y
+            rows_dot(w_up, rows, row_h, blocks_row, x, xo, sh, wid * R * SW, red, wid, lane, up)
+        if lane == 0:
+            for i in range(R):
+                row = row0 + i
+                if row < n_rows:
+                    for r in range(NR):
+                        if r < nr:
+                            y = acc[i * NR + r]
+                            if glu:
+                                y = silu(y) * up[i * NR + r]
+                            if has_bias:
+                                y += bias[row]
+                            if has_res:
+                                y += res[r * n_rows + row]
+                            out[r * n_rows + row] = y
     return kernel
 
 
@@ -175,7 +193,7 @@ def _flat_f32(a, what: str, size: int | None = None):
     return a.reshape(a.size)
 
 
-def _launch(w_list, qtype, x_dev, out, bias, residual, stream, tile_blocks):
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream, tile_blocks, rows_per_warp):
     qtype = as_qtype(qtype)
     if qtype not in MATVEC_TYPES:
         raise NotImplementedError(f"matvec: {qtype.name} is not supported")
@@ -207,9 +225,11 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, tile_blocks):
     if tb % tile_step(qtype):
         raise ValueError(f"tile_blocks must be a multiple of {tile_step(qtype)} for {qtype.name}")
     rb = row_bytes(qtype, n_cols)
-    kern = _kernel(qtype, load_width(rb), tb, _batch_slots(nr), len(ws) == 2, bias is not None,
+    rpw = rows_per_warp or ROWS_PER_WARP
+    vw = min(load_width(rb, w) for w, _ in ws)
+    kern = _kernel(qtype, vw, tb, _batch_slots(nr), rpw, len(ws) == 2, bias is not None,
                    residual is not None)
-    grid = -(-n_rows // MV_WARPS)
+    grid = -(-n_rows // (MV_WARPS * rpw))
     w0 = ws[0][0]
     w1 = ws[1][0] if len(ws) == 2 else w0
     kern[grid, 32 * MV_WARPS, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk, n_cols, nr)
@@ -223,20 +243,22 @@ def _aligned_copy(x, stream):
     return y
 
 
-def matvec(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, tile_blocks=None):
+def matvec(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, tile_blocks=None,
+           rows_per_warp=None):
     """out = W x (+ bias) (+ residual), float32.
 
     w_dev: raw GGUF bytes of W (N rows x K columns) as a uint8 device array (N, row_bytes).
     x_dev: float32 (K,) or (batch, K) with batch <= 64; the batched form reads W once for
     all rows and gives out (batch, N). bias: (N,); residual: shaped like out. Any array with
-    __cuda_array_interface__ is accepted.
+    __cuda_array_interface__ is accepted. tile_blocks / rows_per_warp override the tuning
+    defaults (DEVICE_SPECS[qtype].tile_blocks, ROWS_PER_WARP).
     """
-    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, tile_blocks)
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, tile_blocks, rows_per_warp)
 
 
-def swiglu(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, tile_blocks=None):
+def swiglu(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, tile_blocks=None, rows_per_warp=None):
     """out = silu(Wg x) * (Wu x), Wg and Wu of the same type and shape; x as in matvec."""
-    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, tile_blocks)
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, tile_blocks, rows_per_warp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,7 +318,8 @@ def _capture(launch, stream, n):
     return replay
 
 
-def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = False, seed: int = 0) -> list[dict]:
+def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = False, seed: int = 0,
+                 rows_per_warp: int | None = None, tile_blocks: int | None = None) -> list[dict]:
     """Time matvec (or swiglu with glu=True) for each (rows, cols) in shapes and each qtype.
 
     Weights are random bytes (timing does not depend on values). Each row reports time_us
@@ -315,10 +338,12 @@ def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = F
             ws = [cuda.to_device(rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)) for _ in range(1 + glu)]
             if glu:
                 def launch():
-                    swiglu(ws[0], ws[1], qtype, x, out=out, stream=stream)
+                    swiglu(ws[0], ws[1], qtype, x, out=out, stream=stream, rows_per_warp=rows_per_warp,
+                           tile_blocks=tile_blocks)
             else:
                 def launch():
-                    matvec(ws[0], qtype, x, out=out, stream=stream)
+                    matvec(ws[0], qtype, x, out=out, stream=stream, rows_per_warp=rows_per_warp,
+                           tile_blocks=tile_blocks)
             t0 = time.perf_counter()
             launch()  # compiles
             stream.synchronize()
@@ -340,7 +365,9 @@ def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = F
             us = cuda.event_elapsed_time(start, end) * 1e3 / iters
             nbytes = rb * n_rows * len(ws)
             rows.append(dict(kernel="swiglu" if glu else "matvec", qtype=qtype.name, rows=n_rows, cols=n_cols,
-                             batch=batch, weight_bytes=nbytes, time_us=round(us, 2),
+                             batch=batch, rows_per_warp=rows_per_warp or ROWS_PER_WARP,
+                             tile_blocks=tile_blocks or DEVICE_SPECS[qtype].tile_blocks,
+                             weight_bytes=nbytes, time_us=round(us, 2),
                              gbps=round(nbytes / (us * 1e-6) / 1e9, 1), timing=timing,
                              compile_s=round(compile_s, 2)))
             del ws

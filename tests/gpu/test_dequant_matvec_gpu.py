@@ -90,6 +90,25 @@ def test_matvec_unaligned_x_gpu():
     check(out.copy_to_host(), matvec_ref(raw, T.Q4_K, x[1:]), raw, T.Q4_K, x[1:])
 
 
+@pytest.mark.parametrize("offset", [4, 2])
+def test_matvec_unaligned_weight_gpu(offset):
+    """A tensor inside a larger device buffer, off a 16-byte boundary: narrower staging loads."""
+    raw = weights(T.Q4_K, 4096, 4096)
+    buf = cuda.to_device(np.concatenate([np.zeros(offset, np.uint8), raw.reshape(-1)]))
+    x = np.random.default_rng(4).standard_normal(4096).astype(np.float32)
+    out = matvec(buf[offset:], T.Q4_K, cuda.to_device(x))
+    check(out.copy_to_host(), matvec_ref(raw, T.Q4_K, x), raw, T.Q4_K, x)
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 3])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=ID)
+def test_matvec_rows_per_warp_gpu(qtype, rows_per_warp):
+    raw = weights(qtype, 4096, 12288)
+    x = np.random.default_rng(5).standard_normal(12288).astype(np.float32)
+    out = matvec(cuda.to_device(raw), qtype, cuda.to_device(x), rows_per_warp=rows_per_warp)
+    check(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.BF16], ids=ID)
 def test_swiglu_gpu(qtype):
     n_rows, n_cols = 12288, 4096
@@ -116,6 +135,7 @@ def test_bench_matvec_gpu():
     rows = bench_matvec([(4096, 12288), (12288, 4096)], [T.Q4_K, T.Q6_K, T.Q8_0, T.BF16], iters=20)
     rows += bench_matvec([(4096, 4096)], [T.Q4_K], batch=8, iters=20)
     rows += bench_matvec([(12288, 4096)], [T.Q4_K], glu=True, iters=20)
+    rows += bench_matvec([(4096, 12288)], [T.Q4_K], rows_per_warp=1, iters=20)
     for r in rows:
         print(json.dumps(r))
         assert r["time_us"] > 0 and r["gbps"] > 0
