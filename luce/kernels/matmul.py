@@ -1,0 +1,746 @@
+"""Prefill matrix product Y[M, N] = X[M, K] @ W[N, K]^T on raw GGUF weights.
+
+One kernel body for every weight type. A thread block owns a BM x BN tile of Y and walks K
+in steps of BK: each step its threads load (16-byte loads where the layout allows) an X tile
+and the raw bytes of a W tile into registers, convert both to f16 and store them in shared
+memory, and the warps multiply the shared tiles, with tensor cores
+(`mma.sync.m16n8k16.row.col.f32.f16.f16.f32`, f32 accumulation) or with plain FMAs. The
+loads of step s+1 are issued before the multiplication of step s so that their latency
+hides behind it (register double-buffering; one shared buffer, two barriers a step).
+
+The per-type part is two device functions over a unit of 8 consecutive weights of one row:
+`load` fetches the raw words the unit needs and `decode` turns them into the unit's 8
+unsigned byte values q and a scale pair (s, o) with w = s * q + o (F16 needs no decode).
+Decoding to f16 uses the f16x2 magic-number trick: byte q placed under the f16 exponent
+0x64 reads as 1024 + q, so one byte permute, one f16x2 subtract and one f16x2 FMA make two
+weights; the subtract happens before the scale so that no large intermediate loses bits.
+
+In the CUDA simulator (no inline asm, no warp-level instructions) the same code runs with
+Python stand-ins; mma and ldmatrix are emulated through a per-warp shared scratch array, so
+the tensor-core path's indexing can be checked there too (slowly: tiny shapes only).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from .dequant import dequantize
+from .quant_types import as_qtype, block_elems, row_bytes
+from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
+
+__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "matmul", "matmul_ref"]
+
+_dev = cuda.jit(device=True)
+
+# ----------------------------------------------------------------------------------------
+# 32-bit primitives. numba promotes uint32 arithmetic to 64 bits, which doubles the cost
+# of the bit manipulation that dequantization is made of, so the hot operations are
+# intrinsics that stay in 32-bit registers.
+# ----------------------------------------------------------------------------------------
+if SIM:
+    _M32 = 0xFFFFFFFF
+
+    def _h(bits):
+        return np.float32(np.uint16(int(bits) & 0xFFFF).view(np.float16))
+
+    def _hbits(v):
+        return int(np.float16(v).view(np.uint16))
+
+    @_dev
+    def bits(x, s, m):
+        """(x >> s) & m on 32 bits."""
+        return np.uint32((int(x) >> int(s)) & int(m))
+
+    @_dev
+    def or32(a, b):
+        return np.uint32((int(a) | int(b)) & _M32)
+
+    @_dev
+    def shl32(a, s):
+        return np.uint32((int(a) << int(s)) & _M32)
+
+    @_dev
+    def pack16(lo, hi):
+        return np.uint32((int(lo) & 0xFFFF) | ((int(hi) & 0xFFFF) << 16))
+
+    @_dev
+    def prmt(a, b, sel):
+        """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i+2:4i] of b:a."""
+        src = (int(a) & _M32) | ((int(b) & _M32) << 32)
+        r = 0
+        for i in range(4):
+            r |= ((src >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+        return np.uint32(r)
+
+    @_dev
+    def f32x2_to_f16x2(lo, hi):
+        return np.uint32(_hbits(lo) | (_hbits(hi) << 16))
+
+    @_dev
+    def hsub2(a, b):
+        return np.uint32(_hbits(_h(a) - _h(b)) | (_hbits(_h(int(a) >> 16) - _h(int(b) >> 16)) << 16))
+
+    @_dev
+    def hfma2(a, b, c):
+        lo = np.float32(_h(a) * _h(b)) + _h(c)
+        hi = np.float32(_h(int(a) >> 16) * _h(int(b) >> 16)) + _h(int(c) >> 16)
+        return np.uint32(_hbits(lo) | (_hbits(hi) << 16))
+
+    # Warp-collective instructions, emulated: every lane publishes its operands in the
+    # warp's scratch row, the block syncs (all warps run the same code, so every thread
+    # reaches each barrier), each lane computes its share, and the block syncs again.
+    SCRATCH = 8  # words per lane
+
+    @_dev
+    def mma_f16(scr, wid, lane, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        scr[wid, lane, 0] = a0
+        scr[wid, lane, 1] = a1
+        scr[wid, lane, 2] = a2
+        scr[wid, lane, 3] = a3
+        scr[wid, lane, 4] = b0
+        scr[wid, lane, 5] = b1
+        cuda.syncthreads()
+        g = lane >> 2
+        t = lane & 3
+        d = [np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3)]
+        for k in range(16):
+            src = 4 * 0 + ((k & 7) >> 1)  # lane offset of A(row, k) within a row group
+            half = 16 * (k & 1)
+            areg = 2 * (k >> 3)
+            a_lo = _h(int(scr[wid, 4 * g + src, areg]) >> half)       # A[g, k]
+            a_hi = _h(int(scr[wid, 4 * g + src, areg + 1]) >> half)   # A[g + 8, k]
+            for c in range(2):
+                n = 2 * t + c
+                b = _h(int(scr[wid, 4 * n + ((k & 7) >> 1), 4 + (k >> 3)]) >> half)  # B[k, n]
+                d[c] = np.float32(d[c] + a_lo * b)
+                d[2 + c] = np.float32(d[2 + c] + a_hi * b)
+        cuda.syncthreads()
+        return d[0], d[1], d[2], d[3]
+
+    @_dev
+    def ldsm_x4(sh, idx, scr, wid, lane):
+        """ldmatrix.x4: lane l gives the word index of row l & 7 of matrix l >> 3 and gets
+        word (l & 3) of row (l >> 2) of each of the four matrices."""
+        scr[wid, lane, 6] = idx
+        cuda.syncthreads()
+        r = lane >> 2
+        t = lane & 3
+        v0 = sh[scr[wid, r, 6] + t]
+        v1 = sh[scr[wid, 8 + r, 6] + t]
+        v2 = sh[scr[wid, 16 + r, 6] + t]
+        v3 = sh[scr[wid, 24 + r, 6] + t]
+        cuda.syncthreads()
+        return v0, v1, v2, v3
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _F32 = ir.FloatType()
+
+    def _asm(builder, ptx, cons, ret, argtys, args, side_effect=False):
+        fn = ir.FunctionType(ret, argtys)
+        return builder.call(ir.InlineAsm(fn, ptx, cons, side_effect=side_effect), args)
+
+    def _u32_args(context, builder, sig, args):
+        return [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+
+    @intrinsic
+    def bits(typingctx, x, s, m):
+        """(x >> s) & m on 32 bits."""
+        sig = types.uint32(x, s, m)
+
+        def codegen(context, builder, sig, args):
+            x, s, m = _u32_args(context, builder, sig, args)
+            return builder.and_(builder.lshr(x, s), m)
+        return sig, codegen
+
+    @intrinsic
+    def or32(typingctx, a, b):
+        sig = types.uint32(a, b)
+
+        def codegen(context, builder, sig, args):
+            a, b = _u32_args(context, builder, sig, args)
+            return builder.or_(a, b)
+        return sig, codegen
+
+    @intrinsic
+    def shl32(typingctx, a, s):
+        sig = types.uint32(a, s)
+
+        def codegen(context, builder, sig, args):
+            a, s = _u32_args(context, builder, sig, args)
+            return builder.shl(a, s)
+        return sig, codegen
+
+    @intrinsic
+    def pack16(typingctx, lo, hi):
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo, hi = _u32_args(context, builder, sig, args)
+            m = ir.Constant(_I32, 0xFFFF)
+            return builder.or_(builder.and_(lo, m), builder.shl(hi, ir.Constant(_I32, 16)))
+        return sig, codegen
+
+    @intrinsic
+    def prmt(typingctx, a, b, sel):
+        sig = types.uint32(a, b, sel)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", _I32, [_I32] * 3,
+                        _u32_args(context, builder, sig, args))
+        return sig, codegen
+
+    @intrinsic
+    def f32x2_to_f16x2(typingctx, lo, hi):
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo, hi = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+            # cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+            return _asm(builder, "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", _I32, [_F32, _F32], [hi, lo])
+        return sig, codegen
+
+    @intrinsic
+    def hsub2(typingctx, a, b):
+        sig = types.uint32(a, b)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, "sub.rn.f16x2 $0, $1, $2;", "=r,r,r", _I32, [_I32] * 2,
+                        _u32_args(context, builder, sig, args))
+        return sig, codegen
+
+    @intrinsic
+    def hfma2(typingctx, a, b, c):
+        sig = types.uint32(a, b, c)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", _I32, [_I32] * 3,
+                        _u32_args(context, builder, sig, args))
+        return sig, codegen
+
+    SCRATCH = 1
+
+    @intrinsic
+    def mma_f16(typingctx, scr, wid, lane, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A(16x16, row) B(16x8, col) + C; scr, wid, lane only serve the simulator."""
+        f = types.float32
+        sig = types.UniTuple(f, 4)(scr, wid, lane, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            ins = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:9], sig.args[3:9])]
+            ins += [context.cast(builder, v, t, f) for v, t in zip(args[9:], sig.args[9:])]
+            s = _asm(builder,
+                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                     "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", ir.LiteralStructType([_F32] * 4),
+                     [_I32] * 6 + [_F32] * 4, ins)
+            out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+            for k in range(4):
+                out = builder.insert_value(out, builder.extract_value(s, k), k)
+            return out
+        return sig, codegen
+
+    @intrinsic
+    def ldsm_x4(typingctx, sh, idx, scr, wid, lane):
+        """ldmatrix.sync.aligned.m8n8.x4 from the uint32 shared array sh: lane l gives the
+        word index of row l & 7 of matrix l >> 3 (16-byte aligned)."""
+        sig = types.UniTuple(types.uint32, 4)(sh, idx, scr, wid, lane)
+
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.intp)
+            addr = builder.ptrtoint(builder.gep(arr.data, [i]), ir.IntType(64))
+            # Volatile: it reads shared memory that the barriers around it order; a pure
+            # asm would be hoisted out of the K loop (its address does not change).
+            s = _asm(builder,
+                     "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
+                     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [sa]; }",
+                     "=r,=r,=r,=r,l", ir.LiteralStructType([_I32] * 4), [ir.IntType(64)], [addr],
+                     side_effect=True)
+            out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+            for k in range(4):
+                out = builder.insert_value(out, builder.extract_value(s, k), k)
+            return out
+        return sig, codegen
+
+
+_F16_1024 = np.uint32(0x64006400)  # f16x2 (1024, 1024)
+_BYTE_64 = np.uint32(0x64646464)
+
+
+@_dev
+def deq8(b0, b1, s, o):
+    """Eight weights s * q + o as four f16x2 words; q = the bytes of b0 then b1."""
+    s2 = f32x2_to_f16x2(s, s)
+    o2 = f32x2_to_f16x2(o, o)
+    return (hfma2(hsub2(prmt(b0, _BYTE_64, 0x5140), _F16_1024), s2, o2),
+            hfma2(hsub2(prmt(b0, _BYTE_64, 0x7362), _F16_1024), s2, o2),
+            hfma2(hsub2(prmt(b1, _BYTE_64, 0x5140), _F16_1024), s2, o2),
+            hfma2(hsub2(prmt(b1, _BYTE_64, 0x7362), _F16_1024), s2, o2))
+
+
+@_dev
+def h2f(h):
+    return f16_bits_to_f32(h & 0xFFFF)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-type units: `load(w, rh, k, raw, i)` writes the raw words of weights k .. k+7 of the
+# row starting at uint16 index rh of w into raw[i, :]; `decode(raw, i, k)` returns
+# (b0, b1, s, o). k is a multiple of 8. All block layouts follow ggml-quants.c; blocks are
+# only 2-byte aligned in general, so the loads are 16-bit unless the layout guarantees more.
+# ----------------------------------------------------------------------------------------
+@_dev
+def load_f16(w, rh, k, raw, i):  # rows of K halves; K % 8 == 0 keeps rows 16-byte aligned
+    a, b, c, d = ldg_u16_u32x4(w, rh + k)
+    raw[i, 0] = a
+    raw[i, 1] = b
+    raw[i, 2] = c
+    raw[i, 3] = d
+
+
+@_dev
+def decode_none(raw, i, k):
+    return np.uint32(0), np.uint32(0), np.float32(0.0), np.float32(0.0)
+
+
+# Q8_0, 34 bytes: d (f16) qs[32] (int8). Bytes are biased by 128 to make them unsigned.
+@_dev
+def load_q8_0(w, rh, k, raw, i):
+    bo = rh + 17 * (k >> 5)
+    h = bo + 1 + 4 * ((k >> 3) & 3)
+    raw[i, 0] = pack16(w[h], w[h + 1])
+    raw[i, 1] = pack16(w[h + 2], w[h + 3])
+    raw[i, 2] = w[bo]
+
+
+@_dev
+def decode_q8_0(raw, i, k):
+    d = h2f(raw[i, 2])
+    flip = np.uint32(0x80808080)
+    return (bits(raw[i, 0], 0, 0xFFFFFFFF) ^ flip, bits(raw[i, 1], 0, 0xFFFFFFFF) ^ flip,
+            d, np.float32(-128.0) * d)
+
+
+# Q4_0, 18 bytes: d (f16) qs[16]; weight j < 16 is the low nibble of qs[j], j >= 16 the
+# high nibble of qs[j - 16].
+@_dev
+def load_q4_0(w, rh, k, raw, i):
+    bo = rh + 9 * (k >> 5)
+    h = bo + 1 + 4 * ((k >> 3) & 1)
+    raw[i, 0] = pack16(w[h], w[h + 1])
+    raw[i, 1] = pack16(w[h + 2], w[h + 3])
+    raw[i, 2] = w[bo]
+
+
+@_dev
+def decode_q4_0(raw, i, k):
+    d = h2f(raw[i, 2])
+    sh = 4 * ((k >> 4) & 1)
+    return bits(raw[i, 0], sh, 0x0F0F0F0F), bits(raw[i, 1], sh, 0x0F0F0F0F), d, np.float32(-8.0) * d
+
+
+# Q4_K, 144 bytes: d dmin (f16) scales[12] qs[128]. Weight 64u + 32h + l is nibble h of
+# qs[32u + l], in sub-block 2u + h with a 6-bit scale and min. 144 = 9 * 16 and rows are
+# whole blocks, so every block is 16-byte aligned: the header is one vector load.
+@_dev
+def load_q4_k(w, rh, k, raw, i):
+    bo = rh + 72 * (k >> 8)
+    a, b, c, d = ldg_u16_u32x4(w, bo)
+    raw[i, 0] = a
+    raw[i, 1] = b
+    raw[i, 2] = c
+    raw[i, 3] = d
+    q = bo + 8 + 16 * ((k >> 6) & 3) + ((k & 31) >> 1)
+    raw[i, 4] = ldg_u16_u32(w, q)
+    raw[i, 5] = ldg_u16_u32(w, q + 2)
+
+
+@_dev
+def decode_q4_k(raw, i, k):
+    h = (k >> 5) & 1
+    sb = ((k >> 6) & 3) * 2 + h  # sub-block 0..7
+    sh = 8 * (sb & 3)
+    if sb < 4:
+        sc = bits(raw[i, 1], sh, 63)
+        mn = bits(raw[i, 2], sh, 63)
+    else:
+        sc = or32(bits(raw[i, 3], sh, 15), shl32(bits(raw[i, 1], sh + 6, 3), 4))
+        mn = or32(bits(raw[i, 3], sh + 4, 15), shl32(bits(raw[i, 2], sh + 6, 3), 4))
+    d = h2f(raw[i, 0])
+    dmin = h2f(bits(raw[i, 0], 16, 0xFFFF))
+    return (bits(raw[i, 4], 4 * h, 0x0F0F0F0F), bits(raw[i, 5], 4 * h, 0x0F0F0F0F),
+            d * np.float32(sc), -dmin * np.float32(mn))
+
+
+# Q6_K, 210 bytes: ql[128] qh[64] scales[16] (int8) d (f16). Weight 128n + 32g + l:
+# low 4 bits = nibble g >> 1 of ql[64n + 32(g & 1) + l], high 2 bits = bits 2g of
+# qh[32n + l], scale index (128n + 32g + l) >> 4; q is biased by 32.
+@_dev
+def load_q6_k(w, rh, k, raw, i):
+    bo = rh + 105 * (k >> 8)
+    e = k & 255
+    n = e >> 7
+    g = (e >> 5) & 3
+    l0 = e & 31
+    a = bo + 32 * n + 16 * (g & 1) + (l0 >> 1)
+    raw[i, 0] = pack16(w[a], w[a + 1])
+    raw[i, 1] = pack16(w[a + 2], w[a + 3])
+    b = bo + 64 + 16 * n + (l0 >> 1)
+    raw[i, 2] = pack16(w[b], w[b + 1])
+    raw[i, 3] = pack16(w[b + 2], w[b + 3])
+    raw[i, 4] = pack16(w[bo + 96 + (e >> 5)], w[bo + 104])  # scales (e >> 4) and (e >> 4) ^ 1; d
+
+
+@_dev
+def decode_q6_k(raw, i, k):
+    e = k & 255
+    g = (e >> 5) & 3
+    lo = 4 * (g >> 1)
+    hs = 2 * g
+    b0 = or32(bits(raw[i, 0], lo, 0x0F0F0F0F), shl32(bits(raw[i, 2], hs, 0x03030303), 4))
+    b1 = or32(bits(raw[i, 1], lo, 0x0F0F0F0F), shl32(bits(raw[i, 3], hs, 0x03030303), 4))
+    sc = np.int32(bits(raw[i, 4], 8 * ((e >> 4) & 1), 0xFF))
+    sc = sc - ((sc & 0x80) << 1)
+    s = h2f(bits(raw[i, 4], 16, 0xFFFF)) * np.float32(sc)
+    return b0, b1, s, np.float32(-32.0) * s
+
+
+class _Spec:
+    def __init__(self, qk, nraw, load, decode, direct=False, align=2):
+        self.qk, self.nraw, self.load, self.decode, self.direct, self.align = qk, nraw, load, decode, direct, align
+
+
+from gguf import GGMLQuantizationType as _T  # noqa: E402
+
+_SPECS = {
+    _T.F16: _Spec(8, 4, load_f16, decode_none, direct=True, align=16),
+    _T.Q8_0: _Spec(32, 3, load_q8_0, decode_q8_0),
+    _T.Q4_0: _Spec(32, 3, load_q4_0, decode_q4_0),
+    _T.Q4_K: _Spec(256, 6, load_q4_k, decode_q4_k, align=16),
+    _T.Q6_K: _Spec(256, 5, load_q6_k, decode_q6_k),
+}
+MATMUL_TYPES = frozenset(_SPECS)
+
+# (BM, BN, BK, WM, WN, fragment loads): block tile, warp tile; "ldsm" = ldmatrix, "lds" =
+# 32-bit shared loads. The simulator default is small enough for ~1e5 thread-iterations.
+TILE_GPU = (128, 128, 32, 64, 32, "ldsm")
+TILE_SIM = (16, 32, 32, 16, 16, "lds")
+
+
+def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None):
+    spec = _SPECS[qtype]
+    BM, BN, BK, WM, WN, frag = tile
+    assert BM % WM == 0 and BN % WN == 0 and WM % 16 == 0 and WN % 8 == 0 and BK % 16 == 0
+    WGN = BN // WN
+    NWARP = (BM // WM) * WGN
+    NT = 32 * NWARP
+    MT, NT8 = WM // 16, WN // 8
+    LDSM = frag == "ldsm"
+    assert not LDSM or NT8 % 2 == 0
+    C8 = BK // 8                       # 8-element units per tile row
+    XU, WU = BM * C8 // NT, BN * C8 // NT
+    assert XU * NT == BM * C8 and WU * NT == BN * C8, "tile too small for its threads"
+    SA = BK // 2 + 4                   # words per shared row; +4 makes fragment loads conflict-free
+    XR = 4 if x_f16 else 8             # raw X words per unit
+    NRAW = spec.nraw
+    DIRECT = spec.direct
+    load_w, decode_w = spec.load, spec.decode
+    OUTS = BM * BN // NT               # FMA path: outputs per thread
+    TM = 1
+    while TM * TM < OUTS:
+        TM *= 2
+    TN = OUTS // TM
+    assert TM * TN == OUTS and BM % TM == 0 and BN % TN == 0
+    FTN = BN // TN                     # FMA threads along N
+    SCR = (NWARP, 32, SCRATCH) if SIM else (1,)
+    ASZ, BSZ = BM * SA, BN * SA        # shared sizes must be compile-time constants
+    HAS_BIAS, HAS_RES, XF16, MMA = has_bias, has_res, x_f16, use_mma
+
+    @_dev
+    def load_tiles(x, w, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N):
+        for i in range(XU):
+            u = tid + NT * i
+            r = u // C8
+            c = u - r * C8
+            m = m0 + r
+            if m < M:
+                if XF16:
+                    a, b, cc, d = ldg_u16_u32x4(x, m * K + k0 + 8 * c)
+                    xr[i, 0] = a
+                    xr[i, 1] = b
+                    xr[i, 2] = cc
+                    xr[i, 3] = d
+                else:
+                    for hh in range(2):
+                        a, b, cc, d = ldg_u16_u32x4(x, 2 * (m * K + k0 + 8 * c) + 8 * hh)
+                        xr[i, 4 * hh] = a
+                        xr[i, 4 * hh + 1] = b
+                        xr[i, 4 * hh + 2] = cc
+                        xr[i, 4 * hh + 3] = d
+            else:
+                for j in range(XR):
+                    xr[i, j] = 0
+        for i in range(WU):
+            u = tid + NT * i
+            r = u // C8
+            c = u - r * C8
+            n = n0 + r
+            if n < N:
+                load_w(w, n * rowh_w, k0 + 8 * c, wr, i)
+            else:
+                for j in range(NRAW):
+                    wr[i, j] = 0
+
+    @_dev
+    def store_tiles(As, Bs, k0, tid, xr, wr):
+        for i in range(XU):
+            u = tid + NT * i
+            r = u // C8
+            c = u - r * C8
+            o = r * SA + 4 * c
+            if XF16:
+                for j in range(4):
+                    As[o + j] = xr[i, j]
+            else:
+                for j in range(4):
+                    As[o + j] = f32x2_to_f16x2(u32_bits_to_f32(xr[i, 2 * j]), u32_bits_to_f32(xr[i, 2 * j + 1]))
+        for i in range(WU):
+            u = tid + NT * i
+            r = u // C8
+            c = u - r * C8
+            o = r * SA + 4 * c
+            if DIRECT:
+                for j in range(4):
+                    Bs[o + j] = wr[i, j]
+            else:
+                b0, b1, s, off = decode_w(wr, i, k0 + 8 * c)
+                v0, v1, v2, v3 = deq8(b0, b1, s, off)
+                Bs[o] = v0
+                Bs[o + 1] = v1
+                Bs[o + 2] = v2
+                Bs[o + 3] = v3
+
+    @_dev
+    def emit(y, bias, res, M, N, m, n, v):
+        if m < M and n < N:
+            if HAS_BIAS:
+                v += bias[n]
+            if HAS_RES:
+                v += res[m * N + n]
+            y[m * N + n] = v
+
+    jit = cuda.jit(launch_bounds=(NT, min_blocks)) if min_blocks else cuda.jit
+
+    @jit
+    def kernel(x, w, y, bias, res, M, N, K, rowh_w):
+        As = cuda.shared.array(ASZ, np.uint32)
+        Bs = cuda.shared.array(BSZ, np.uint32)
+        scr = cuda.shared.array(SCR, np.uint32)
+        xr = cuda.local.array((XU, XR), np.uint32)
+        wr = cuda.local.array((WU, NRAW), np.uint32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wid = tid >> 5
+        n0 = cuda.blockIdx.x * BN
+        m0 = cuda.blockIdx.y * BM
+        nk = K // BK
+        if MMA:
+            acc = cuda.local.array((MT, NT8, 4), np.float32)
+            for i in range(MT):
+                for j in range(NT8):
+                    for e in range(4):
+                        acc[i, j, e] = 0.0
+            af = cuda.local.array((MT, 4), np.uint32)
+            bf = cuda.local.array((NT8, 2), np.uint32)
+            wm = (wid // WGN) * WM
+            wn = (wid % WGN) * WN
+            g = lane >> 2
+            t = lane & 3
+        else:
+            acc = cuda.local.array((TM, TN), np.float32)
+            for i in range(TM):
+                for j in range(TN):
+                    acc[i, j] = 0.0
+            af2 = cuda.local.array((TM, 2), np.float32)
+            bf2 = cuda.local.array((TN, 2), np.float32)
+            ty = tid // FTN
+            tx = tid - ty * FTN
+
+        load_tiles(x, w, M, K, rowh_w, m0, n0, 0, tid, xr, wr, N)
+        for kt in range(nk):
+            store_tiles(As, Bs, kt * BK, tid, xr, wr)
+            cuda.syncthreads()
+            if kt + 1 < nk:
+                load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
+            if MMA:
+                for kk in range(BK // 16):
+                    kw = 8 * kk
+                    for i in range(MT):
+                        if LDSM:
+                            a0, a1, a2, a3 = ldsm_x4(
+                                As, (wm + 16 * i + (lane & 15)) * SA + kw + 4 * (lane >> 4), scr, wid, lane)
+                        else:
+                            ra = (wm + 16 * i + g) * SA + kw + t
+                            a0 = As[ra]
+                            a1 = As[ra + 8 * SA]
+                            a2 = As[ra + 4]
+                            a3 = As[ra + 8 * SA + 4]
+                        af[i, 0] = a0
+                        af[i, 1] = a1
+                        af[i, 2] = a2
+                        af[i, 3] = a3
+                    if LDSM:
+                        for j in range(NT8 // 2):
+                            b0, b1, b2, b3 = ldsm_x4(
+                                Bs, (wn + 16 * j + (lane & 7) + 8 * (lane >> 4)) * SA + kw + 4 * ((lane >> 3) & 1),
+                                scr, wid, lane)
+                            bf[2 * j, 0] = b0
+                            bf[2 * j, 1] = b1
+                            bf[2 * j + 1, 0] = b2
+                            bf[2 * j + 1, 1] = b3
+                    else:
+                        for j in range(NT8):
+                            rb = (wn + 8 * j + g) * SA + kw + t
+                            bf[j, 0] = Bs[rb]
+                            bf[j, 1] = Bs[rb + 4]
+                    for i in range(MT):
+                        for j in range(NT8):
+                            d0, d1, d2, d3 = mma_f16(scr, wid, lane, af[i, 0], af[i, 1], af[i, 2], af[i, 3],
+                                                     bf[j, 0], bf[j, 1],
+                                                     acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+                            acc[i, j, 0] = d0
+                            acc[i, j, 1] = d1
+                            acc[i, j, 2] = d2
+                            acc[i, j, 3] = d3
+            else:
+                for kp in range(BK // 2):
+                    for i in range(TM):
+                        a = As[(ty + i * (BM // TM)) * SA + kp]
+                        af2[i, 0] = h2f(a)
+                        af2[i, 1] = h2f(a >> 16)
+                    for j in range(TN):
+                        b = Bs[(tx + j * FTN) * SA + kp]
+                        bf2[j, 0] = h2f(b)
+                        bf2[j, 1] = h2f(b >> 16)
+                    for i in range(TM):
+                        for j in range(TN):
+                            acc[i, j] += af2[i, 0] * bf2[j, 0] + af2[i, 1] * bf2[j, 1]
+            cuda.syncthreads()
+
+        if MMA:
+            for i in range(MT):
+                for j in range(NT8):
+                    m = m0 + wm + 16 * i + g
+                    n = n0 + wn + 8 * j + 2 * t
+                    emit(y, bias, res, M, N, m, n, acc[i, j, 0])
+                    emit(y, bias, res, M, N, m, n + 1, acc[i, j, 1])
+                    emit(y, bias, res, M, N, m + 8, n, acc[i, j, 2])
+                    emit(y, bias, res, M, N, m + 8, n + 1, acc[i, j, 3])
+        else:
+            for i in range(TM):
+                for j in range(TN):
+                    emit(y, bias, res, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i, j])
+
+    return kernel, NT
+
+
+_KERNELS: dict = {}
+_DUMMY: dict = {}
+
+
+def _as_dev(a):
+    if a is None:
+        return None
+    if SIM:
+        return cuda.to_device(a) if isinstance(a, np.ndarray) else a
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    if not isinstance(a, DeviceNDArray) and cuda.is_cuda_array(a):
+        return cuda.as_cuda_array(a)
+    return a
+
+
+def _flat(a):
+    return a.reshape(a.size)
+
+
+def _ptr(a) -> int:
+    return 0 if SIM else int(a.__cuda_array_interface__["data"][0])
+
+
+def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None):
+    """The compiled-on-first-launch kernel for one configuration, and its block size."""
+    qtype = as_qtype(qtype)
+    if qtype not in _SPECS:
+        raise NotImplementedError(f"matmul: {qtype.name} is not supported (have {sorted(t.name for t in _SPECS)})")
+    tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
+    use_mma = (not SIM) if use_mma is None else bool(use_mma)
+    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks)
+    return _KERNELS[key]
+
+
+def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, residual=None, stream=0,
+           use_mma=None, tile=None, min_blocks=None):
+    """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device.
+
+    x_dev: float32 or float16 device array of M * k elements (row-major); w_raw_dev: uint8
+    device array of the GGUF bytes of W, n_out rows of row_bytes(qtype, k); out: float32
+    device array of M * n_out elements (new if None; may be `residual` itself). use_mma:
+    tensor cores (default on a GPU) or FMAs (default in the simulator). Returns out.
+    """
+    qtype = as_qtype(qtype)
+    tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
+    BK = tile[2]
+    spec = _SPECS.get(qtype)
+    if spec is None:
+        raise NotImplementedError(f"matmul: {qtype.name} is not supported")
+    if k % BK or k % block_elems(qtype):
+        raise ValueError(f"matmul: k={k} must be a multiple of {BK} and of {qtype.name}'s block")
+    x = _as_dev(x_dev)
+    if x.dtype not in (np.float32, np.float16) or x.size % k:
+        raise ValueError(f"matmul: x must be float32/float16 with a multiple of k={k} elements")
+    m_rows = x.size // k
+    rb = row_bytes(qtype, k)
+    w = _as_dev(w_raw_dev)
+    if w.dtype != np.uint8 or w.size != n_out * rb:
+        raise ValueError(f"matmul: W must be uint8 [{n_out}, {rb}] for {qtype.name}, got {w.dtype} {w.shape}")
+    if _ptr(x) % 16 or _ptr(w) % spec.align:
+        raise ValueError("matmul: x must be 16-byte aligned and W aligned for its loads")
+    if out is None:
+        out = cuda.device_array((m_rows, n_out), np.float32, stream=stream)
+    out = _as_dev(out)
+    if out.dtype != np.float32 or out.size != m_rows * n_out:
+        raise ValueError(f"matmul: out must be float32 with {m_rows * n_out} elements")
+    bias, residual = _as_dev(bias), _as_dev(residual)
+    if bias is not None and (bias.size != n_out or bias.dtype != np.float32):
+        raise ValueError("matmul: bias must be float32 [n_out]")
+    if residual is not None and (residual.size != m_rows * n_out or residual.dtype != np.float32):
+        raise ValueError("matmul: residual must be float32 [M, n_out]")
+    kern, nt = get_kernel(qtype, tile, use_mma, x.dtype == np.float16, bias is not None, residual is not None,
+                          min_blocks)
+    if "d" not in _DUMMY:
+        _DUMMY["d"] = cuda.device_array(1, np.float32)
+    dummy = _DUMMY["d"]
+    BM, BN = tile[0], tile[1]
+    grid = (-(-n_out // BN), -(-m_rows // BM))
+    kern[grid, nt, stream](_flat(x).view(np.uint16), _flat(w).view(np.uint16), _flat(out),
+                           dummy if bias is None else _flat(bias), dummy if residual is None else _flat(residual),
+                           m_rows, n_out, k, rb // 2)
+    return out
+
+
+def matmul_ref(x, w_raw, qtype, shape, bias=None, residual=None) -> np.ndarray:
+    """numpy reference: x [M, K] @ dequantize(w_raw, qtype, shape=(N, K)).T, float32 out
+    (accumulated in float64)."""
+    w = dequantize(w_raw, qtype, shape).astype(np.float64)
+    y = np.asarray(x, np.float64).reshape(-1, shape[-1]) @ w.T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64).reshape(y.shape)
+    return y.astype(np.float32)
