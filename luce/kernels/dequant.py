@@ -1,8 +1,9 @@
 """Dequantization of GGUF tensors: numpy references and CUDA kernels.
 
-The numpy functions decode all blocks of a chunk at once with broadcasting; the CUDA
-kernels (below) decode one block per thread group with the per-type device functions of
-luce.kernels.matvec, so the two stay independent implementations of the same layouts.
+The numpy functions decode all blocks of a chunk at once with broadcasting. The device
+side (second half) describes each type by a few per-unit device functions (DEVICE_SPECS)
+shared with luce.kernels.matvec; they index bytes the other way round from the numpy code,
+so the two are independent implementations of the same layouts and test each other.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from .quant_types import SUPPORTED_TYPES, as_qtype, block_bytes, block_elems, row_bytes
 
-__all__ = ["SUPPORTED_TYPES", "dequantize", "row_bytes"]
+__all__ = ["SUPPORTED_TYPES", "DEVICE_SPECS", "dequantize", "dequantize_device", "row_bytes"]
 
 # Blocks per numpy pass: bounds the temporaries (a few times 16 MiB) for huge tensors.
 _CHUNK_ELEMS = 1 << 22
@@ -188,16 +189,16 @@ DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale q
 _dev = cuda.jit(device=True)
 
 
-# Bit fiddling stays in uint32: numba promotes any int64 literal to 64-bit arithmetic (twice
-# the instructions on the GPU), and numpy keeps uint32 with these constants too, so the
-# simulator computes the same. Nothing here subtracts in integers (it would wrap).
+# Bit fiddling is written in uint32 with uint32 constants: numba widens integer arithmetic
+# to 64 bits (twice the instructions on the GPU) and the U() around each result lets LLVM
+# narrow it back; numpy keeps uint32 too, so the simulator computes the same. Nothing here
+# subtracts in integers (it would wrap). Unsigned indices also skip numba's negative-index
+# wraparound code.
 U = np.uint32
 B1, B2, B4, B8, B16, B24 = U(1), U(2), U(4), U(8), U(16), U(24)
 M1, M3, M15, M63, M255, M16 = U(1), U(3), U(15), U(63), U(255), U(0xFFFF)
 
 
-# numba widens integer arithmetic to 64 bits; the U() around each result lets LLVM narrow
-# it back, and unsigned indices skip numba's negative-index wraparound code.
 @_dev
 def rd8(sh, o):
     o = U(o)
@@ -593,7 +594,9 @@ def _dequant_kernel(qtype, vw: int, tile_blocks: int):
 _DEQ_CACHE: dict = {}
 
 
-def _as_device(a):
+def as_device(a):
+    """A numba device array for a: numpy arrays are copied in the simulator only; torch,
+    cupy, ... arrays are wrapped through __cuda_array_interface__."""
     if SIM:
         return cuda.to_device(a) if isinstance(a, np.ndarray) else a
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -604,7 +607,7 @@ def _as_device(a):
 
 def weight_u16(w_dev, qtype, n_cols: int):
     """The raw (rows, row_bytes) uint8 device weight as a flat uint16 array, and its rows."""
-    w_dev = _as_device(w_dev)
+    w_dev = as_device(w_dev)
     rb = row_bytes(qtype, n_cols)
     shape = tuple(w_dev.shape)
     if w_dev.dtype != np.uint8 or w_dev.size % rb or (len(shape) == 2 and shape[1] != rb):
@@ -627,7 +630,7 @@ def dequantize_device(w_dev, qtype, shape, out=None, dtype=np.float32, stream=0,
         raise ValueError(f"dequantize_device: {n_rows} rows of {n_cols} do not make {shape}")
     if out is None:
         out = cuda.device_array(shape, dtype=dtype, stream=stream)
-    out = _as_device(out)
+    out = as_device(out)
     if out.size != n_rows * n_cols or out.dtype not in (np.float32, np.float16):
         raise ValueError(f"dequantize_device: out must be float32/float16 with {n_rows * n_cols} elements")
     tb = tile_blocks or spec.tile_blocks

@@ -1,11 +1,15 @@
 """Quantized matrix-vector products y = W x for decode, on raw GGUF weights.
 
-One warp per weight row. A warp stages a tile of its row (whole blocks, ~2 KiB) into shared
-memory with 16-byte loads (narrower when rows are not 16-byte aligned), then each lane
-decodes units of the tile into registers with the per-type device functions of
+A warp owns ROWS_PER_WARP weight rows. It stages a tile of each (whole blocks, ~2 KiB) into
+shared memory with 16-byte loads (narrower when rows are not 16-byte aligned), then each
+lane decodes units of the tiles into registers with the per-type device functions of
 luce.kernels.dequant and multiplies them with x. The same kernel body serves every type,
 the batched case (2..64 activation rows share each weight read), the bias/residual
 epilogues and the fused SwiGLU (silu(Wg x) * (Wu x)).
+
+Launches are eager and validate their arguments (tens of microseconds of host time);
+decode should capture them in a CUDA graph (see bench_matvec's _capture). A call with an
+x that is not 16-byte aligned allocates a copy, which a graph capture cannot do.
 
 Batches beyond a few rows are bound by CUDA-core FMAs rather than memory (64 rows of Q4_K
 would need ~1 PFLOP/s at full bandwidth); tensor cores are the way there, not this kernel.
@@ -19,7 +23,7 @@ import numpy as np
 from numba import cuda
 
 from .dequant import (
-    DEVICE_SPECS, SIM, _as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
+    DEVICE_SPECS, SIM, as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
     warp_barrier, weight_u16,
 )
 from .vector_load import ldg_f32x4
@@ -183,7 +187,7 @@ def _dummy():
 
 
 def _flat_f32(a, what: str, size: int | None = None):
-    a = _as_device(a)
+    a = as_device(a)
     if a.dtype != np.float32:
         raise ValueError(f"{what}: expected float32, got {a.dtype}")
     if size is not None and a.size != size:
@@ -198,7 +202,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, tile_blocks, rows
     if qtype not in MATVEC_TYPES:
         raise NotImplementedError(f"matvec: {qtype.name} is not supported")
     spec = DEVICE_SPECS[qtype]
-    x_dev = _as_device(x_dev)
+    x_dev = as_device(x_dev)
     xshape = tuple(x_dev.shape)  # the simulator's shape objects lack negative indexing
     if len(xshape) not in (1, 2):
         raise ValueError(f"x must be (K,) or (batch, K), got {xshape}")
