@@ -110,3 +110,16 @@ def test_tree_commit_matches_sequential_decode(smollm2, prompt_ids):
 def test_auto_draft_without_a_declared_model_falls_back_to_lookup(smollm2):
     from luce.spec import make_drafter
     assert isinstance(make_drafter(smollm2, SpecOptions(mode="ddtree", draft="auto")), PromptLookup)
+
+
+def test_cli_generate_spec_flags(smollm2_path):
+    from click.testing import CliRunner
+
+    from luce.cli import main
+    args = ["generate", str(smollm2_path), "def add(a, b):", "--backend", "cpu", "-n", "8", "--temp", "0"]
+    plain = CliRunner().invoke(main, args)
+    assert plain.exit_code == 0, plain.output
+    r = CliRunner().invoke(main, args + ["--spec", "lookup", "--draft-max", "4"])
+    assert r.exit_code == 0, r.output
+    assert "acceptance length" in r.stderr
+    assert r.stdout == plain.stdout

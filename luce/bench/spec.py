@@ -55,21 +55,16 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
     (JSONL) as they come, since a CPU run takes long."""
-    from ..model import load
     from ..spec import DraftModel, PromptLookup, SpecOptions, stream
 
     if target is None:
         target, draft0 = default_pair()
         draft = draft or draft0
     rows = load_prompts(prompts, categories, limit)
-    t0 = time.perf_counter()
-    model = load(target, backend=backend, n_ctx=n_ctx)
-    echo(f"target {Path(model.path).name} loaded in {time.perf_counter() - t0:.1f}s")
+    model = _load(target, backend, n_ctx, "target", echo)
     draft_model = None
     if any(m in ("chain", "ddtree") for m in modes) and draft:
-        t0 = time.perf_counter()
-        draft_model = load(draft, backend=backend, n_ctx=n_ctx)
-        echo(f"draft {Path(draft_model.path).name} loaded in {time.perf_counter() - t0:.1f}s")
+        draft_model = _load(draft, backend, n_ctx, "draft", echo)
     plain: dict[str, list[int]] = {}
     results: list[Result] = []
     sink = open(out, "a") if out else None
@@ -101,13 +96,25 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                     sink.write(json.dumps({**asdict(r), "acceptance_length": r.acceptance_length,
                                            "max_tokens": max_tokens, "ddtree_budget": ddtree_budget,
                                            "draft_max": draft_max, "target": Path(model.path).name,
-                                           "draft": Path(draft_model.path).name if draft_model else None}) + "\n")
+                                           "draft": Path(draft_model.path).name if draft_model else None,
+                                           "tokens": toks}) + "\n")
                     sink.flush()
     finally:
         if sink:
             sink.close()
     echo(summary(results))
     return results
+
+
+def _load(m, backend, n_ctx, role, echo):
+    """A model argument, or an already loaded Model (several runs over one load)."""
+    if hasattr(m, "forward"):
+        return m
+    from ..model import load
+    t0 = time.perf_counter()
+    model = load(m, backend=backend, n_ctx=n_ctx)
+    echo(f"{role} {Path(model.path).name} loaded in {time.perf_counter() - t0:.1f}s")
+    return model
 
 
 def _prompt_ids(model, row) -> list[int]:
