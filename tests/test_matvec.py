@@ -149,3 +149,12 @@ def test_matvec_rejects_bad_arguments():
     with pytest.raises(ValueError):  # tile not a multiple of 16 bytes
         matvec(cuda.to_device(weights(rng, T.Q6_K, 2, 512)), T.Q6_K,
                cuda.to_device(np.zeros(512, np.float32)), tile_blocks=2)
+
+
+def test_bench_matvec_smoke():
+    """The bench's Python path (its timings mean nothing in the simulator)."""
+    from luce.kernels.matvec import bench_matvec
+    rows = bench_matvec([(4, 256)], [T.Q4_K, "Q8_0"], iters=1)
+    assert [r["qtype"] for r in rows] == ["Q4_K", "Q8_0"]
+    assert {"kernel", "rows", "cols", "batch", "weight_bytes", "time_us", "gbps", "timing"} <= set(rows[0])
+    assert rows[0]["weight_bytes"] == 4 * row_bytes(T.Q4_K, 256)

@@ -366,7 +366,7 @@ def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = F
             run()
             end.record(stream)
             end.synchronize()
-            us = cuda.event_elapsed_time(start, end) * 1e3 / iters
+            us = start.elapsed_time(end) * 1e3 / iters
             nbytes = rb * n_rows * len(ws)
             rows.append(dict(kernel="swiglu" if glu else "matvec", qtype=qtype.name, rows=n_rows, cols=n_cols,
                              batch=batch, rows_per_warp=rows_per_warp or ROWS_PER_WARP,
