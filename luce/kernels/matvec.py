@@ -28,7 +28,8 @@ from .dequant import (
 )
 from .vector_load import ldg_f32x4
 
-__all__ = ["MATVEC_TYPES", "MAX_BATCH", "matvec", "swiglu", "matvec_ref", "swiglu_ref", "bench_matvec"]
+__all__ = ["MATVEC_TYPES", "MAX_BATCH", "matvec", "swiglu", "matvec_ref", "swiglu_ref", "bench_matvec",
+           "BENCH_SHAPES", "BENCH_TYPES"]
 
 MATVEC_TYPES = frozenset(DEVICE_SPECS)
 MAX_BATCH = 64
@@ -322,7 +323,13 @@ def _capture(launch, stream, n):
     return replay
 
 
-def bench_matvec(shapes, qtypes, batch: int = 1, iters: int = 100, glu: bool = False, seed: int = 0,
+# Decode-time projections of a Qwen3-8B-sized layer (rows, columns) and the types GGUF
+# files use for them.
+BENCH_SHAPES = ((4096, 12288), (12288, 4096), (4096, 4096))
+BENCH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+
+
+def bench_matvec(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, batch: int = 1, iters: int = 100, glu: bool = False, seed: int = 0,
                  rows_per_warp: int | None = None, tile_blocks: int | None = None) -> list[dict]:
     """Time matvec (or swiglu with glu=True) for each (rows, cols) in shapes and each qtype.
 
