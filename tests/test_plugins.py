@@ -359,11 +359,14 @@ def test_example_plugin_model_loads_and_generates(sites, example_site, examplelm
     assert m.family.name == "examplelm" and m.family.plugin == PLUGIN_DIST
     assert m.config.qkv_bias and m.config.qk_norm and m.config.n_layers == 2 and m.config.n_embd == 64
     assert m.sampling_params().temperature == 0.7  # the family's default sampling
+    calls = importlib.import_module(PLUGIN_MODULE).calls
+    before = calls["swiglu"]
     deltas = list(m.stream("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True))
     ids = [t for d in deltas for t in d.token_ids]
     text = "".join(d.text for d in deltas)
     assert len(ids) == 6 and deltas[-1].finish_reason == "length"
     assert deltas[-1].stats.completion_tokens == 6
+    assert calls["swiglu"] - before >= 6 * 2  # the plugin's kernel ran in every layer
     assert m.detokenize(ids) == text
     again = m.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True,
                        session=m.new_session())

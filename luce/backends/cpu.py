@@ -35,8 +35,11 @@ class NumpyOps:
         return y
 
     @staticmethod
-    def gated_linear(x, w_gate, w_up):
-        return swiglu_ref(x @ w_gate.T, x @ w_up.T)
+    def new_layer():
+        pass
+
+    def gated_linear(self, x, w_gate, w_up):
+        return self.swiglu(x @ w_gate.T, x @ w_up.T)
 
     @staticmethod
     def split_heads(x, n_heads, head_dim):
@@ -73,7 +76,7 @@ class CPUBackend:
         """NumpyOps with any kernels plugins registered for this family swapped in."""
         if family.name not in self._ops:
             from ..plugins import ops_with_overrides
-            self._ops[family.name] = ops_with_overrides(NumpyOps, family, self.name)
+            self._ops[family.name] = ops_with_overrides(NumpyOps(), family, self.name)
         return self._ops[family.name]
 
     def forward(self, family, cfg, weights, kv: KVCache, tokens, positions, mask=None,

@@ -92,6 +92,7 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
     eps = cfg.rms_eps
     x = ops.embed(w.tok_embd, tokens)
     for li, lw in enumerate(w.layers):
+        ops.new_layer()  # a layer's temporaries may reuse the previous layer's memory
         h = ops.rms_norm(x, lw.attn_norm, eps)
         q = ops.linear(h, lw.wq, lw.bq)
         k = ops.linear(h, lw.wk, lw.bk)

@@ -413,7 +413,15 @@ def ops_with_overrides(base_ops, family, backend: str):
         e = kernel_entry(fam, op, backend)
         if e and not e[0].builtin:
             overrides[op] = e[1]
-    return _OverriddenOps(base_ops, overrides) if overrides else base_ops
+    if not overrides:
+        return base_ops
+    if isinstance(base_ops, type):
+        return _OverriddenOps(base_ops, overrides)
+    # an ops instance: a copy whose own methods also reach the overrides through self
+    import copy
+    ops = copy.copy(base_ops)
+    ops.__dict__.update(overrides)
+    return ops
 
 
 # -- commands ------------------------------------------------------------------------

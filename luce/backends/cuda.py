@@ -1,0 +1,246 @@
+"""The CUDA backend: the shared forward on luce.kernels' numba kernels.
+
+- Weights are uploaded once and stay quantized (raw GGUF blocks, dequantized in
+  registers by the matvec/matmul kernels); norms and biases as float32.
+- Activations live in a workspace arena at fixed addresses: the buffers one forward
+  over N tokens uses are the same every time, which is what lets decode (and each tree
+  width) be captured once as a CUDA graph and replayed per step.
+- Rows up to 64 tokens go through the batched matvec (weights read once for all rows);
+  longer prefill chunks through the tensor-core matmul.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kv.paged import PagedKVCache
+
+MAX_MATVEC_ROWS = 64
+GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
+ALIGN = 256
+
+
+@dataclass
+class DeviceWeight:
+    raw: object  # uint8 device array [rows, row_bytes]
+    qtype: object
+    shape: tuple[int, int]  # (rows, cols)
+
+
+class Arena:
+    """A bump allocator over one device buffer. `mark()` ends the persistent part of a
+    forward (the residual stream); `release()` returns to it, so per-layer temporaries
+    reuse the same memory in every layer."""
+
+    def __init__(self, n_bytes: int):
+        from numba import cuda
+        self.size = n_bytes
+        self.buf = cuda.device_array(n_bytes, dtype=np.uint8)
+        self.off = self.persist = 0
+
+    def reset(self) -> None:
+        self.off = self.persist = 0
+
+    def mark(self) -> None:
+        self.persist = self.off
+
+    def release(self) -> None:
+        self.off = self.persist
+
+    def alloc(self, shape, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        start = -(-self.off // ALIGN) * ALIGN
+        if start + n > self.size:
+            raise MemoryError(f"workspace arena of {self.size} bytes is too small")
+        self.off = start + n
+        return self.buf[start:start + n].view(dtype).reshape(tuple(shape))
+
+
+class CudaOps:
+    """The op interface of models.transformer on device arrays, writing into the arena."""
+
+    def __init__(self, backend: "CUDABackend", cfg):
+        self.b = backend
+        self.cfg = cfg
+        self.arena: Arena = None
+        self.stream = backend.stream
+        self.mask_bits = None
+        self.n_keys = 0
+
+    # -- memory -------------------------------------------------------------------
+    def _out(self, shape):
+        return self.arena.alloc(shape)
+
+    def new_layer(self):
+        self.arena.release()
+
+    # -- ops ----------------------------------------------------------------------
+    def embed(self, table: DeviceWeight, tokens):
+        from ..kernels.embedding import embed_quant_cuda
+        n = tokens.shape[0]
+        out = self._out((n, table.shape[1]))
+        rows = self.arena.alloc((n, table.raw.shape[1]), np.uint8)
+        embed_quant_cuda(table.raw, table.qtype, table.shape[1], tokens, out=out, rows=rows, stream=self.stream)
+        self.arena.mark()  # the residual stream outlives every layer
+        return out
+
+    def rms_norm(self, x, w, eps):
+        from ..kernels.norm import rms_norm_cuda
+        return rms_norm_cuda(x, w, eps, out=self._out(x.shape), stream=self.stream)
+
+    def linear(self, x, w: DeviceWeight, bias=None, residual=None):
+        n = x.shape[0]
+        # the residual stream is updated in place: out aliases residual
+        out = residual if residual is not None else self._out((n, w.shape[0]))
+        if n <= MAX_MATVEC_ROWS:
+            from ..kernels.matvec import matvec
+            return matvec(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
+        from ..kernels.matmul import matmul
+        return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
+                      stream=self.stream)
+
+    def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
+        n = x.shape[0]
+        if n <= MAX_MATVEC_ROWS and w_gate.qtype == w_up.qtype:
+            from ..kernels.matvec import swiglu
+            return swiglu(w_gate.raw, w_up.raw, w_gate.qtype, x, out=self._out((n, w_gate.shape[0])),
+                          stream=self.stream)
+        from ..kernels.activation import swiglu_cuda
+        g, u = self.linear(x, w_gate), self.linear(x, w_up)
+        return swiglu_cuda(g, u, out=g, stream=self.stream)
+
+    @staticmethod
+    def split_heads(x, n_heads, head_dim):
+        return x.reshape((x.shape[0], n_heads, head_dim))
+
+    @staticmethod
+    def merge_heads(x):
+        return x.reshape((x.shape[0], x.shape[1] * x.shape[2]))
+
+    @staticmethod
+    def take_rows(x, rows):
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if hi - lo != len(rows):
+            raise ValueError("the CUDA backend returns logits for a contiguous range of rows")
+        return x[lo:hi]
+
+    def rope(self, x, positions, rope_dim, base, style):
+        from ..kernels.rope import rope_cuda
+        return rope_cuda(x, positions, rope_dim, base, style, stream=self.stream)
+
+    def attention(self, kv: PagedKVCache, layer, q, k, v, positions, mask, window):
+        from ..kernels.attention import attention_plan, paged_attention_cuda
+        from ..kernels.paging import write_kv_cuda
+        write_kv_cuda(kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, k, v, positions, kv.pos_d, self.stream)
+        n, hq, d = q.shape
+        plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys)
+        ns = plan["n_splits"]
+        scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
+        return paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
+                                    self.mask_bits, window=window or 0, n_keys=self.n_keys,
+                                    out=self._out((n, hq, d)), scratch=scratch, stream=self.stream)
+
+
+class CUDABackend:
+    name = "cuda"
+
+    def __init__(self, use_graphs: bool = True, kv_dtype=np.float16):
+        from numba import cuda
+        self.cuda = cuda
+        self.stream = cuda.stream()
+        self.use_graphs = use_graphs
+        self.kv_dtype = kv_dtype
+        self._state = {}  # id(weights) -> per-model device state
+
+    # -- weights ------------------------------------------------------------------
+    def load_tensor(self, info):
+        import gguf
+        from ..kernels.dequant import dequantize
+        cuda = self.cuda
+        Q = gguf.GGMLQuantizationType
+        if len(info.shape) == 1:  # norms and biases: small, float32
+            return cuda.to_device(dequantize(info.data, info.qtype, info.shape).astype(np.float32))
+        rows, cols = info.shape
+        if info.qtype == Q.F32:  # the kernels read f16/bf16/quantized rows: keep f32 matrices as f16
+            raw = dequantize(info.data, info.qtype, info.shape).astype(np.float16).view(np.uint8)
+            return DeviceWeight(cuda.to_device(raw.reshape(rows, -1)), Q.F16, (rows, cols))
+        return DeviceWeight(cuda.to_device(np.asarray(info.data).reshape(rows, -1)), info.qtype, (rows, cols))
+
+    def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
+        return PagedKVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=True,
+                            stream=self.stream)
+
+    # -- forward ------------------------------------------------------------------
+    def _model_state(self, family, cfg, weights, kv):
+        key = (id(weights), id(kv))
+        st = self._state.get(key)
+        if st is None:
+            from ..plugins import ops_with_overrides
+            ops = CudaOps(self, cfg)
+            st = self._state[key] = {"ops": ops, "run_ops": ops_with_overrides(ops, family, self.name),
+                                     "graphs": {}, "arena_tokens": 0, "inputs": None}
+            ops.n_keys = kv.n_ctx
+        return st
+
+    def _ensure_arena(self, st, cfg, n_tokens: int, kv):
+        if st["arena_tokens"] >= n_tokens:
+            return
+        from ..kernels.attention import attention_plan
+        n = max(n_tokens, 1)
+        per_tok = 4 * (6 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
+        plan = attention_plan(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx)
+        attn = 4 * plan["n_splits"] * n * cfg.n_heads * (cfg.head_dim + 2) if plan["n_splits"] > 1 else 0
+        row_bytes = 0
+        logits = 4 * n * cfg.vocab_size
+        size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
+        st["ops"].arena = Arena(size)
+        st["arena_tokens"] = n
+        st["graphs"].clear()  # captured graphs point into the old arena
+        cuda = self.cuda
+        st["inputs"] = {"tokens": cuda.device_array(n, np.int32), "positions": cuda.device_array(n, np.int32),
+                        "mask": cuda.device_array(n, np.uint64)}
+
+    def forward(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None, logits_rows=None):
+        from ..kernels.attention import tree_mask_bits
+        n = len(tokens)
+        st = self._model_state(family, cfg, weights, kv)
+        self._ensure_arena(st, cfg, max(n, min(64, kv.n_ctx)), kv)
+        kv.reserve(n)
+        inp = st["inputs"]
+        tok_d, pos_d, mask_d = inp["tokens"][:n], inp["positions"][:n], inp["mask"][:n]
+        tok_d.copy_to_device(np.asarray(tokens, np.int32), stream=self.stream)
+        pos_d.copy_to_device(np.asarray(positions, np.int32), stream=self.stream)
+        tree = mask is not None and not _is_causal(mask)
+        if tree:
+            mask_d.copy_to_device(tree_mask_bits(mask), stream=self.stream)
+        rows = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
+        ops = st["ops"]
+        run_ops = st["run_ops"]
+
+        def run():
+            ops.arena.reset()
+            ops.mask_bits = mask_d if tree else None
+            st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
+
+        key = (n, tree, tuple(rows))
+        if self.use_graphs and n <= GRAPH_WIDTHS_MAX:
+            g = st["graphs"].get(key)
+            if g is None:
+                run()  # compile every kernel (and check) outside capture
+                from .cuda_graph import Graph
+                g = st["graphs"][key] = Graph(self.stream, run)
+            else:
+                g.replay()
+        else:
+            run()
+        out = st["logits"].copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+
+def _is_causal(mask) -> bool:
+    m = np.asarray(mask, dtype=bool)
+    return bool(np.array_equal(m, np.tril(np.ones_like(m))))
