@@ -47,7 +47,7 @@ def _gather_rows_u16_kernel(raw, tokens, out):
         out[n, w] = raw[tokens[n], w]
 
 
-def embed_quant_cuda(table_raw, qtype, n_cols: int, tokens, out=None, stream=0):
+def embed_quant_cuda(table_raw, qtype, n_cols: int, tokens, out=None, rows=None, stream=0):
     """Rows of a quantized GGUF table (device uint8 [V, row_bytes]) for device int32
     tokens [N], dequantized -> f32 [N, n_cols]; only the N rows are read and decoded."""
     from .dequant import dequantize_device, row_bytes
@@ -55,7 +55,8 @@ def embed_quant_cuda(table_raw, qtype, n_cols: int, tokens, out=None, stream=0):
     rb = row_bytes(qtype, n_cols)
     n = tokens.shape[0]
     v = table_raw.size // rb
-    rows = cuda.device_array((n, rb), dtype=np.uint8, stream=stream)
+    if rows is None:  # scratch for the gathered raw rows (pass one to keep a graph's addresses fixed)
+        rows = cuda.device_array((n, rb), dtype=np.uint8, stream=stream)
     src = table_raw.reshape(v, rb).view(np.uint16)
     dst = rows.view(np.uint16)
     nt = block_threads(256)
