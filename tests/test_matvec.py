@@ -158,3 +158,14 @@ def test_bench_matvec_smoke():
     assert [r["qtype"] for r in rows] == ["Q4_K", "Q8_0"]
     assert {"kernel", "rows", "cols", "batch", "weight_bytes", "time_us", "gbps", "timing"} <= set(rows[0])
     assert rows[0]["weight_bytes"] == 4 * row_bytes(T.Q4_K, 256)
+
+
+def test_matvec_residual_in_place():
+    """residual may be out itself: h += W x in one launch."""
+    rng = np.random.default_rng(11)
+    raw = weights(rng, T.Q6_K, 5, 256)
+    x = rng.standard_normal(256).astype(np.float32)
+    h = rng.standard_normal(5).astype(np.float32)
+    h_dev = cuda.to_device(h)
+    matvec(cuda.to_device(raw), T.Q6_K, cuda.to_device(x), out=h_dev, residual=h_dev)
+    assert_close(h_dev.copy_to_host(), matvec_ref(raw, T.Q6_K, x, residual=h), raw, T.Q6_K, x)

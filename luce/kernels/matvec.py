@@ -254,7 +254,8 @@ def matvec(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *,
 
     w_dev: raw GGUF bytes of W (N rows x K columns) as a uint8 device array (N, row_bytes).
     x_dev: float32 (K,) or (batch, K) with batch <= 64; the batched form reads W once for
-    all rows and gives out (batch, N). bias: (N,); residual: shaped like out. Any array with
+    all rows and gives out (batch, N). bias: (N,); residual: shaped like out, and may be out
+    itself (h += W x). Any array with
     __cuda_array_interface__ is accepted. tile_blocks / rows_per_warp override the tuning
     defaults (DEVICE_SPECS[qtype].tile_blocks, ROWS_PER_WARP).
     """
