@@ -79,7 +79,7 @@ import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 
-from ._reduce import SIM, block_threads, ceil_div  # noqa: E402
+from ._reduce import block_threads, ceil_div  # noqa: E402
 from .paging import BLOCK  # noqa: E402
 
 _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
@@ -88,18 +88,37 @@ _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attr
 def _qt_cap(dim: int) -> int:
     """Largest power-of-two query tile whose Q tile (QT*D f32), scores (QT*64 f32) and
     row state fit beside one K/V tile (64*(D+2) f16): 64 / 32 / 8 rows at D = 64/128/256."""
-    room = (_SMEM - BLOCK * (dim + 2) * 2) // (dim * 4 + BLOCK * 4 + 12)
+    room = (_SMEM - BLOCK * (dim + 2) * 2) // ((dim + 1) * 4 + (BLOCK + 1) * 4 + 12)
     return min(64, 1 << (room.bit_length() - 1))
 _TARGET_BLOCKS = 264  # two waves over the H200's 132 SMs
 
 
+def _split2(total: int, cap: int) -> tuple[int, int]:
+    """total = a * b with b = min(total, cap) (powers of two): a thread's micro-tile."""
+    b = min(total, cap)
+    return total // b, b
+
+
 @functools.lru_cache(maxsize=None)
 def _attn_kernel(dim: int, qt: int, nt: int):
-    ept = qt * dim // nt  # output elements a thread accumulates in registers
+    # Register micro-tiles: each thread computes TR x TK scores and owns TR2 x TD output
+    # elements, so every value it reads from shared memory feeds several FMAs (one score
+    # or output per thread would make the kernel shared-memory bound 4-5x over).
+    TR, TK = _split2(qt * BLOCK // nt, 4 if qt * BLOCK // nt < 32 else 8)
+    KT = BLOCK // TK  # threads along keys; rows of a thread are strided by qt // TR
+    RS = qt // TR
+    TR2, TD = _split2(qt * dim // nt, 8)
+    DT = dim // TD  # threads along dims
+    RS2 = qt // TR2
+    assert TR * TK * nt == qt * BLOCK and TR2 * TD * nt == qt * dim and KT * RS == nt and DT * RS2 == nt
     dim2 = dim // 2  # the pool travels as uint32 pairs of f16: 4-byte loads, not 2
-    # rows padded by one word: threads reading different keys hit different banks
+    # Rows padded by one word so that threads reading different rows at one column hit
+    # different banks.
     kv_words = dim2 + 1
-    assert ept * nt == qt * dim
+    qs_w = dim + 1  # shared array shapes must be plain constants, not expressions
+    sc_w = BLOCK + 1
+    n_acc = TR2 * TD
+    n_s = TR * TK
 
     @cuda.jit
     def kernel(q, k32, v32, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
@@ -115,16 +134,24 @@ def _attn_kernel(dim: int, qt: int, nt: int):
         n_rows = n_new * group
         r0 = tile * qt
 
-        qs = cuda.shared.array((qt, dim), np.float32)
+        qs = cuda.shared.array((qt, qs_w), np.float32)
         kv32 = cuda.shared.array((BLOCK, kv_words), np.uint32)
         kv = kv32.view(np.float16)
-        sc = cuda.shared.array((qt, BLOCK), np.float32)
+        sc = cuda.shared.array((qt, sc_w), np.float32)
         m_s = cuda.shared.array(qt, np.float32)
         l_s = cuda.shared.array(qt, np.float32)
         a_s = cuda.shared.array(qt, np.float32)
-        acc = cuda.local.array(ept, np.float32)
-        for e in range(ept):
+        acc = cuda.local.array(n_acc, np.float32)
+        s_reg = cuda.local.array(n_s, np.float32)
+        q_reg = cuda.local.array(TR, np.float32)
+        k_reg = cuda.local.array(TK, np.float32)
+        p_reg = cuda.local.array(TR2, np.float32)
+        for e in range(TR2 * TD):
             acc[e] = 0.0
+        tk = t % KT
+        tr = t // KT
+        td = t % DT
+        tr2 = t // DT
 
         for e in range(t, qt * dim, nt):
             r = e // dim
@@ -134,9 +161,9 @@ def _attn_kernel(dim: int, qt: int, nt: int):
                 qs[r, d] = q[row // group, hkv * group + row % group, d] * scale
             else:
                 qs[r, d] = 0.0
-        if t < qt:
-            m_s[t] = -math.inf
-            l_s[t] = 0.0
+        for r in range(t, qt, nt):
+            m_s[r] = -math.inf
+            l_s[r] = 0.0
 
         # Keys this tile may see: causal rows stop at their own token; a window starts
         # after (smallest query position in the tile) - window, and committed pages
@@ -165,27 +192,32 @@ def _attn_kernel(dim: int, qt: int, nt: int):
                 kv32[e // dim2, e % dim2] = k32[slot, layer, hkv, e // dim2, e % dim2]
             cuda.syncthreads()
 
-            for p in range(t, qt * BLOCK, nt):
-                r = p // BLOCK
-                kk = p % BLOCK
-                j = j0 + kk
+            for e in range(TR * TK):
+                s_reg[e] = 0.0
+            for d in range(dim):
+                for a in range(TR):
+                    q_reg[a] = qs[tr + a * RS, d]
+                for b in range(TK):
+                    k_reg[b] = np.float32(kv[tk + b * KT, d])
+                for a in range(TR):
+                    for b in range(TK):
+                        s_reg[a * TK + b] += q_reg[a] * k_reg[b]
+            for a in range(TR):
+                r = tr + a * RS
                 row = r0 + r
-                ok = row < n_rows and j < key_end
-                if ok:
-                    i = row // group
-                    if j >= n_ctx:
+                i = row // group
+                for b in range(TK):
+                    kk = tk + b * KT
+                    j = j0 + kk
+                    ok = row < n_rows and j < key_end
+                    if ok and j >= n_ctx:
                         if causal:
                             ok = j - n_ctx <= i
                         else:
                             ok = ((mask[i] >> np.uint64(j - n_ctx)) & np.uint64(1)) != np.uint64(0)
                     if ok and window > 0:
                         ok = kv_pos[j] > q_pos[i] - window
-                s = np.float32(-math.inf)
-                if ok:
-                    s = np.float32(0.0)
-                    for d in range(dim):
-                        s += qs[r, d] * np.float32(kv[kk, d])
-                sc[r, kk] = s
+                    sc[r, kk] = s_reg[a * TK + b] if ok else np.float32(-math.inf)
             cuda.syncthreads()
 
             # V replaces K in the tile buffer while the row owners do the softmax bookkeeping.
@@ -197,53 +229,57 @@ def _attn_kernel(dim: int, qt: int, nt: int):
                     kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
                 else:
                     kv32[kk, e % dim2] = np.uint32(0)
-            if t < qt:
-                m_old = m_s[t]
+            for r in range(t, qt, nt):
+                m_old = m_s[r]
                 mx = m_old
                 for kk in range(BLOCK):
-                    mx = max(mx, sc[t, kk])
+                    mx = max(mx, sc[r, kk])
                 if mx == -math.inf:
-                    a_s[t] = 1.0
+                    a_s[r] = 1.0
                     for kk in range(BLOCK):
-                        sc[t, kk] = 0.0
+                        sc[r, kk] = 0.0
                 else:
                     alpha = math.exp(m_old - mx)
                     ssum = np.float32(0.0)
                     for kk in range(BLOCK):
-                        pk = math.exp(sc[t, kk] - mx)
-                        sc[t, kk] = pk
+                        pk = math.exp(sc[r, kk] - mx)
+                        sc[r, kk] = pk
                         ssum += pk
-                    a_s[t] = alpha
-                    l_s[t] = l_s[t] * alpha + ssum
-                    m_s[t] = mx
+                    a_s[r] = alpha
+                    l_s[r] = l_s[r] * alpha + ssum
+                    m_s[r] = mx
             cuda.syncthreads()
 
-            # keys outermost so the short constant loop over acc unrolls and acc stays in
-            # registers (with the long loop inside, acc spills to local memory)
-            for e in range(ept):
-                acc[e] *= a_s[(t + e * nt) // dim]
+            for a in range(TR2):
+                al = a_s[tr2 + a * RS2]
+                for b in range(TD):
+                    acc[a * TD + b] *= al
             for kk in range(BLOCK):
-                for e in range(ept):
-                    idx = t + e * nt
-                    acc[e] += sc[idx // dim, kk] * np.float32(kv[kk, idx % dim])
+                for a in range(TR2):
+                    p_reg[a] = sc[tr2 + a * RS2, kk]
+                for b in range(TD):
+                    vb = np.float32(kv[kk, td + b * DT])
+                    for a in range(TR2):
+                        acc[a * TD + b] += p_reg[a] * vb
             cuda.syncthreads()
 
-        for e in range(ept):
-            idx = t + e * nt
-            r = idx // dim
-            d = idx % dim
+        for a in range(TR2):
+            r = tr2 + a * RS2
             row = r0 + r
             if row < n_rows:
                 i = row // group
                 hq = hkv * group + row % group
-                if direct:
-                    out[i, hq, d] = acc[e] / l_s[r]
-                else:
-                    part_o[split, i, hq, d] = acc[e]
-        if not direct and t < qt and r0 + t < n_rows:
-            row = r0 + t
-            part_ml[split, row // group, hkv * group + row % group, 0] = m_s[t]
-            part_ml[split, row // group, hkv * group + row % group, 1] = l_s[t]
+                for b in range(TD):
+                    d = td + b * DT
+                    if direct:
+                        out[i, hq, d] = acc[a * TD + b] / l_s[r]
+                    else:
+                        part_o[split, i, hq, d] = acc[a * TD + b]
+        if not direct:
+            for r in range(t, min(qt, n_rows - r0), nt):
+                row = r0 + r
+                part_ml[split, row // group, hkv * group + row % group, 0] = m_s[r]
+                part_ml[split, row // group, hkv * group + row % group, 1] = l_s[r]
 
     return kernel
 
@@ -281,9 +317,8 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     group = n_heads // n_kv_heads
     nt = block_threads(128)
     rows = n_q * group
-    qt = max(2, min(_qt_cap(head_dim), 1 << max(0, rows - 1).bit_length()))
-    if SIM:
-        qt = min(qt, 8)
+    # at least one score and one output element per thread
+    qt = max(2, nt // head_dim, min(_qt_cap(head_dim), 1 << max(0, rows - 1).bit_length()))
     n_tiles = ceil_div(rows, qt)
     n_pages = max(1, ceil_div(n_keys, BLOCK))
     n_splits = max(1, min(n_pages, ceil_div(_TARGET_BLOCKS, n_kv_heads * n_tiles)))

@@ -1,8 +1,8 @@
 """Paged attention (decode, tree verification, causal prefill, sliding window, GQA)
-against attention_ref, in the CUDA simulator with one-warp blocks, query tiles of <= 8
-rows and head_dim 16 (the kernel is specialized per head_dim; the simulator does not
-care which). Both the single-split (direct) and flash-decoding (split + combine) paths
-run here; head_dim 64/128/256, 128-thread blocks and the Qwen3-8B shapes run in
+against attention_ref, in the CUDA simulator: one-warp blocks, head_dim 16, query tiles
+of 2..64 rows (so register micro-tiles of 1..4 rows), one and several query tiles, the
+single-split (direct) and flash-decoding (split + combine) paths, NaN-poisoned pools.
+head_dim 64/128/256 with 128-thread blocks and the Qwen3-8B shapes at 8K context run in
 tests/gpu/test_kernels_gpu.py."""
 import numpy as np
 import pytest
@@ -72,14 +72,14 @@ def test_tree():
     for i, p in enumerate(parents):
         depth[i] = 0 if p < 0 else depth[p] + 1
     mask = tree_mask(parents)
-    cache, q, kv, cpos, npos = setup(70, 7, hq=4, hkv=1, new_pos=70 + depth)  # GQA group of 4, 2 q tiles
+    cache, q, kv, cpos, npos = setup(70, 7, hq=4, hkv=1, new_pos=70 + depth)  # GQA group of 4: 28 rows
     got = run(cache, q, npos, mask)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, mask), rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_prefill_causal(window):
-    # no committed rows: the chain's causal mask runs across a page boundary
+    # no committed rows: the chain's causal mask runs across a page boundary; 2 query tiles
     cache, q, kv, cpos, npos = setup(0, 70, hq=2, hkv=2)
     q = q[:, :2]
     got = run(cache, q, npos, None, window)
