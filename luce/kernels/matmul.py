@@ -425,15 +425,18 @@ _SPECS = {
 }
 MATMUL_TYPES = frozenset(_SPECS)
 
-# (BM, BN, BK, WM, WN, fragment loads): block tile, warp tile; "ldsm" = ldmatrix, "lds" =
-# 32-bit shared loads. The simulator default is small enough for ~1e5 thread-iterations.
-TILE_GPU = (128, 128, 32, 64, 32, "ldsm")
-TILE_SIM = (16, 32, 32, 16, 16, "lds")
+# (BM, BN, BK, WM, WN, fragment loads[, stages]): block tile, warp tile; "ldsm" = ldmatrix,
+# "lds" = 32-bit shared loads; stages: shared buffers (1 or 2, see the kernel's loop). The
+# simulator default is small enough for ~1e5 thread-iterations.
+TILE_GPU = (128, 128, 32, 64, 32, "ldsm", 2)
+TILE_SIM = (16, 32, 32, 16, 16, "lds", 2)
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None):
     spec = _SPECS[qtype]
-    BM, BN, BK, WM, WN, frag = tile
+    BM, BN, BK, WM, WN, frag = tile[:6]
+    STAGES = tile[6] if len(tile) > 6 else 1
+    assert STAGES in (1, 2) and 4 * (BM + BN) * (BK // 2 + 4) * STAGES <= 48 * 1024
     assert BM % WM == 0 and BN % WN == 0 and WM % 16 == 0 and WN % 8 == 0 and BK % 16 == 0
     WGN = BN // WN
     NWARP = (BM // WM) * WGN
@@ -457,7 +460,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     assert TM * TN == OUTS and BM % TM == 0 and BN % TN == 0
     FTN = BN // TN                     # FMA threads along N
     SCR = (NWARP, 32, SCRATCH) if SIM else (1,)
-    ASZ, BSZ = BM * SA, BN * SA        # shared sizes must be compile-time constants
+    ASZ, BSZ = BM * SA, BN * SA        # words of one buffer of each tile
+    ASH, BSH = ASZ * STAGES, BSZ * STAGES  # shared sizes must be compile-time constants
     HAS_BIAS, HAS_RES, XF16, MMA = has_bias, has_res, x_f16, use_mma
 
     @_dev
@@ -496,12 +500,12 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                     wr[i, j] = 0
 
     @_dev
-    def store_tiles(As, Bs, k0, tid, xr, wr):
+    def store_tiles(As, Bs, ao, bo, k0, tid, xr, wr):
         for i in range(XU):
             u = tid + NT * i
             r = u // C8
             c = u - r * C8
-            o = r * SA + 4 * c
+            o = ao + r * SA + 4 * c
             if XF16:
                 for j in range(4):
                     As[o + j] = xr[i, j]
@@ -512,7 +516,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             u = tid + NT * i
             r = u // C8
             c = u - r * C8
-            o = r * SA + 4 * c
+            o = bo + r * SA + 4 * c
             if DIRECT:
                 for j in range(4):
                     Bs[o + j] = wr[i, j]
@@ -523,6 +527,63 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 Bs[o + 1] = v1
                 Bs[o + 2] = v2
                 Bs[o + 3] = v3
+
+    @_dev
+    def mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t):
+        for kk in range(BK // 16):
+            kw = 8 * kk
+            for i in range(MT):
+                if LDSM:
+                    a0, a1, a2, a3 = ldsm_x4(
+                        As, ao + (wm + 16 * i + (lane & 15)) * SA + kw + 4 * (lane >> 4), scr, wid, lane)
+                else:
+                    ra = ao + (wm + 16 * i + g) * SA + kw + t
+                    a0 = As[ra]
+                    a1 = As[ra + 8 * SA]
+                    a2 = As[ra + 4]
+                    a3 = As[ra + 8 * SA + 4]
+                af[i, 0] = a0
+                af[i, 1] = a1
+                af[i, 2] = a2
+                af[i, 3] = a3
+            if LDSM:
+                for j in range(NT8 // 2):
+                    b0, b1, b2, b3 = ldsm_x4(
+                        Bs, bo + (wn + 16 * j + (lane & 7) + 8 * (lane >> 4)) * SA + kw + 4 * ((lane >> 3) & 1),
+                        scr, wid, lane)
+                    bf[2 * j, 0] = b0
+                    bf[2 * j, 1] = b1
+                    bf[2 * j + 1, 0] = b2
+                    bf[2 * j + 1, 1] = b3
+            else:
+                for j in range(NT8):
+                    rb = bo + (wn + 8 * j + g) * SA + kw + t
+                    bf[j, 0] = Bs[rb]
+                    bf[j, 1] = Bs[rb + 4]
+            for i in range(MT):
+                for j in range(NT8):
+                    d0, d1, d2, d3 = mma_f16(scr, wid, lane, af[i, 0], af[i, 1], af[i, 2], af[i, 3],
+                                             bf[j, 0], bf[j, 1],
+                                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+                    acc[i, j, 0] = d0
+                    acc[i, j, 1] = d1
+                    acc[i, j, 2] = d2
+                    acc[i, j, 3] = d3
+
+    @_dev
+    def fma_step(As, Bs, ao, bo, acc, af2, bf2, ty, tx):
+        for kp in range(BK // 2):
+            for i in range(TM):
+                a = As[ao + (ty + i * (BM // TM)) * SA + kp]
+                af2[i, 0] = h2f(a)
+                af2[i, 1] = h2f(a >> 16)
+            for j in range(TN):
+                b = Bs[bo + (tx + j * FTN) * SA + kp]
+                bf2[j, 0] = h2f(b)
+                bf2[j, 1] = h2f(b >> 16)
+            for i in range(TM):
+                for j in range(TN):
+                    acc[i, j] += af2[i, 0] * bf2[j, 0] + af2[i, 1] * bf2[j, 1]
 
     @_dev
     def emit(y, bias, res, M, N, m, n, v):
@@ -537,8 +598,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
 
     @jit
     def kernel(x, w, y, bias, res, M, N, K, rowh_w):
-        As = cuda.shared.array(ASZ, np.uint32)
-        Bs = cuda.shared.array(BSZ, np.uint32)
+        As = cuda.shared.array(ASH, np.uint32)
+        Bs = cuda.shared.array(BSH, np.uint32)
         scr = cuda.shared.array(SCR, np.uint32)
         xr = cuda.local.array((XU, XR), np.uint32)
         wr = cuda.local.array((WU, NRAW), np.uint32)
@@ -571,64 +632,32 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             tx = tid - ty * FTN
 
         load_tiles(x, w, M, K, rowh_w, m0, n0, 0, tid, xr, wr, N)
-        for kt in range(nk):
-            store_tiles(As, Bs, kt * BK, tid, xr, wr)
+        if STAGES == 2:
+            store_tiles(As, Bs, 0, 0, 0, tid, xr, wr)
             cuda.syncthreads()
-            if kt + 1 < nk:
-                load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
-            if MMA:
-                for kk in range(BK // 16):
-                    kw = 8 * kk
-                    for i in range(MT):
-                        if LDSM:
-                            a0, a1, a2, a3 = ldsm_x4(
-                                As, (wm + 16 * i + (lane & 15)) * SA + kw + 4 * (lane >> 4), scr, wid, lane)
-                        else:
-                            ra = (wm + 16 * i + g) * SA + kw + t
-                            a0 = As[ra]
-                            a1 = As[ra + 8 * SA]
-                            a2 = As[ra + 4]
-                            a3 = As[ra + 8 * SA + 4]
-                        af[i, 0] = a0
-                        af[i, 1] = a1
-                        af[i, 2] = a2
-                        af[i, 3] = a3
-                    if LDSM:
-                        for j in range(NT8 // 2):
-                            b0, b1, b2, b3 = ldsm_x4(
-                                Bs, (wn + 16 * j + (lane & 7) + 8 * (lane >> 4)) * SA + kw + 4 * ((lane >> 3) & 1),
-                                scr, wid, lane)
-                            bf[2 * j, 0] = b0
-                            bf[2 * j, 1] = b1
-                            bf[2 * j + 1, 0] = b2
-                            bf[2 * j + 1, 1] = b3
-                    else:
-                        for j in range(NT8):
-                            rb = (wn + 8 * j + g) * SA + kw + t
-                            bf[j, 0] = Bs[rb]
-                            bf[j, 1] = Bs[rb + 4]
-                    for i in range(MT):
-                        for j in range(NT8):
-                            d0, d1, d2, d3 = mma_f16(scr, wid, lane, af[i, 0], af[i, 1], af[i, 2], af[i, 3],
-                                                     bf[j, 0], bf[j, 1],
-                                                     acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
-                            acc[i, j, 0] = d0
-                            acc[i, j, 1] = d1
-                            acc[i, j, 2] = d2
-                            acc[i, j, 3] = d3
+        for kt in range(nk):
+            if STAGES == 2:
+                # Step kt reads buffer kt & 1 and fills the other one, which every warp
+                # finished reading before the previous barrier: one barrier a step, and
+                # warps drift apart so that some multiply while others decode.
+                ao = (kt & 1) * ASZ
+                bo = (kt & 1) * BSZ
+                if kt + 1 < nk:
+                    load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
             else:
-                for kp in range(BK // 2):
-                    for i in range(TM):
-                        a = As[(ty + i * (BM // TM)) * SA + kp]
-                        af2[i, 0] = h2f(a)
-                        af2[i, 1] = h2f(a >> 16)
-                    for j in range(TN):
-                        b = Bs[(tx + j * FTN) * SA + kp]
-                        bf2[j, 0] = h2f(b)
-                        bf2[j, 1] = h2f(b >> 16)
-                    for i in range(TM):
-                        for j in range(TN):
-                            acc[i, j] += af2[i, 0] * bf2[j, 0] + af2[i, 1] * bf2[j, 1]
+                ao = 0
+                bo = 0
+                store_tiles(As, Bs, 0, 0, kt * BK, tid, xr, wr)
+                cuda.syncthreads()
+                if kt + 1 < nk:
+                    load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
+            if MMA:
+                mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t)
+            else:
+                fma_step(As, Bs, ao, bo, acc, af2, bf2, ty, tx)
+            if STAGES == 2:
+                if kt + 1 < nk:
+                    store_tiles(As, Bs, ASZ - ao, BSZ - bo, (kt + 1) * BK, tid, xr, wr)
             cuda.syncthreads()
 
         if MMA:

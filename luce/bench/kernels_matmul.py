@@ -1,0 +1,110 @@
+"""Prefill matmul throughput (luce.kernels.matmul) on random GGUF weights.
+
+    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_matmul [--sweep]
+
+Shapes are (M, K, N): Y[M, N] = X[M, K] @ W[N, K]^T; the defaults are Qwen3-8B's FFN up/gate
+(4096 -> 12288), down (12288 -> 4096) and a 4096 x 4096 projection at a 512-token prefill.
+Times are CUDA-event means over `reps` launches after a warm-up (which also compiles).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+DEFAULT_SHAPES = ((512, 4096, 12288), (512, 12288, 4096), (512, 4096, 4096))
+
+
+def random_weight(qtype, n: int, k: int, rng) -> np.ndarray:
+    """uint8 [n, row_bytes]: GGUF bytes of a random n x k weight of `qtype`."""
+    from luce.kernels.quant_types import as_qtype
+    qtype = as_qtype(qtype)
+    if qtype.name == "F16":
+        return (0.02 * rng.standard_normal((n, k))).astype(np.float16).view(np.uint8)
+    from .synthetic import random_quant_rows
+    return random_quant_rows(qtype, n, k, rng)
+
+
+def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dtype=np.float32,
+                 use_mma=None, reps: int = 20, warmup: int = 3, seed: int = 0, min_blocks=None) -> list[dict]:
+    """One row per (shape, qtype): M, K, N, qtype, time_us, TFLOP/s (2 M N K flops)."""
+    from numba import cuda
+
+    from luce.kernels.matmul import matmul
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m, k, n in shapes:
+        x = cuda.to_device(rng.standard_normal((m, k)).astype(x_dtype))
+        out = cuda.device_array((m, n), np.float32)
+        for qt in qtypes:
+            w = cuda.to_device(random_weight(qt, n, k, rng))
+            stream = cuda.stream()
+
+            def call():
+                matmul(x, w, qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=tile, min_blocks=min_blocks)
+            for _ in range(warmup):
+                call()
+            stream.synchronize()
+            e0, e1 = cuda.event(), cuda.event()  # timing events by default
+            e0.record(stream)
+            for _ in range(reps):
+                call()
+            e1.record(stream)
+            e1.synchronize()
+            us = e0.elapsed_time(e1) * 1e3 / reps
+            rows.append(dict(M=m, K=k, N=n, qtype=qt, time_us=round(us, 1),
+                             **{"TFLOP/s": round(2 * m * n * k / (us * 1e-6) / 1e12, 1)}))
+            del w
+    return rows
+
+
+# Configurations compared by --sweep: (label, tile, x dtype, use_mma, min_blocks)
+SWEEP = (
+    ("128x128x32 w64x32 ldsm 2-stage", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, True, None),
+    ("128x128x32 w64x32 ldsm 2-stage, f16 x", (128, 128, 32, 64, 32, "ldsm", 2), np.float16, True, None),
+    ("128x128x32 w64x32 ldsm 1-stage", (128, 128, 32, 64, 32, "ldsm", 1), np.float32, True, None),
+    ("128x128x32 w64x32 lds 2-stage", (128, 128, 32, 64, 32, "lds", 2), np.float32, True, None),
+    ("128x128x32 w32x64 ldsm 2-stage", (128, 128, 32, 32, 64, "ldsm", 2), np.float32, True, None),
+    ("128x128x32 w64x32 ldsm 2-stage, 2 blocks/SM", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, True, 2),
+    ("128x256x32 w64x64 ldsm 1-stage, f16 x", (128, 256, 32, 64, 64, "ldsm", 1), np.float16, True, None),
+    ("64x128x32 w32x64 ldsm 2-stage (4 warps)", (64, 128, 32, 32, 64, "ldsm", 2), np.float32, True, None),
+    ("128x128x64 w64x32 ldsm 1-stage, f16 x", (128, 128, 64, 64, 32, "ldsm", 1), np.float16, True, None),
+    ("FMA path 128x128x32", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, False, None),
+)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="compare the tile configurations of SWEEP")
+    ap.add_argument("--qtypes", default="Q4_K,Q6_K")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    qtypes = tuple(a.qtypes.split(","))
+    out = []
+    if a.sweep:
+        for label, tile, xd, mma, mb in SWEEP:
+            try:
+                shapes = DEFAULT_SHAPES[:1] if not mma else DEFAULT_SHAPES
+                rows = bench_matmul(shapes, qtypes[:1] if not mma else qtypes, tile=tile, x_dtype=xd,
+                                    use_mma=mma, reps=a.reps if mma else 3, min_blocks=mb)
+            except Exception as e:  # one failing configuration must not hide the others
+                print(f"{label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            for r in rows:
+                r["config"] = label
+                print(json.dumps(r), flush=True)
+            out += rows
+    else:
+        out = bench_matmul(qtypes=qtypes, reps=a.reps)
+        for r in out:
+            print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
