@@ -11,8 +11,14 @@ to pool[table[p // BLOCK], layer, head, p % BLOCK].
 
 The CUDA wrappers take the first logical row from a device int32 array (`meta[0]`) so
 that a captured CUDA graph replays with a new context length without re-capture.
+
+q8_0 KV (ggml's Q8_0 numerics: 32 int8 per f16 scale) keeps two pools per K and V with
+the same layout: the int8 values [..., D] and the scales [..., D / 32]; every row
+operation runs on both (`with_pos` keeps the position array to one of the two passes).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import cuda
@@ -21,6 +27,7 @@ from ._reduce import block_threads, stride_grid
 
 BLOCK = 64
 MAX_MOVE = 64  # rows one compaction pass moves (a speculative tree has at most 64 nodes)
+Q8 = 32  # values per q8_0 scale
 
 
 # ------------------------------------------------------------------------------ numpy
@@ -31,6 +38,25 @@ def _rows(block_table: np.ndarray, start: int, n: int):
     if len(p) and slots.min() < 0:
         raise IndexError("logical row in an unmapped block")
     return slots, p % BLOCK
+
+
+def quantize_q8_0_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., D] float -> (int8 [..., D], f16 scales [..., D/32]) as ggml quantize_row_q8_0."""
+    x = np.asarray(x, dtype=np.float32)
+    b = x.reshape(*x.shape[:-1], -1, Q8)
+    d = np.abs(b).max(axis=-1) / np.float32(127.0)
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
+    v = b * inv[..., None]
+    a = np.abs(v)
+    r = np.floor(a)
+    r += (a - r >= 0.5)  # C roundf (half away from zero); exact, unlike floor(v + 0.5)
+    q = (np.sign(v) * r).astype(np.int8)  # |v| <= 127: no clipping needed
+    return q.reshape(x.shape), d.astype(np.float16)
+
+
+def dequantize_q8_0_ref(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    b = q.reshape(*q.shape[:-1], -1, Q8).astype(np.float32) * d.astype(np.float32)[..., None]
+    return b.reshape(q.shape)
 
 
 def write_kv_ref(k_pool, v_pool, block_table, layer: int, start: int, k_new, v_new) -> None:
@@ -80,6 +106,42 @@ def _write_kernel(k_pool, v_pool, table, layer, meta, k_new, v_new, positions, p
 
 
 @cuda.jit
+def _write_q8_kernel(kq, kd, vq, vd, table, layer, meta, k_new, v_new, positions, pos):
+    # grid-stride over (token, head, 32-value group, K or V): ggml's Q8_0 rounding
+    n_tok, n_heads, dim = k_new.shape
+    groups = dim // Q8
+    start = cuda.grid(1)
+    for i in range(start, n_tok * n_heads * groups * 2, cuda.gridsize(1)):
+        which = i % 2
+        g = (i // 2) % groups
+        nh = i // (2 * groups)
+        h = nh % n_heads
+        n = nh // n_heads
+        src = k_new if which == 0 else v_new
+        dq = kq if which == 0 else vq
+        dd = kd if which == 0 else vd
+        amax = np.float32(0.0)
+        for e in range(Q8):
+            amax = max(amax, abs(np.float32(src[n, h, g * Q8 + e])))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        p = meta[0] + n
+        slot = table[p // BLOCK]
+        o = p % BLOCK
+        for e in range(Q8):
+            # C roundf (half away from zero), exact like quantize_q8_0_ref
+            v = np.float32(src[n, h, g * Q8 + e]) * inv
+            a = abs(v)
+            r = math.floor(a)
+            if a - r >= 0.5:
+                r += 1
+            dq[slot, layer, h, o, g * Q8 + e] = np.int8(r if v >= 0 else -r)
+        dd[slot, layer, h, o, g] = d
+    for i in range(start, n_tok, cuda.gridsize(1)):
+        pos[meta[0] + i] = positions[i]
+
+
+@cuda.jit
 def _gather_kernel(pool, table, layer, start, out):
     n_tok, n_heads, dim = out.shape
     for i in range(cuda.grid(1), n_tok * n_heads * dim, cuda.gridsize(1)):
@@ -91,7 +153,7 @@ def _gather_kernel(pool, table, layer, start, out):
 
 
 @cuda.jit
-def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos):
+def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos, with_pos):
     """Rows base + accepted[j] -> base + j for j in [first, first + n_move), base = meta[0].
 
     One block per (layer * head, K or V) reads all its rows into shared memory before
@@ -114,7 +176,8 @@ def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos):
         d = e % dim
         p = base + accepted[first + j]
         buf[j, d] = pool[table[p // BLOCK], layer, h, p % BLOCK, d]
-    if lh == 0 and which == 0:
+    move_pos = with_pos != 0 and lh == 0 and which == 0
+    if move_pos:
         for j in range(t, n_move, cuda.blockDim.x):
             pbuf[j] = pos[base + accepted[first + j]]
     cuda.syncthreads()
@@ -123,7 +186,7 @@ def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos):
         d = e % dim
         p = base + first + j
         pool[table[p // BLOCK], layer, h, p % BLOCK, d] = buf[j, d]
-    if lh == 0 and which == 0:
+    if move_pos:
         for j in range(t, n_move, cuda.blockDim.x):
             pos[base + first + j] = pbuf[j]
 
@@ -134,6 +197,14 @@ def write_kv_cuda(k_pool, v_pool, table, layer: int, meta, k_new, v_new, positio
     n = k_new.shape[0] * k_new.shape[1] * k_new.shape[2]
     nt = block_threads(256)
     _write_kernel[stride_grid(n, nt), nt, stream](k_pool, v_pool, table, layer, meta, k_new, v_new, positions, pos)
+
+
+def write_kv_q8_cuda(kq, kd, vq, vd, table, layer: int, meta, k_new, v_new, positions, pos, stream=0) -> None:
+    """write_kv_cuda into q8_0 pools (values kq/vq int8, scales kd/vd f16), quantizing."""
+    n = k_new.shape[0] * k_new.shape[1] * (k_new.shape[2] // Q8) * 2
+    nt = block_threads(256)
+    _write_q8_kernel[stride_grid(n, nt), nt, stream](kq, kd, vq, vd, table, layer, meta, k_new, v_new, positions,
+                                                     pos)
 
 
 def gather_kv_cuda(pool, table, layer: int, start: int, n: int, out=None, stream=0):
@@ -147,7 +218,8 @@ def gather_kv_cuda(pool, table, layer: int, start: int, n: int, out=None, stream
     return out
 
 
-def compact_cuda(k_pool, v_pool, table, meta, accepted, n_accepted: int, pos, stream=0, first: int = 0) -> None:
+def compact_cuda(k_pool, v_pool, table, meta, accepted, n_accepted: int, pos, stream=0, first: int = 0,
+                 with_pos: bool = True) -> None:
     """Device twin of compact_ref with base = meta[0]; accepted: device int32. Rows
     before `first` are known to stay put (accepted[j] == j) and are skipped.
 
@@ -162,4 +234,4 @@ def compact_cuda(k_pool, v_pool, table, meta, accepted, n_accepted: int, pos, st
     for f in range(first, n_accepted, MAX_MOVE):
         n_move = min(MAX_MOVE, n_accepted - f)
         _compact_kernel[(n_planes, 2), block_threads(256), stream](k_pool, v_pool, table, meta, accepted, f,
-                                                                    n_move, pos)
+                                                                    n_move, pos, 1 if with_pos else 0)

@@ -10,27 +10,35 @@ evict(blocks) copies blocks to pinned host memory on a side stream and frees the
 slots; restore(blocks) copies them back, bit-exact, into whatever slots are free.
 Callers must not run attention over evicted blocks; `wait(stream)` orders a compute
 stream after pending restores.
+
+dtype "q8_0" stores K and V as ggml Q8_0 (int8 values + an f16 scale per 32): about half
+the bytes of f16; committed() then returns the dequantized float32 rows.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.paging import (BLOCK, compact_cuda, compact_ref, gather_kv_cuda, gather_kv_ref, write_kv_cuda,
-                              write_kv_ref)
+from ..kernels.paging import (BLOCK, Q8, compact_cuda, compact_ref, dequantize_q8_0_ref, gather_kv_cuda,
+                              gather_kv_ref, quantize_q8_0_ref, write_kv_cuda, write_kv_q8_cuda, write_kv_ref)
 
 
 class PagedKVCache:
     def __init__(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, dtype=np.float16, *,
                  device: bool = False, n_slots: int | None = None, stream=None):
         self.n_layers, self.n_ctx, self.n_kv_heads, self.head_dim = n_layers, n_ctx, n_kv_heads, head_dim
-        self.dtype = np.dtype(dtype)
+        self.quant = isinstance(dtype, str) and dtype.lower() == "q8_0"
+        self.dtype = np.dtype(np.int8 if self.quant else dtype)
+        if self.quant and head_dim % Q8:
+            raise ValueError(f"q8_0 KV needs head_dim a multiple of {Q8}")
         self.device = device
         self.max_blocks = -(-n_ctx // BLOCK)
         self.n_slots = self.max_blocks if n_slots is None else n_slots
         shape = (self.n_slots, n_layers, n_kv_heads, BLOCK, head_dim)
+        scale_shape = (self.n_slots, n_layers, n_kv_heads, BLOCK, head_dim // Q8)
+        self.k_scale = self.v_scale = None
         self.table = np.full(self.max_blocks, -1, np.int32)  # logical block -> slot
         self.free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out low slots first
-        self.host = {}  # logical block -> (k, v) host copies of evicted blocks
+        self.host = {}  # logical block -> host copies of its pools' slots (evicted)
         self.n_past = 0
         self.n_pending = 0
         if device:
@@ -40,6 +48,9 @@ class PagedKVCache:
             self.side = cuda.stream()  # evict/restore copies overlap compute
             self.k_pool = cuda.device_array(shape, dtype=self.dtype)
             self.v_pool = cuda.device_array(shape, dtype=self.dtype)
+            if self.quant:
+                self.k_scale = cuda.device_array(scale_shape, dtype=np.float16)
+                self.v_scale = cuda.device_array(scale_shape, dtype=np.float16)
             self.table_d = cuda.to_device(self.table)
             self.pos_d = cuda.to_device(np.zeros(n_ctx, np.int32))
             # meta[0] = n_past, meta[1] = rows of the pending forward: what kernels read
@@ -50,7 +61,17 @@ class PagedKVCache:
         else:
             self.k_pool = np.zeros(shape, dtype=self.dtype)
             self.v_pool = np.zeros(shape, dtype=self.dtype)
+            if self.quant:
+                self.k_scale = np.zeros(scale_shape, dtype=np.float16)
+                self.v_scale = np.zeros(scale_shape, dtype=np.float16)
             self.pos = np.zeros(n_ctx, np.int64)
+
+    def _pairs(self):
+        """(K, V) pool pairs that every row operation must touch."""
+        return [(self.k_pool, self.v_pool)] + ([(self.k_scale, self.v_scale)] if self.quant else [])
+
+    def _pools(self):
+        return [p for pair in self._pairs() for p in pair]
 
     # ------------------------------------------------------------------ bookkeeping
     def _sync_meta(self) -> None:
@@ -111,10 +132,20 @@ class PagedKVCache:
             cuda = self._cuda
             dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a, dtype=dt), stream=self.stream) \
                 if isinstance(a, np.ndarray) else a
-            write_kv_cuda(self.k_pool, self.v_pool, self.table_d, layer, self.meta, dev(k_new, self.dtype),
-                          dev(v_new, self.dtype), dev(np.asarray(positions), np.int32), self.pos_d, self.stream)
+            pos = dev(np.asarray(positions), np.int32)
+            if self.quant:
+                write_kv_q8_cuda(self.k_pool, self.k_scale, self.v_pool, self.v_scale, self.table_d, layer, self.meta,
+                                 dev(k_new, np.float32), dev(v_new, np.float32), pos, self.pos_d, self.stream)
+            else:
+                write_kv_cuda(self.k_pool, self.v_pool, self.table_d, layer, self.meta, dev(k_new, self.dtype),
+                              dev(v_new, self.dtype), pos, self.pos_d, self.stream)
         else:
-            write_kv_ref(self.k_pool, self.v_pool, self.table, layer, self.n_past, k_new, v_new)
+            if self.quant:
+                (kq, kd), (vq, vd) = quantize_q8_0_ref(k_new), quantize_q8_0_ref(v_new)
+                write_kv_ref(self.k_pool, self.v_pool, self.table, layer, self.n_past, kq, vq)
+                write_kv_ref(self.k_scale, self.v_scale, self.table, layer, self.n_past, kd, vd)
+            else:
+                write_kv_ref(self.k_pool, self.v_pool, self.table, layer, self.n_past, k_new, v_new)
             self.pos[self.n_past:self.n_past + len(k_new)] = positions
 
     def committed(self, layer: int):
@@ -122,15 +153,20 @@ class PagedKVCache:
         dtype, int64 [n_past]): for the CPU path and tests; attention reads the pool."""
         n = self.n_past
         if self.device:
-            k = gather_kv_cuda(self.k_pool, self.table_d, layer, 0, n, stream=self.stream).copy_to_host(
-                stream=self.stream)
-            v = gather_kv_cuda(self.v_pool, self.table_d, layer, 0, n, stream=self.stream).copy_to_host(
-                stream=self.stream)
+            def get(pool):
+                return gather_kv_cuda(pool, self.table_d, layer, 0, n, stream=self.stream).copy_to_host(
+                    stream=self.stream)
             pos = self.pos_d.copy_to_host(stream=self.stream)[:n].astype(np.int64)
+        else:
+            def get(pool):
+                return gather_kv_ref(pool, self.table, layer, 0, n)
+            pos = self.pos[:n].copy()
+        k, v = get(self.k_pool), get(self.v_pool)
+        if self.quant:
+            k, v = dequantize_q8_0_ref(k, get(self.k_scale)), dequantize_q8_0_ref(v, get(self.v_scale))
+        if self.device:
             self.stream.synchronize()
-            return k, v, pos
-        return (gather_kv_ref(self.k_pool, self.table, layer, 0, n),
-                gather_kv_ref(self.v_pool, self.table, layer, 0, n), self.pos[:n].copy())
+        return k, v, pos
 
     def commit(self, accepted=None) -> None:
         """Keep the pending rows `accepted` (indices into the last forward's tokens, in
@@ -147,10 +183,12 @@ class PagedKVCache:
                     raise ValueError("more than 64 rows to move must be in increasing order")
                 if self.device:
                     acc = self._cuda.to_device(idx.astype(np.int32), stream=self.stream)
-                    compact_cuda(self.k_pool, self.v_pool, self.table_d, self.meta, acc, len(idx), self.pos_d,
-                                 stream=self.stream, first=first)
+                    for n_pair, (kp, vp) in enumerate(self._pairs()):
+                        compact_cuda(kp, vp, self.table_d, self.meta, acc, len(idx), self.pos_d, stream=self.stream,
+                                     first=first, with_pos=n_pair == 0)
                 else:
-                    compact_ref(self.k_pool, self.v_pool, self.table, self.n_past, idx, self.pos)
+                    for n_pair, (kp, vp) in enumerate(self._pairs()):
+                        compact_ref(kp, vp, self.table, self.n_past, idx, self.pos if n_pair == 0 else None)
             self.n_past += len(idx)
         self.n_pending = 0
         self._unmap_from(self.n_past)
@@ -177,15 +215,16 @@ class PagedKVCache:
         for b in blocks:
             s = int(self.table[b])
             if self.device:
-                k = cuda.pinned_array(self.k_pool.shape[1:], self.dtype)
-                v = cuda.pinned_array(self.v_pool.shape[1:], self.dtype)
-                self.k_pool[s].copy_to_host(k, stream=self.side)
-                self.v_pool[s].copy_to_host(v, stream=self.side)
+                copies = []
+                for pool in self._pools():
+                    h = cuda.pinned_array(pool.shape[1:], pool.dtype)
+                    pool[s].copy_to_host(h, stream=self.side)
+                    copies.append(h)
                 self._dirty_slots.append(s)
             else:
-                k, v = self.k_pool[s].copy(), self.v_pool[s].copy()
+                copies = [pool[s].copy() for pool in self._pools()]
                 self.free.append(s)
-            self.host[b] = (k, v)
+            self.host[b] = copies
             self.table[b] = -1
         self._sync_table()
         return blocks
@@ -199,14 +238,13 @@ class PagedKVCache:
             self.free.extend(self._dirty_slots)
             self._dirty_slots = []
         for b in blocks:
-            k, v = self.host.pop(b)
+            copies = self.host.pop(b)
             s = self._alloc()
-            if self.device:
-                self.k_pool[s].copy_to_device(k, stream=self.side)
-                self.v_pool[s].copy_to_device(v, stream=self.side)
-            else:
-                self.k_pool[s] = k
-                self.v_pool[s] = v
+            for pool, h in zip(self._pools(), copies):
+                if self.device:
+                    pool[s].copy_to_device(h, stream=self.side)
+                else:
+                    pool[s] = h
             self.table[b] = s
         if self.device:
             self._side_event = self._cuda.event()

@@ -6,7 +6,7 @@ Qwen3-8B shapes on a GPU."""
 import numpy as np
 import pytest
 
-from luce.kernels.paging import BLOCK
+from luce.kernels.paging import BLOCK, dequantize_q8_0_ref, quantize_q8_0_ref
 from luce.kv.cache import KVCache
 from luce.kv.paged import PagedKVCache
 
@@ -41,6 +41,49 @@ def same(ref: KVCache, paged: PagedKVCache):
 def caches(request):
     n_ctx = 3 * BLOCK + 10
     return KVCache(L, n_ctx, H, D, dtype=np.float16), PagedKVCache(L, n_ctx, H, D, device=request.param)
+
+
+class Q8Ref(KVCache):
+    """KVCache holding what a q8_0 cache returns: rows quantized and dequantized."""
+
+    def write(self, layer, k_new, v_new, positions):
+        super().write(layer, dequantize_q8_0_ref(*quantize_q8_0_ref(k_new)),
+                      dequantize_q8_0_ref(*quantize_q8_0_ref(v_new)), positions)
+
+
+def test_q8_0_twins():
+    """q8_0 pools: device quantization is bit-exact with the numpy twin (ggml rounding),
+    commit/truncate/evict/restore move values and scales together."""
+    n_ctx = 3 * BLOCK + 10
+    D8 = 64
+    ref = Q8Ref(L, n_ctx, H, D8, dtype=np.float32)
+    twins = [PagedKVCache(L, n_ctx, H, D8, dtype="q8_0", device=dev) for dev in (False, True)]
+    cs = [ref] + twins
+
+    def fwd(n):
+        base = ref.n_past
+        for c in cs:
+            c.reserve(n)
+        for layer in range(L):
+            k, v = rng.standard_normal((2, n, H, D8)).astype(np.float32)
+            k[0, 0, :32] = 0.0  # an all-zero group: scale 0
+            for c in cs:
+                c.write(layer, k, v, np.arange(base, base + n))
+
+    fwd(BLOCK + 3)
+    for c in cs:
+        c.commit()
+    fwd(7)
+    for c in cs:
+        c.commit([1, 4, 6])
+    twins[1].evict()
+    twins[1].restore()
+    twins[1].wait()
+    for t in twins:
+        assert t.n_past == ref.n_past
+        for layer in range(L):
+            for a, b in zip(t.committed(layer), ref.committed(layer)):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_write_commit_across_blocks(caches):
