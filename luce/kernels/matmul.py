@@ -118,6 +118,13 @@ if SIM:
         return d[0], d[1], d[2], d[3]
 
     @_dev
+    def sts4(sh, idx, a, b, c, d):
+        sh[idx] = a
+        sh[idx + 1] = b
+        sh[idx + 2] = c
+        sh[idx + 3] = d
+
+    @_dev
     def ldsm_x4(sh, idx, scr, wid, lane):
         """ldmatrix.x4: lane l gives the word index of row l & 7 of matrix l >> 3 and gets
         word (l & 3) of row (l >> 2) of each of the four matrices."""
@@ -243,6 +250,25 @@ else:
             return out
         return sig, codegen
 
+    def _shared_addr(context, builder, arrty, arr, idxty, idx):
+        """Generic address of arr[idx], without numba's negative-index wraparound."""
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        i = context.cast(builder, idx, idxty, types.intp)
+        return builder.ptrtoint(builder.gep(data, [i]), ir.IntType(64))
+
+    @intrinsic
+    def sts4(typingctx, sh, idx, a, b, c, d):
+        """sh[idx : idx + 4] = a, b, c, d in one 16-byte shared store (idx % 4 == 0)."""
+        sig = types.void(sh, idx, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], sig.args[2:])]
+            _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; st.shared.v4.u32 [sa], {$1,$2,$3,$4}; }",
+                 "l,r,r,r,r", ir.VoidType(), [ir.IntType(64)] + [_I32] * 4, [addr] + vals, side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
     @intrinsic
     def ldsm_x4(typingctx, sh, idx, scr, wid, lane):
         """ldmatrix.sync.aligned.m8n8.x4 from the uint32 shared array sh: lane l gives the
@@ -250,9 +276,7 @@ else:
         sig = types.UniTuple(types.uint32, 4)(sh, idx, scr, wid, lane)
 
         def codegen(context, builder, sig, args):
-            arr = context.make_array(sig.args[0])(context, builder, value=args[0])
-            i = context.cast(builder, args[1], sig.args[1], types.intp)
-            addr = builder.ptrtoint(builder.gep(arr.data, [i]), ir.IntType(64))
+            addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             # Volatile: it reads shared memory that the barriers around it order; a pure
             # asm would be hoisted out of the K loop (its address does not change).
             s = _asm(builder,
@@ -507,26 +531,23 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             c = u - r * C8
             o = ao + r * SA + 4 * c
             if XF16:
-                for j in range(4):
-                    As[o + j] = xr[i, j]
+                sts4(As, o, xr[i, 0], xr[i, 1], xr[i, 2], xr[i, 3])
             else:
-                for j in range(4):
-                    As[o + j] = f32x2_to_f16x2(u32_bits_to_f32(xr[i, 2 * j]), u32_bits_to_f32(xr[i, 2 * j + 1]))
+                sts4(As, o, f32x2_to_f16x2(u32_bits_to_f32(xr[i, 0]), u32_bits_to_f32(xr[i, 1])),
+                     f32x2_to_f16x2(u32_bits_to_f32(xr[i, 2]), u32_bits_to_f32(xr[i, 3])),
+                     f32x2_to_f16x2(u32_bits_to_f32(xr[i, 4]), u32_bits_to_f32(xr[i, 5])),
+                     f32x2_to_f16x2(u32_bits_to_f32(xr[i, 6]), u32_bits_to_f32(xr[i, 7])))
         for i in range(WU):
             u = tid + NT * i
             r = u // C8
             c = u - r * C8
             o = bo + r * SA + 4 * c
             if DIRECT:
-                for j in range(4):
-                    Bs[o + j] = wr[i, j]
+                sts4(Bs, o, wr[i, 0], wr[i, 1], wr[i, 2], wr[i, 3])
             else:
                 b0, b1, s, off = decode_w(wr, i, k0 + 8 * c)
                 v0, v1, v2, v3 = deq8(b0, b1, s, off)
-                Bs[o] = v0
-                Bs[o + 1] = v1
-                Bs[o + 2] = v2
-                Bs[o + 3] = v3
+                sts4(Bs, o, v0, v1, v2, v3)
 
     @_dev
     def mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t):
