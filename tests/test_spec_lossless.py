@@ -123,3 +123,15 @@ def test_cli_generate_spec_flags(smollm2_path):
     assert r.exit_code == 0, r.output
     assert "acceptance length" in r.stderr
     assert r.stdout == plain.stdout
+
+
+def test_stepper_factory_for_the_engine(smollm2, prompt_ids, plain):
+    # the server engine builds a stepper per request from (session, params)
+    factory = spec.stepper_factory(smollm2, SpecOptions(mode="lookup"))
+    assert spec.stepper_factory(smollm2, SpecOptions()) is None
+    session = smollm2.new_session(N_CTX)
+    stepper = factory(session, smollm2.sampling_params(temperature=0, max_tokens=MAX_TOKENS))
+    out = [t for d in smollm2.stream(prompt_ids, session=session, stepper=stepper, temperature=0,
+                                     max_tokens=MAX_TOKENS) for t in d.token_ids]
+    assert out == plain
+    assert stepper.counters.steps > 0 and stepper.counters.acceptance_length >= 1

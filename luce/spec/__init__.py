@@ -18,7 +18,7 @@ from .verify import Verdict, verify
 
 __all__ = ["Tree", "build_tree", "chain_tree", "Draft", "DraftModel", "PromptLookup", "SPEC_MODES",
            "SpecOptions", "make_drafter", "spec_options", "SpecCounters", "SpeculativeStepper", "Verdict",
-           "verify", "make_stepper", "stream"]
+           "verify", "make_stepper", "stepper_factory", "stream"]
 
 
 def make_stepper(session, params, opts: SpecOptions, drafter):
@@ -29,6 +29,17 @@ def make_stepper(session, params, opts: SpecOptions, drafter):
         return None
     return SpeculativeStepper(session, Sampler(params), drafter, method=opts.method,
                               draft_max=opts.draft_max, budget=opts.ddtree_budget)
+
+
+def stepper_factory(model, opts: SpecOptions, drafter=None):
+    """`(session, params) -> stepper` for the server engine's stepper_factory; None when
+    opts is off. One drafter serves every request (the draft model re-syncs its cache
+    to each request's context), so requests must not run concurrently on it. Each
+    stepper's `counters` hold its draft_s, verify_s and acceptance length."""
+    if not opts.enabled:
+        return None
+    drafter = drafter or make_drafter(model, opts)
+    return lambda session, params: make_stepper(session, params, opts, drafter)
 
 
 def stream(model, prompt, opts: SpecOptions, drafter=None, session=None, **params) -> Iterator:
