@@ -100,7 +100,7 @@ def _split2(total: int, cap: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _attn_kernel(dim: int, qt: int, nt: int):
+def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     # Register micro-tiles: each thread computes TR x TK scores and owns TR2 x TD output
     # elements, so every value it reads from shared memory feeds several FMAs (one score
     # or output per thread would make the kernel shared-memory bound 4-5x over).
@@ -112,6 +112,7 @@ def _attn_kernel(dim: int, qt: int, nt: int):
     RS2 = qt // TR2
     assert TR * TK * nt == qt * BLOCK and TR2 * TD * nt == qt * dim and KT * RS == nt and DT * RS2 == nt
     dim2 = dim // 2  # the pool travels as uint32 pairs of f16: 4-byte loads, not 2
+    dim4 = dim // 4  # q8_0 pools: uint32 quads of int8, a scale per 8 words
     # Rows padded by one word so that threads reading different rows at one column hit
     # different banks.
     kv_words = dim2 + 1
@@ -121,7 +122,7 @@ def _attn_kernel(dim: int, qt: int, nt: int):
     n_s = TR * TK
 
     @cuda.jit
-    def kernel(q, k32, v32, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
+    def kernel(q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
                pages_per_split, direct, out, part_o, part_ml):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
@@ -188,8 +189,22 @@ def _attn_kernel(dim: int, qt: int, nt: int):
             if window > 0 and j0 + BLOCK <= n_ctx and kv_pos[j0 + BLOCK - 1] <= min_qpos - window:
                 continue  # uniform over the block: no barrier is skipped by only some threads
             slot = table[page]
-            for e in range(t, BLOCK * dim2, nt):
-                kv32[e // dim2, e % dim2] = k32[slot, layer, hkv, e // dim2, e % dim2]
+            if q8:
+                # dequantized into the same f16 tile, so the rest of the kernel is shared
+                # (rows past the last key are never scored; skipping them spares the
+                # arithmetic on unwritten scales)
+                for e in range(t, BLOCK * dim4, nt):
+                    kk = e // dim4
+                    w = e % dim4
+                    if j0 + kk < key_end:
+                        word = k32[slot, layer, hkv, kk, w]
+                        dsc = np.float32(kd[slot, layer, hkv, kk, w // 8])
+                        for c in range(4):
+                            b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
+                            kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
+            else:
+                for e in range(t, BLOCK * dim2, nt):
+                    kv32[e // dim2, e % dim2] = k32[slot, layer, hkv, e // dim2, e % dim2]
             cuda.syncthreads()
 
             for e in range(TR * TK):
@@ -223,12 +238,26 @@ def _attn_kernel(dim: int, qt: int, nt: int):
             # V replaces K in the tile buffer while the row owners do the softmax bookkeeping.
             # Rows past the last key are zeroed: unwritten pool memory may hold NaN, and
             # 0 * NaN would leak into the output.
-            for e in range(t, BLOCK * dim2, nt):
-                kk = e // dim2
-                if j0 + kk < key_end:
-                    kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
-                else:
-                    kv32[kk, e % dim2] = np.uint32(0)
+            if q8:
+                for e in range(t, BLOCK * dim4, nt):
+                    kk = e // dim4
+                    w = e % dim4
+                    if j0 + kk < key_end:
+                        word = v32[slot, layer, hkv, kk, w]
+                        dsc = np.float32(vd[slot, layer, hkv, kk, w // 8])
+                        for c in range(4):
+                            b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
+                            kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
+                    else:
+                        for c in range(4):
+                            kv[kk, 4 * w + c] = np.float16(0.0)
+            else:
+                for e in range(t, BLOCK * dim2, nt):
+                    kk = e // dim2
+                    if j0 + kk < key_end:
+                        kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
+                    else:
+                        kv32[kk, e % dim2] = np.uint32(0)
             for r in range(t, qt, nt):
                 m_old = m_s[r]
                 mx = m_old
@@ -331,7 +360,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
 
 def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
                          window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
-                         stream=0):
+                         k_scale=None, v_scale=None, stream=0):
     """Attention of N new queries over the paged pool (luce.kernels.paging layout).
 
     q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
@@ -339,11 +368,13 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     position of every logical row; q_pos: device int32 [N]; mask_bits: device uint64 [N]
     (tree_mask_bits) or None for causal (prefill/chain of any length); window: sliding
     window (0: none). n_keys >= C + N sizes the split grid. Returns out f32 [N, Hq, D];
-    the same result as attention_ref.
+    the same result as attention_ref. q8_0 pools: k_pool/v_pool int8 with k_scale/v_scale
+    (luce.kernels.paging), dequantized to f16 as each tile is loaded.
     """
     n_q, n_heads, dim = q.shape
     plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits)
-    kernel = _attn_kernel(dim, plan["qt"], plan["nt"])
+    q8 = k_scale is not None
+    kernel = _attn_kernel(dim, plan["qt"], plan["nt"], q8)
     if out is None:
         out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)
     causal = 1 if mask_bits is None else 0
@@ -359,7 +390,9 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
                        cuda.device_array((ns, n_q, n_heads, 2), np.float32, stream=stream))
         part_o, part_ml = scratch
     grid = (ns, k_pool.shape[2], plan["n_tiles"])
-    kernel[grid, plan["nt"], stream](q, k_pool.view(np.uint32), v_pool.view(np.uint32), table, layer, meta, kv_pos, q_pos, mask_bits, causal,
+    k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
+    kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read
+    kernel[grid, plan["nt"], stream](q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal,
                                      window, np.float32(1.0 / math.sqrt(dim)), plan["pages_per_split"], direct,
                                      out, part_o, part_ml)
     if not direct:
@@ -372,4 +405,5 @@ def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: in
     """paged_attention_cuda over a device PagedKVCache after its write() of this layer."""
     return paged_attention_cuda(q, cache.k_pool, cache.v_pool, cache.table_d, layer, cache.meta, cache.pos_d, q_pos,
                                 mask_bits, window=window or 0, n_keys=cache.n_past + cache.n_pending, out=out,
-                                max_splits=max_splits, stream=cache.stream)
+                                max_splits=max_splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                stream=cache.stream)
