@@ -191,6 +191,27 @@ def _attention_case(n_ctx, n_new, mask, hq=HQ, hkv=HKV, dim=D, new_pos=None, win
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("n_new", [1, TREE])
+def test_q8_0_kv_8k(n_new):
+    from luce.kernels.paging import dequantize_q8_0_ref, quantize_q8_0_ref
+    cache = PagedKVCache(1, CTX + 64, HKV, D, dtype="q8_0", device=True)
+    k, v = randn(CTX + n_new, HKV, D), randn(CTX + n_new, HKV, D)
+    cache.reserve(CTX)
+    cache.write(0, k[:CTX], v[:CTX], np.arange(CTX))
+    cache.commit()
+    cache.reserve(n_new)
+    cache.write(0, k[CTX:], v[CTX:], np.arange(CTX, CTX + n_new))
+    q = randn(n_new, HQ, D, scale=2)
+    mask = causal_mask(n_new)
+    out = nan_out(q.shape)
+    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(np.arange(CTX, CTX + n_new, dtype=np.int32)),
+                         cuda.to_device(tree_mask_bits(mask)), out=out)
+    kc, vc, _ = cache.committed(0)
+    qd = lambda a: dequantize_q8_0_ref(*quantize_q8_0_ref(a))
+    want = attention_ref(q, kc, vc, qd(k[CTX:]), qd(v[CTX:]), mask)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=3e-3, atol=2e-3)
+
+
 def test_decode_8k():
     _attention_case(CTX, 1, np.ones((1, 1), bool))
 
