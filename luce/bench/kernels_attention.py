@@ -68,9 +68,11 @@ def _time_eager(launch, stream, reps: int) -> float:
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
                     prefill: int = 512, seed: int = 0) -> list[dict]:
     """Rows {name, shape, time_us, gbps, mode, n_splits}: decode (1 query), decode without
-    sequence splits, tree verification (tree_nodes queries, a random tree) and a causal
-    prefill chain of `prefill` tokens, all over `context` committed rows; gbps counts the K/V
-    bytes the kernel must read (f16 K and V of every visible row, once)."""
+    sequence splits, tree verification (tree_nodes queries, a random tree), a causal
+    prefill chain of `prefill` tokens, and decode / tree over q8_0 KV, all over `context`
+    committed rows; gbps counts the K/V
+    bytes the kernel must read (K and V of every visible row, once: f16, or q8_0 for the
+    *_q8_0 rows)."""
     from numba import cuda
 
     from ..kernels.attention import attention_plan, paged_attention_cuda, tree_mask, tree_mask_bits
@@ -85,16 +87,25 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     pool_shape = (n_blocks, 1, hkv, BLOCK, d)
     k_pool = cuda.to_device(rng.standard_normal(pool_shape).astype(np.float16), stream=stream)
     v_pool = cuda.to_device(rng.standard_normal(pool_shape).astype(np.float16), stream=stream)
+    # q8_0 pools: int8 values and an f16 scale per 32
+    k_q8 = cuda.to_device(rng.integers(-127, 128, pool_shape).astype(np.int8), stream=stream)
+    v_q8 = cuda.to_device(rng.integers(-127, 128, pool_shape).astype(np.int8), stream=stream)
+    scale_shape = pool_shape[:-1] + (d // 32,)
+    k_sc = cuda.to_device(rng.uniform(0.001, 0.02, scale_shape).astype(np.float16), stream=stream)
+    v_sc = cuda.to_device(rng.uniform(0.001, 0.02, scale_shape).astype(np.float16), stream=stream)
     table = cuda.to_device(rng.permutation(n_blocks).astype(np.int32), stream=stream)  # scattered slots
     kv_pos = cuda.to_device(np.arange(context + max_new, dtype=np.int32), stream=stream)
 
     parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, tree_nodes)])
-    cases = [("decode", 1, np.ones((1, 1), bool), None),
-             ("decode_nosplit", 1, np.ones((1, 1), bool), 1),
-             (f"tree{tree_nodes}", tree_nodes, tree_mask(parents), None),
-             (f"prefill{prefill}", prefill, None, None)]
+    cases = [("decode", 1, np.ones((1, 1), bool), None, False),
+             ("decode_nosplit", 1, np.ones((1, 1), bool), 1, False),
+             (f"tree{tree_nodes}", tree_nodes, tree_mask(parents), None, False),
+             (f"prefill{prefill}", prefill, None, None, False),
+             ("decode_q8_0", 1, np.ones((1, 1), bool), None, True),
+             (f"tree{tree_nodes}_q8_0", tree_nodes, tree_mask(parents), None, True)]
     rows = []
-    for name, n, mask, max_splits in cases:
+    for name, n, mask, max_splits, q8 in cases:
+        kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
         q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
         q_pos = cuda.to_device(np.arange(context, context + n, dtype=np.int32), stream=stream)
         meta = cuda.to_device(np.array([context, n, 0, 0], np.int32), stream=stream)
@@ -106,8 +117,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                    cuda.device_array((ns, n, hq, 2), np.float32, stream=stream))
 
         def launch():
-            paged_attention_cuda(q, k_pool, v_pool, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n,
-                                 out=out, scratch=scratch, max_splits=max_splits, stream=stream)
+            paged_attention_cuda(q, kp, vp, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n, out=out,
+                                 scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, stream=stream)
 
         launch()  # compile
         stream.synchronize()
@@ -115,7 +126,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             us, mode = _time_graph(launch, stream, reps), "graph"
         except Exception:  # no cuda.bindings driver API, or capture refused
             us, mode = _time_eager(launch, stream, reps), "eager"
-        kv_bytes = (context + n) * hkv * d * 2 * 2
+        kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
         rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}", time_us=round(us, 2),
                          gbps=round(kv_bytes / (us * 1e-6) / 1e9, 1), mode=mode, n_splits=ns))
     return rows
