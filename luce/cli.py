@@ -220,5 +220,26 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--synthetic", type=click.Choice(["qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3-8b"]), default=None,
+              help="random weights with a real model's shapes and Q4_K_M tensor types")
+@backend_option
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--gen-tokens", type=int, default=128, show_default=True)
+@click.option("--long-ctx", type=int, default=8192, show_default=True, help="0 to skip the long-context decode")
+@click.option("--kernels", "kernels", is_flag=True, help="benchmark the kernels at Qwen3-8B/32B shapes instead")
+@click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
+def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, no_record):
+    """Benchmark a model (or --synthetic NAME) end to end, or the kernels (--kernels)."""
+    if kernels:
+        from .bench.kernels import run as run_kernels
+        run_kernels(record=not no_record)
+        return
+    from .bench.e2e import run
+    run(model, synthetic, backend, n_prompt=prompt_tokens, n_gen=gen_tokens, long_ctx=long_ctx,
+        record=not no_record)
+
 if __name__ == "__main__":
     main()

@@ -169,6 +169,18 @@ class CUDABackend:
             return DeviceWeight(cuda.to_device(raw.reshape(rows, -1)), Q.F16, (rows, cols))
         return DeviceWeight(cuda.to_device(np.asarray(info.data).reshape(rows, -1)), info.qtype, (rows, cols))
 
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int) -> DeviceWeight:
+        """A [rows, row_bytes] device weight filled by repeating the host rows of `pool`
+        (random-weight benchmark models: one small upload, then device copies)."""
+        cuda = self.cuda
+        src = cuda.to_device(pool)
+        dst = cuda.device_array((rows, pool.shape[1]), dtype=np.uint8)
+        for r in range(0, rows, pool.shape[0]):
+            n = min(pool.shape[0], rows - r)
+            dst[r:r + n].copy_to_device(src[:n])
+        cuda.synchronize()
+        return DeviceWeight(dst, qtype, (rows, cols))
+
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
         return PagedKVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=True,
                             stream=self.stream)

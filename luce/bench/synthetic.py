@@ -176,3 +176,69 @@ def tiny(arch: str, vocab_size: int, **kw) -> ModelShape:
     base = ModelShape(arch, n_layers=2, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, head_dim=16,
                       vocab_size=vocab_size, n_ctx_train=2048, rope_base=10000.0)
     return replace(base, **kw)
+
+
+class SyntheticFile:
+    """Stands in for a GGUFFile: tensor names, types and shapes, no data. Backends load
+    its tensors with `synthetic_loader`."""
+
+    def __init__(self, name: str, types=None):
+        from ..gguf_file import TensorInfo
+        if name not in SHAPES:
+            from ..errors import LuceError
+            raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
+        self.name = name
+        self.shape = SHAPES[name]
+        types = types or q4_k_m_type
+        self.tensors = {}
+        for tname, shp in self.shape.tensor_shapes().items():
+            qt = types(tname)
+            self.tensors[tname] = TensorInfo(tname, qt, tuple(shp), _nbytes(qt, shp), None)
+
+    def config(self):
+        from ..models.config import ROPE_ADJACENT, ROPE_HALVES, ModelConfig
+        s = self.shape
+        return ModelConfig(arch=s.arch, n_layers=s.n_layers, n_embd=s.n_embd, n_ff=s.n_ff, n_heads=s.n_heads,
+                           n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab_size=s.vocab_size,
+                           n_ctx_train=s.n_ctx_train, rms_eps=s.rms_eps, rope_base=s.rope_base,
+                           rope_dim=s.head_dim, rope_style=ROPE_ADJACENT if s.arch == "llama" else ROPE_HALVES,
+                           qkv_bias=s.arch == "qwen2", qk_norm=s.arch == "qwen3", tied_output=s.tied_output)
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a decode step reads: every matrix but the embedding table (one row of it)."""
+        return sum(t.n_bytes for n, t in self.tensors.items() if n != "token_embd.weight" or self.shape.tied_output)
+
+
+def _nbytes(qtype, shape) -> int:
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape)) // block * size
+
+
+def synthetic_loader(backend, seed: int = 0, pool_mb: int = 64):
+    """load(TensorInfo) for a backend: random valid rows, made once per (type, width) in
+    a pool and tiled, so a 20 GB model loads in seconds (values repeat; speed does not care)."""
+    import gguf
+    from ..gguf_file import TensorInfo
+    Qt = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    pools: dict = {}
+
+    def load(info):
+        if len(info.shape) == 1 or info.qtype == Qt.F32:
+            data = random_tensor(info.name, info.shape, Qt.F32, rng)
+            return backend.load_tensor(TensorInfo(info.name, Qt.F32, info.shape, data.nbytes,
+                                                  data.view(np.uint8).reshape(-1)))
+        rows, cols = info.shape
+        key = (info.qtype, cols)
+        if key not in pools:
+            block, tsize = gguf.GGML_QUANT_SIZES[info.qtype]
+            pool_rows = max(1, (pool_mb << 20) // (cols // block * tsize))
+            if info.qtype == Qt.F16:
+                pools[key] = (0.02 * rng.standard_normal((pool_rows, cols))).astype(np.float16).view(np.uint8)
+            else:
+                pools[key] = random_quant_rows(info.qtype, pool_rows, cols, rng)
+        return backend.tiled_weight(pools[key], info.qtype, rows, cols)
+
+    return load

@@ -1,0 +1,142 @@
+"""`luce bench`: prefill, decode, long-context decode, time to first token, memory, and
+decode as a fraction of the bandwidth limit; tree-verification cost by width."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..kernels.attention import tree_mask
+
+
+def _load(model_arg, synthetic, backend_name, n_ctx):
+    from ..backends import get_backend
+    from ..models.transformer import build_weights
+    from ..plugins import families
+    be = get_backend(backend_name)
+    if synthetic:
+        from .synthetic import SyntheticFile, synthetic_loader
+        f = SyntheticFile(synthetic)
+        cfg = f.config()
+        fam = families()[cfg.arch]
+        t0 = time.perf_counter()
+        weights = build_weights(cfg, f, synthetic_loader(be))
+        return be, fam, cfg, weights, f.weight_bytes_per_token, f"synthetic {synthetic}", time.perf_counter() - t0
+    from ..model import load
+    m = load(model_arg, backend=be, n_ctx=n_ctx)
+    emb = m.file.tensors["token_embd.weight"].n_bytes
+    wbytes = sum(t.n_bytes for t in m.file.tensors.values()) - (0 if m.config.tied_output else emb)
+    return be, m.family, m.config, m.weights, wbytes, m.path.name, m.load_s
+
+
+def _sync(be):
+    if be.name == "cuda":
+        be.stream.synchronize()
+
+
+def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, long_ctx=8192, n_long=32,
+        verify_widths=(1, 2, 4, 8, 16, 23, 32, 64), record=True):
+    n_ctx = max(long_ctx, n_prompt) + n_gen + 128
+    be, fam, cfg, w, wbytes, label, load_s = _load(model, synthetic, backend, n_ctx)
+    kv = be.new_cache(cfg, n_ctx)
+    rng = np.random.default_rng(0)
+    vocab = cfg.vocab_size
+    prompt = rng.integers(0, vocab, n_prompt)
+
+    def forward(tokens, positions, mask=None, rows=None):
+        return be.forward(fam, cfg, w, kv, tokens, positions, mask, rows)
+
+    def prefill(tokens, start=0, chunk=512):
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            c = tokens[s:s + chunk]
+            logits = forward(c, np.arange(start + s, start + s + len(c)), rows=[len(c) - 1])
+            kv.commit()
+        return logits
+
+    def decode(n, first):
+        tok, pos = first, kv.n_past
+        for i in range(n):
+            logits = forward([tok], [pos + i])
+            kv.commit()
+            tok = int(np.argmax(logits[-1]))
+        return tok
+
+    # warm-up: compile kernels, capture the decode graph
+    prefill(prompt[:64])
+    decode(4, 1)
+    kv.truncate(0)
+
+    best_prefill = float("inf")
+    for _ in range(3 if be.name == "cuda" else 1):
+        kv.truncate(0)
+        t0 = time.perf_counter()
+        logits = prefill(prompt)
+        first = int(np.argmax(logits[-1]))
+        best_prefill = min(best_prefill, time.perf_counter() - t0)
+    ttft = best_prefill
+    t0 = time.perf_counter()
+    decode(n_gen, first)
+    decode_s = time.perf_counter() - t0
+
+    long_tok_s = None
+    if long_ctx and n_ctx >= long_ctx + n_long:
+        kv.truncate(0)
+        prefill(rng.integers(0, vocab, long_ctx))
+        decode(2, 1)
+        t0 = time.perf_counter()
+        decode(n_long, 1)
+        long_tok_s = n_long / (time.perf_counter() - t0)
+
+    # tree verification: a chain of N nodes after 512 committed tokens, rolled back each time
+    verify = []
+    kv.truncate(0)
+    prefill(prompt)
+    for n in verify_widths:
+        if n > 64:
+            continue
+        h = (n + 1) // 2  # two chains: nodes 0..h-1 and h..n-1, both from the context
+        parents = np.array([i - 1 if i < h else i - h - 1 for i in range(n)])
+        mask = tree_mask(parents)
+        depth = mask.sum(1) - 1
+        toks = rng.integers(0, vocab, n)
+        pos = kv.n_past + depth
+        forward(toks, pos, mask)  # capture
+        kv.commit([])
+        reps = 20 if be.name == "cuda" else 2
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            forward(toks, pos, mask)
+            kv.commit([])
+        verify.append({"nodes": n, "ms": (time.perf_counter() - t0) / reps * 1e3})
+    for r in verify:
+        r["x decode step"] = r["ms"] / verify[0]["ms"]
+
+    bw = mem = None
+    if be.name == "cuda":
+        from numba import cuda
+        from .ceilings import copy_bandwidth_gbs
+        bw = copy_bandwidth_gbs()
+        free, total = cuda.current_context().get_memory_info()
+        mem = (total - free) / 2**30
+    decode_tok_s = n_gen / decode_s
+    limit = bw * 1e9 / wbytes if bw else None
+    summary = [{
+        "model": label, "backend": be.name, "load s": load_s,
+        "prefill tok/s": n_prompt / best_prefill, "decode tok/s": decode_tok_s,
+        f"decode tok/s @{long_ctx}": long_tok_s,
+        "long/short": (long_tok_s / decode_tok_s) if long_tok_s else None,
+        "TTFT ms": ttft * 1e3, "GPU mem GiB": mem, "copy GB/s": bw,
+        "limit tok/s": limit, "% of limit": 100 * decode_tok_s / limit if limit else None,
+    }]
+    from .report import append_to_docs, print_table
+    table = [{"metric": k, "value": v} for k, v in summary[0].items()]
+    print_table(f"luce bench: {label}", table)
+    print_table(f"tree verification cost ({n_prompt} tokens in context)", verify)
+    if record:
+        append_to_docs(f"luce bench {label} [{be.name}]",
+                       [("end to end", table, ["metric", "value"]),
+                        ("verification width", verify, ["nodes", "ms", "x decode step"])],
+                       notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
+                             f"{wbytes / 2**30:.2f} GiB")
+    return summary, verify
