@@ -1,0 +1,36 @@
+"""`luce bench --kernels`: each kernel family at Qwen3-8B and Qwen3-32B layer shapes,
+against ceilings measured in the same run (device copy bandwidth)."""
+from __future__ import annotations
+
+# (rows, cols) of the decode matrices: Qwen3-8B q/o/gate-up/down, Qwen3-32B gate-up/down
+MATVEC_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (25600, 5120), (5120, 25600))
+
+
+def run(record: bool = True) -> dict:
+    from .ceilings import copy_bandwidth_gbs
+    from .kernels_attention import bench_attention
+    from .kernels_matmul import bench_matmul
+    from .report import append_to_docs, print_table
+    from ..kernels.matvec import bench_matvec
+
+    bw = copy_bandwidth_gbs()
+    sections = []
+
+    def add(title, rows, ceiling_key=None):
+        if ceiling_key:
+            for r in rows:
+                r["% of copy BW"] = 100 * r[ceiling_key] / bw
+        cols = list(rows[0]) if rows else []
+        print_table(title, rows, cols)
+        sections.append((title, rows, cols))
+
+    add("matvec, 1 row (decode)", bench_matvec(MATVEC_SHAPES, ("Q4_K", "Q6_K", "Q8_0")), "GB/s")
+    add("matvec, 16 rows (verification)", bench_matvec(MATVEC_SHAPES[:3], ("Q4_K", "Q6_K"), batch=16), "GB/s")
+    add("fused gate/up SwiGLU matvec", bench_matvec(((12288, 4096), (25600, 5120)), ("Q4_K",), glu=True), "GB/s")
+    add("prefill matmul", bench_matmul())
+    add("attention over 8K context (Qwen3-8B heads)", bench_attention())
+    print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
+    if record:
+        append_to_docs("luce bench --kernels", sections, notes=f"ceiling: device copy bandwidth {bw:.0f} GB/s "
+                       "(read + write bytes) measured in this run")
+    return {"copy_gbs": bw, "sections": sections}
