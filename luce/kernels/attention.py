@@ -120,6 +120,10 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     sc_w = BLOCK + 1
     n_acc = TR2 * TD
     n_s = TR * TK
+    # Softmax bookkeeping: G threads per row, each over every G-th key of the tile.
+    G = max(1, nt // qt)
+    RPI = nt // G  # rows one pass of the block covers
+    red_shape = (qt, G)
 
     @cuda.jit
     def kernel(q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
@@ -139,9 +143,12 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
         kv32 = cuda.shared.array((BLOCK, kv_words), np.uint32)
         kv = kv32.view(np.float16)
         sc = cuda.shared.array((qt, sc_w), np.float32)
-        m_s = cuda.shared.array(qt, np.float32)
-        l_s = cuda.shared.array(qt, np.float32)
-        a_s = cuda.shared.array(qt, np.float32)
+        # running max / sum of each row, double-buffered: tile n reads [par] and writes
+        # [1 - par], so nobody needs a barrier between reading the old and writing the new
+        m_s = cuda.shared.array((2, qt), np.float32)
+        l_s = cuda.shared.array((2, qt), np.float32)
+        red_m = cuda.shared.array(red_shape, np.float32)
+        red_l = cuda.shared.array(red_shape, np.float32)
         acc = cuda.local.array(n_acc, np.float32)
         s_reg = cuda.local.array(n_s, np.float32)
         q_reg = cuda.local.array(TR, np.float32)
@@ -153,6 +160,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
         tr = t // KT
         td = t % DT
         tr2 = t // DT
+        g = t % G
+        par = 0
 
         for e in range(t, qt * dim, nt):
             r = e // dim
@@ -163,8 +172,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
             else:
                 qs[r, d] = 0.0
         for r in range(t, qt, nt):
-            m_s[r] = -math.inf
-            l_s[r] = 0.0
+            m_s[0, r] = -math.inf
+            l_s[0, r] = 0.0
 
         # Keys this tile may see: causal rows stop at their own token; a window starts
         # after (smallest query position in the tile) - window, and committed pages
@@ -235,7 +244,13 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                     sc[r, kk] = s_reg[a * TK + b] if ok else np.float32(-math.inf)
             cuda.syncthreads()
 
-            # V replaces K in the tile buffer while the row owners do the softmax bookkeeping.
+            for r in range(t // G, qt, RPI):
+                pm = np.float32(-math.inf)
+                for kk in range(g, BLOCK, G):
+                    pm = max(pm, sc[r, kk])
+                red_m[r, g] = pm
+
+            # V replaces K in the tile buffer (K is no longer read) after the partial maxima.
             # Rows past the last key are zeroed: unwritten pool memory may hold NaN, and
             # 0 * NaN would leak into the output.
             if q8:
@@ -258,31 +273,40 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                         kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
                     else:
                         kv32[kk, e % dim2] = np.uint32(0)
-            for r in range(t, qt, nt):
-                m_old = m_s[r]
+            cuda.syncthreads()
+
+            for r in range(t // G, qt, RPI):
+                m_old = m_s[par, r]
                 mx = m_old
-                for kk in range(BLOCK):
-                    mx = max(mx, sc[r, kk])
+                for x in range(G):
+                    mx = max(mx, red_m[r, x])
+                ps = np.float32(0.0)
                 if mx == -math.inf:
-                    a_s[r] = 1.0
-                    for kk in range(BLOCK):
+                    for kk in range(g, BLOCK, G):
                         sc[r, kk] = 0.0
                 else:
-                    alpha = math.exp(m_old - mx)
-                    ssum = np.float32(0.0)
-                    for kk in range(BLOCK):
+                    for kk in range(g, BLOCK, G):
                         pk = math.exp(sc[r, kk] - mx)
                         sc[r, kk] = pk
-                        ssum += pk
-                    a_s[r] = alpha
-                    l_s[r] = l_s[r] * alpha + ssum
-                    m_s[r] = mx
+                        ps += pk
+                red_l[r, g] = ps
+                if g == 0:
+                    m_s[1 - par, r] = mx
             cuda.syncthreads()
 
             for a in range(TR2):
-                al = a_s[tr2 + a * RS2]
+                r = tr2 + a * RS2
+                mn = m_s[1 - par, r]
+                al = np.float32(1.0) if mn == -math.inf else math.exp(m_s[par, r] - mn)
                 for b in range(TD):
                     acc[a * TD + b] *= al
+            for r in range(t, qt, nt):
+                mn = m_s[1 - par, r]
+                al = np.float32(1.0) if mn == -math.inf else math.exp(m_s[par, r] - mn)
+                ls = np.float32(0.0)
+                for x in range(G):
+                    ls += red_l[r, x]
+                l_s[1 - par, r] = l_s[par, r] * al + ls
             for kk in range(BLOCK):
                 for a in range(TR2):
                     p_reg[a] = sc[tr2 + a * RS2, kk]
@@ -291,6 +315,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                     for a in range(TR2):
                         acc[a * TD + b] += p_reg[a] * vb
             cuda.syncthreads()
+            par = 1 - par
 
         for a in range(TR2):
             r = tr2 + a * RS2
@@ -301,14 +326,14 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                 for b in range(TD):
                     d = td + b * DT
                     if direct:
-                        out[i, hq, d] = acc[a * TD + b] / l_s[r]
+                        out[i, hq, d] = acc[a * TD + b] / l_s[par, r]
                     else:
                         part_o[split, i, hq, d] = acc[a * TD + b]
         if not direct:
             for r in range(t, min(qt, n_rows - r0), nt):
                 row = r0 + r
-                part_ml[split, row // group, hkv * group + row % group, 0] = m_s[r]
-                part_ml[split, row // group, hkv * group + row % group, 1] = l_s[r]
+                part_ml[split, row // group, hkv * group + row % group, 0] = m_s[par, r]
+                part_ml[split, row // group, hkv * group + row % group, 1] = l_s[par, r]
 
     return kernel
 
