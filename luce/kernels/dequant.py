@@ -613,6 +613,8 @@ def weight_u16(w_dev, qtype, n_cols: int):
     if w_dev.dtype != np.uint8 or w_dev.size % rb or (len(shape) == 2 and shape[1] != rb):
         raise ValueError(f"weight: expected uint8 rows of {rb} bytes for {as_qtype(qtype).name} x {n_cols}, "
                          f"got {w_dev.dtype} {shape}")
+    if not SIM and w_dev.__cuda_array_interface__["data"][0] % 2:
+        raise ValueError("weight: device pointer must be 2-byte aligned (GGUF blocks are read as uint16)")
     return w_dev.reshape(w_dev.size).view(np.uint16), w_dev.size // rb
 
 
