@@ -432,3 +432,27 @@ def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: in
                                 mask_bits, window=window or 0, n_keys=cache.n_past + cache.n_pending, out=out,
                                 max_splits=max_splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
                                 stream=cache.stream)
+
+
+_MASK_MEMO: dict = {}  # one forward's mask serves every layer: upload it once
+
+
+def attention_op_cuda(kv, layer: int, q, k, v, positions, mask, window):
+    """`ops.attention` of luce.models.transformer on the device (the NumpyOps signature):
+    writes this layer's new K/V into the PagedKVCache `kv` (device=True, reserve()d),
+    then attends. mask: host bool N x N (None or lower-triangular: causal, any N; else a
+    tree, N <= 64); positions: host ints or device int32 [N]."""
+    n = q.shape[0]
+    if isinstance(positions, np.ndarray) or isinstance(positions, (list, tuple)):
+        positions = cuda.to_device(np.asarray(positions, dtype=np.int32), stream=kv.stream)
+    kv.write(layer, k, v, positions)
+    bits = None
+    if mask is not None:
+        m = np.asarray(mask, dtype=bool)
+        if not np.array_equal(m, np.tril(np.ones((n, n), dtype=bool))):
+            key = m.tobytes() + bytes([n])
+            bits = _MASK_MEMO.get(key)
+            if bits is None:
+                _MASK_MEMO.clear()
+                bits = _MASK_MEMO[key] = cuda.to_device(tree_mask_bits(m), stream=kv.stream)
+    return attention_cache_cuda(kv, layer, q, positions, bits, window)

@@ -115,3 +115,30 @@ def test_q8_0_kv():
     want = attention_ref(q, kc, vc, qd(k[70:]), qd(v[70:]), mask)
     # the tile holds f16 copies of d * q: ~5e-4 relative rounding on top of f32 math
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=3e-3, atol=2e-3)
+
+
+def test_attention_op_matches_cpu_ops():
+    """attention_op_cuda over a device PagedKVCache = the CPU backend's attention over a
+    KVCache, for a prefill chain, a tree forward and a commit of the tree's path."""
+    from luce.backends.cpu import NumpyOps
+    from luce.kv.cache import KVCache
+    hq, hkv, n_ctx = 2, 2, 256
+    ref = KVCache(1, n_ctx, hkv, D, dtype=np.float16)
+    dev = PagedKVCache(1, n_ctx, hkv, D, device=True)
+    steps = [(66, None, np.arange(66)),
+             (5, tree_mask(np.array([-1, 0, 0, 1, 2])), 66 + np.array([0, 1, 1, 2, 2]))]
+    for n, mask, pos in steps:
+        q = rng.standard_normal((n, hq, D)).astype(np.float32)
+        k = rng.standard_normal((n, hkv, D)).astype(np.float16)
+        v = rng.standard_normal((n, hkv, D)).astype(np.float16)
+        ref.reserve(n)
+        dev.reserve(n)
+        full = causal_mask(n) if mask is None else mask
+        want = NumpyOps.attention(ref, 0, q, k.astype(np.float32), v.astype(np.float32), pos, full, None)
+        got = A.attention_op_cuda(dev, 0, cuda.to_device(q), k, v, pos, mask, None).copy_to_host()
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+        acc = None if mask is None else [0, 2, 4]
+        ref.commit(acc)
+        dev.commit(acc)
+    for a, b in zip(dev.committed(0), ref.committed(0)):
+        np.testing.assert_array_equal(a, b)
