@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda
 
 SIM = bool(cuda.config.ENABLE_CUDASIM)
@@ -138,7 +139,7 @@ def _shfl_sum(v, buf):
         buf[t >> 5] = v
     cuda.syncthreads()
     # every warp reduces the per-warp partials itself: no second barrier before the read
-    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else 0.0
+    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else np.float32(0.0)
     v = _warp_sum(v)
     cuda.syncthreads()
     return v
@@ -152,7 +153,7 @@ def _shfl_max(v, buf):
     if lane == 0:
         buf[t >> 5] = v
     cuda.syncthreads()
-    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else -math.inf
+    v = buf[lane] if lane < (cuda.blockDim.x >> 5) else np.float32(-math.inf)
     v = _warp_max(v)
     cuda.syncthreads()
     return v
@@ -171,8 +172,8 @@ def _shfl_argmax(v, i, vbuf, ibuf):
         v = vbuf[lane]
         i = ibuf[lane]
     else:
-        v = -math.inf
-        i = BIG_INDEX
+        v = np.float32(-math.inf)
+        i = np.int32(BIG_INDEX)
     v, i = _warp_argmax(v, i)
     cuda.syncthreads()
     return v, i

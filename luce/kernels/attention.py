@@ -86,10 +86,13 @@ _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attr
 
 
 def _qt_cap(dim: int) -> int:
-    """Largest power-of-two query tile whose Q tile (QT*D f32), scores (QT*64 f32) and
-    row state fit beside one K/V tile (64*(D+2) f16): 64 / 32 / 8 rows at D = 64/128/256."""
-    room = (_SMEM - BLOCK * (dim + 2) * 2) // ((dim + 1) * 4 + (BLOCK + 1) * 4 + 12)
+    """Largest power-of-two query tile whose Q tile (QT*(D+1) f32), scores (QT*65 f32) and
+    row state fit beside one K/V tile (64*(D+2) f16) and the softmax partials (<= 2 KB):
+    64 / 32 / 8 rows at D = 64/128/256."""
+    room = (_SMEM - 2048 - BLOCK * (dim + 2) * 2) // ((dim + 1) * 4 + (BLOCK + 1) * 4 + 16)
     return min(64, 1 << (room.bit_length() - 1))
+
+
 _TARGET_BLOCKS = 264  # two waves over the H200's 132 SMs
 
 
