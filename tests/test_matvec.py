@@ -169,3 +169,68 @@ def test_matvec_residual_in_place():
     h_dev = cuda.to_device(h)
     matvec(cuda.to_device(raw), T.Q6_K, cuda.to_device(x), out=h_dev, residual=h_dev)
     assert_close(h_dev.copy_to_host(), matvec_ref(raw, T.Q6_K, x, residual=h), raw, T.Q6_K, x)
+
+
+# ---------------------------------------------------------------- GPU code generation
+# The simulator never compiles the GPU code (inline-asm loads, bit casts, shuffles). When
+# libNVVM is installed, compile the kernels to PTX in a subprocess without the simulator;
+# no GPU or driver is needed once numba is told which architecture to target.
+PTX_CHECK = r'''
+import glob, os, sys
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+import numba.cuda.codegen as codegen
+import numba.cuda.cudadrv.libs as libs
+import numba.cuda.cudadrv.nvvm as nvvm
+import numba.cuda.dispatcher as dispatcher
+try:
+    nvvm.NVVM()
+except Exception as e:
+    print("SKIP: no libNVVM:", e); sys.exit(0)
+try:
+    libdevice = libs.get_libdevice()
+except Exception:
+    libdevice = None
+if not libdevice:
+    found = [p for pat in ("/usr/local/cuda*/nvvm/libdevice/libdevice*.bc",
+                           os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"), "nvvm/libdevice/*.bc"))
+             for p in glob.glob(pat)]
+    if not found:
+        print("SKIP: no libdevice"); sys.exit(0)
+    libdevice = found[0]
+    nvvm.get_libdevice = libs.get_libdevice = lambda: libdevice
+    nvvm.open_libdevice = libs.open_libdevice = lambda: open(libdevice, "rb").read()
+
+class Sm90:
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: Sm90()  # device functions ask the (absent) GPU
+codegen.nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
+
+from numba import cuda
+from numba.cuda import types
+from luce.kernels import dequant as D, matvec as M
+u16, f32 = types.uint16[::1], types.float32[::1]
+mv_sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 5
+for q, s in D.DEVICE_SPECS.items():
+    ptx, _ = cuda.compile_ptx(M._make_kernel(q, 16, s.tile_blocks, 1, 2, False, False, False).py_func, mv_sig, cc=(9, 0))
+    assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx and "shfl.sync" in ptx, q.name
+T = D.T
+for q, vw, nr, rpw, glu, bias_res in [(T.Q6_K, 4, 3, 1, True, False), (T.Q8_0, 2, 2, 3, False, True),
+                                      (T.Q4_K, 16, 9, 2, False, True)]:
+    cuda.compile_ptx(M._make_kernel(q, vw, D.DEVICE_SPECS[q].tile_blocks, M._batch_slots(nr), rpw, glu,
+                                    bias_res, bias_res).py_func, mv_sig, cc=(9, 0))
+for q, dt in [(T.Q5_1, types.float32), (T.Q3_K, types.float16), (T.BF16, types.float16)]:
+    cuda.compile_ptx(D._dequant_kernel(q, 16, D.DEVICE_SPECS[q].tile_blocks).py_func,
+                     (u16, dt[::1]) + (types.int64,) * 4, cc=(9, 0))
+print("PTX OK")
+'''
+
+
+def test_gpu_kernels_compile_to_ptx():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    r = subprocess.run([sys.executable, "-c", PTX_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    if r.stdout.startswith("SKIP"):
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
