@@ -61,7 +61,7 @@ def test_matmul_tails_epilogue_f16_x():
 
 
 def test_matmul_mma_emulated():
-    run("Q4_K", 16, 32, 256, use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))
+    run("Q4_K", 16, 32, 256, use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))  # BK=32: fewer W units than threads (guarded)
 
 
 def test_matmul_rejects_bad_shapes():

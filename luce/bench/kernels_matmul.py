@@ -27,7 +27,8 @@ def random_weight(qtype, n: int, k: int, rng) -> np.ndarray:
 
 
 def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dtype=np.float32,
-                 use_mma=None, reps: int = 20, warmup: int = 3, seed: int = 0, min_blocks=None) -> list[dict]:
+                 use_mma=None, reps: int = 20, warmup: int = 3, seed: int = 0, min_blocks=None,
+                 x_convert=None) -> list[dict]:
     """One row per (shape, qtype): M, K, N, qtype, time_us, TFLOP/s (2 M N K flops)."""
     from numba import cuda
 
@@ -42,7 +43,8 @@ def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dt
             stream = cuda.stream()
 
             def call():
-                matmul(x, w, qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=tile, min_blocks=min_blocks)
+                matmul(x, w, qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=tile, min_blocks=min_blocks,
+                       x_convert=x_convert)
             for _ in range(warmup):
                 call()
             stream.synchronize()
@@ -59,19 +61,17 @@ def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dt
     return rows
 
 
-# Configurations compared by --sweep: (label, tile, x dtype, use_mma, min_blocks)
-SWEEP = (
-    ("128x128x32 w64x32 ldsm 2-stage", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, True, None),
-    ("128x128x32 w64x32 ldsm 2-stage, f16 x", (128, 128, 32, 64, 32, "ldsm", 2), np.float16, True, None),
-    ("128x128x32 w64x32 ldsm 1-stage", (128, 128, 32, 64, 32, "ldsm", 1), np.float32, True, None),
-    ("128x128x32 w64x32 lds 2-stage", (128, 128, 32, 64, 32, "lds", 2), np.float32, True, None),
-    ("128x128x32 w32x64 ldsm 2-stage", (128, 128, 32, 32, 64, "ldsm", 2), np.float32, True, None),
-    ("128x128x32 w64x32 ldsm 2-stage, 2 blocks/SM", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, True, 2),
-    ("128x256x32 w64x64 ldsm 1-stage, f16 x", (128, 256, 32, 64, 64, "ldsm", 1), np.float16, True, None),
-    ("64x128x32 w32x64 ldsm 2-stage (4 warps)", (64, 128, 32, 32, 64, "ldsm", 2), np.float32, True, None),
-    ("128x128x64 w64x32 ldsm 1-stage, f16 x", (128, 128, 64, 64, 32, "ldsm", 1), np.float16, True, None),
-    ("FMA path 128x128x32", (128, 128, 32, 64, 32, "ldsm", 2), np.float32, False, None),
-)
+# Configurations compared by --sweep: label -> bench_matmul keyword arguments
+SWEEP = {
+    "default (128x128x64 w64x32 ldsm, X to f16 first)": dict(qtypes=("Q4_K", "Q6_K", "F16")),
+    "default, X converted in the kernel": dict(x_convert=False),
+    "128x128x32 w64x32 2-stage, 2 blocks/SM": dict(tile=(128, 128, 32, 64, 32, "ldsm", 2), min_blocks=2),
+    "128x128x32 w64x32 2-stage": dict(tile=(128, 128, 32, 64, 32, "ldsm", 2)),
+    "128x128x32 w64x32 1-stage, 2 blocks/SM": dict(tile=(128, 128, 32, 64, 32, "ldsm", 1), min_blocks=2),
+    "128x128x64 w32x64": dict(tile=(128, 128, 64, 32, 64, "ldsm", 1)),
+    "64x128x64 w32x64 (4 warps)": dict(tile=(64, 128, 64, 32, 64, "ldsm", 1)),
+    "FMA path": dict(use_mma=False, shapes=DEFAULT_SHAPES[:1], reps=3),
+}
 
 
 def main(argv=None):
@@ -84,11 +84,10 @@ def main(argv=None):
     qtypes = tuple(a.qtypes.split(","))
     out = []
     if a.sweep:
-        for label, tile, xd, mma, mb in SWEEP:
+        for label, kw in SWEEP.items():
+            kw = {"qtypes": qtypes[:1], "reps": a.reps, **kw}
             try:
-                shapes = DEFAULT_SHAPES[:1] if not mma else DEFAULT_SHAPES
-                rows = bench_matmul(shapes, qtypes[:1] if not mma else qtypes, tile=tile, x_dtype=xd,
-                                    use_mma=mma, reps=a.reps if mma else 3, min_blocks=mb)
+                rows = bench_matmul(**kw)
             except Exception as e:  # one failing configuration must not hide the others
                 print(f"{label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

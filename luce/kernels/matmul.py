@@ -28,7 +28,7 @@ from .dequant import dequantize
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "matmul", "matmul_ref"]
+__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "matmul", "matmul_ref", "to_f16"]
 
 _dev = cuda.jit(device=True)
 
@@ -312,11 +312,22 @@ def h2f(h):
 
 
 # ----------------------------------------------------------------------------------------
-# Per-type units: `load(w, rh, k, raw, i)` writes the raw words of weights k .. k+7 of the
-# row starting at uint16 index rh of w into raw[i, :]; `decode(raw, i, k)` returns
-# (b0, b1, s, o). k is a multiple of 8. All block layouts follow ggml-quants.c; blocks are
-# only 2-byte aligned in general, so the loads are 16-bit unless the layout guarantees more.
+# Per-type units. A unit is 8 * J consecutive weights of one row (J = 4 for the block
+# types: 32 weights share a scale and their bytes are contiguous, so one scale computation
+# and a few wide loads serve them all). `load(w, rh, k, raw, i)` writes the raw words of
+# weights k .. k + 8J - 1 of the row starting at uint16 index rh of w into raw[i, :];
+# `decode(raw, i, k, j)` returns (b0, b1, s, o) for weights k + 8j .. k + 8j + 7, with s and
+# o depending on k only, so that the compiler shares them between the J calls. Layouts
+# follow ggml-quants.c; blocks are only 2-byte aligned in general (ldw picks the load).
 # ----------------------------------------------------------------------------------------
+@_dev
+def ldw(w, h):
+    """The 32-bit word at uint16 index h of w, for any parity of h."""
+    if h & 1:
+        return pack16(w[h], w[h + 1])
+    return ldg_u16_u32(w, h)
+
+
 @_dev
 def load_f16(w, rh, k, raw, i):  # rows of K halves; K % 8 == 0 keeps rows 16-byte aligned
     a, b, c, d = ldg_u16_u32x4(w, rh + k)
@@ -327,49 +338,50 @@ def load_f16(w, rh, k, raw, i):  # rows of K halves; K % 8 == 0 keeps rows 16-by
 
 
 @_dev
-def decode_none(raw, i, k):
+def decode_none(raw, i, k, j):
     return np.uint32(0), np.uint32(0), np.float32(0.0), np.float32(0.0)
 
 
-# Q8_0, 34 bytes: d (f16) qs[32] (int8). Bytes are biased by 128 to make them unsigned.
+# Q8_0, 34 bytes: d (f16) qs[32] (int8). A unit is a block; bytes are biased by 128 to make
+# them unsigned.
 @_dev
 def load_q8_0(w, rh, k, raw, i):
     bo = rh + 17 * (k >> 5)
-    h = bo + 1 + 4 * ((k >> 3) & 3)
-    raw[i, 0] = pack16(w[h], w[h + 1])
-    raw[i, 1] = pack16(w[h + 2], w[h + 3])
-    raw[i, 2] = w[bo]
+    for q in range(8):
+        raw[i, q] = ldw(w, bo + 1 + 2 * q)
+    raw[i, 8] = w[bo]
 
 
 @_dev
-def decode_q8_0(raw, i, k):
-    d = h2f(raw[i, 2])
+def decode_q8_0(raw, i, k, j):
+    d = h2f(raw[i, 8])
     flip = np.uint32(0x80808080)
-    return (bits(raw[i, 0], 0, 0xFFFFFFFF) ^ flip, bits(raw[i, 1], 0, 0xFFFFFFFF) ^ flip,
+    return (bits(raw[i, 2 * j], 0, 0xFFFFFFFF) ^ flip, bits(raw[i, 2 * j + 1], 0, 0xFFFFFFFF) ^ flip,
             d, np.float32(-128.0) * d)
 
 
-# Q4_0, 18 bytes: d (f16) qs[16]; weight j < 16 is the low nibble of qs[j], j >= 16 the
-# high nibble of qs[j - 16].
+# Q4_0, 18 bytes: d (f16) qs[16]; weight l < 16 is the low nibble of qs[l], l >= 16 the
+# high nibble of qs[l - 16]. A unit is a block.
 @_dev
 def load_q4_0(w, rh, k, raw, i):
     bo = rh + 9 * (k >> 5)
-    h = bo + 1 + 4 * ((k >> 3) & 1)
-    raw[i, 0] = pack16(w[h], w[h + 1])
-    raw[i, 1] = pack16(w[h + 2], w[h + 3])
-    raw[i, 2] = w[bo]
+    for q in range(4):
+        raw[i, q] = ldw(w, bo + 1 + 2 * q)
+    raw[i, 4] = w[bo]
 
 
 @_dev
-def decode_q4_0(raw, i, k):
-    d = h2f(raw[i, 2])
-    sh = 4 * ((k >> 4) & 1)
-    return bits(raw[i, 0], sh, 0x0F0F0F0F), bits(raw[i, 1], sh, 0x0F0F0F0F), d, np.float32(-8.0) * d
+def decode_q4_0(raw, i, k, j):
+    d = h2f(raw[i, 4])
+    q = 2 * (j & 1)
+    sh = 4 * (j >> 1)
+    return bits(raw[i, q], sh, 0x0F0F0F0F), bits(raw[i, q + 1], sh, 0x0F0F0F0F), d, np.float32(-8.0) * d
 
 
 # Q4_K, 144 bytes: d dmin (f16) scales[12] qs[128]. Weight 64u + 32h + l is nibble h of
-# qs[32u + l], in sub-block 2u + h with a 6-bit scale and min. 144 = 9 * 16 and rows are
-# whole blocks, so every block is 16-byte aligned: the header is one vector load.
+# qs[32u + l], in sub-block 2u + h with a 6-bit scale and min; a unit is a sub-block.
+# 144 = 9 * 16 and rows are whole blocks, so blocks are 16-byte aligned: the header and the
+# unit's 32 qs bytes are three vector loads.
 @_dev
 def load_q4_k(w, rh, k, raw, i):
     bo = rh + 72 * (k >> 8)
@@ -378,13 +390,17 @@ def load_q4_k(w, rh, k, raw, i):
     raw[i, 1] = b
     raw[i, 2] = c
     raw[i, 3] = d
-    q = bo + 8 + 16 * ((k >> 6) & 3) + ((k & 31) >> 1)
-    raw[i, 4] = ldg_u16_u32(w, q)
-    raw[i, 5] = ldg_u16_u32(w, q + 2)
+    q = bo + 8 + 16 * ((k >> 6) & 3)
+    for v in range(2):
+        a, b, c, d = ldg_u16_u32x4(w, q + 8 * v)
+        raw[i, 4 + 4 * v] = a
+        raw[i, 5 + 4 * v] = b
+        raw[i, 6 + 4 * v] = c
+        raw[i, 7 + 4 * v] = d
 
 
 @_dev
-def decode_q4_k(raw, i, k):
+def decode_q4_k(raw, i, k, j):
     h = (k >> 5) & 1
     sb = ((k >> 6) & 3) * 2 + h  # sub-block 0..7
     sh = 8 * (sb & 3)
@@ -396,64 +412,63 @@ def decode_q4_k(raw, i, k):
         mn = or32(bits(raw[i, 3], sh + 4, 15), shl32(bits(raw[i, 2], sh + 6, 3), 4))
     d = h2f(raw[i, 0])
     dmin = h2f(bits(raw[i, 0], 16, 0xFFFF))
-    return (bits(raw[i, 4], 4 * h, 0x0F0F0F0F), bits(raw[i, 5], 4 * h, 0x0F0F0F0F),
+    return (bits(raw[i, 4 + 2 * j], 4 * h, 0x0F0F0F0F), bits(raw[i, 5 + 2 * j], 4 * h, 0x0F0F0F0F),
             d * np.float32(sc), -dmin * np.float32(mn))
 
 
 # Q6_K, 210 bytes: ql[128] qh[64] scales[16] (int8) d (f16). Weight 128n + 32g + l:
 # low 4 bits = nibble g >> 1 of ql[64n + 32(g & 1) + l], high 2 bits = bits 2g of
-# qh[32n + l], scale index (128n + 32g + l) >> 4; q is biased by 32.
+# qh[32n + l], scale index (128n + 32g + l) >> 4; q is biased by 32. A unit is one
+# (n, g): 32 weights, two scales.
 @_dev
 def load_q6_k(w, rh, k, raw, i):
     bo = rh + 105 * (k >> 8)
     e = k & 255
     n = e >> 7
     g = (e >> 5) & 3
-    l0 = e & 31
-    a = bo + 32 * n + 16 * (g & 1) + (l0 >> 1)
-    raw[i, 0] = pack16(w[a], w[a + 1])
-    raw[i, 1] = pack16(w[a + 2], w[a + 3])
-    b = bo + 64 + 16 * n + (l0 >> 1)
-    raw[i, 2] = pack16(w[b], w[b + 1])
-    raw[i, 3] = pack16(w[b + 2], w[b + 3])
-    raw[i, 4] = pack16(w[bo + 96 + (e >> 5)], w[bo + 104])  # scales (e >> 4) and (e >> 4) ^ 1; d
+    a = bo + 32 * n + 16 * (g & 1)
+    b = bo + 64 + 16 * n
+    for q in range(8):
+        raw[i, q] = ldw(w, a + 2 * q)
+        raw[i, 8 + q] = ldw(w, b + 2 * q)
+    raw[i, 16] = pack16(w[bo + 96 + (e >> 5)], w[bo + 104])  # scales (e >> 4), (e >> 4) + 1; d
 
 
 @_dev
-def decode_q6_k(raw, i, k):
-    e = k & 255
-    g = (e >> 5) & 3
+def decode_q6_k(raw, i, k, j):
+    g = (k >> 5) & 3
     lo = 4 * (g >> 1)
     hs = 2 * g
-    b0 = or32(bits(raw[i, 0], lo, 0x0F0F0F0F), shl32(bits(raw[i, 2], hs, 0x03030303), 4))
-    b1 = or32(bits(raw[i, 1], lo, 0x0F0F0F0F), shl32(bits(raw[i, 3], hs, 0x03030303), 4))
-    sc = np.int32(bits(raw[i, 4], 8 * ((e >> 4) & 1), 0xFF))
+    b0 = or32(bits(raw[i, 2 * j], lo, 0x0F0F0F0F), shl32(bits(raw[i, 8 + 2 * j], hs, 0x03030303), 4))
+    b1 = or32(bits(raw[i, 2 * j + 1], lo, 0x0F0F0F0F), shl32(bits(raw[i, 9 + 2 * j], hs, 0x03030303), 4))
+    sc = np.int32(bits(raw[i, 16], 8 * (j >> 1), 0xFF))
     sc = sc - ((sc & 0x80) << 1)
-    s = h2f(bits(raw[i, 4], 16, 0xFFFF)) * np.float32(sc)
+    s = h2f(bits(raw[i, 16], 16, 0xFFFF)) * np.float32(sc)
     return b0, b1, s, np.float32(-32.0) * s
 
 
 class _Spec:
-    def __init__(self, qk, nraw, load, decode, direct=False, align=2):
-        self.qk, self.nraw, self.load, self.decode, self.direct, self.align = qk, nraw, load, decode, direct, align
+    def __init__(self, qk, j, nraw, load, decode, direct=False, align=2):
+        self.qk, self.j, self.nraw, self.load, self.decode = qk, j, nraw, load, decode
+        self.direct, self.align = direct, align
 
 
 from gguf import GGMLQuantizationType as _T  # noqa: E402
 
 _SPECS = {
-    _T.F16: _Spec(8, 4, load_f16, decode_none, direct=True, align=16),
-    _T.Q8_0: _Spec(32, 3, load_q8_0, decode_q8_0),
-    _T.Q4_0: _Spec(32, 3, load_q4_0, decode_q4_0),
-    _T.Q4_K: _Spec(256, 6, load_q4_k, decode_q4_k, align=16),
-    _T.Q6_K: _Spec(256, 5, load_q6_k, decode_q6_k),
+    _T.F16: _Spec(8, 1, 4, load_f16, decode_none, direct=True, align=16),
+    _T.Q8_0: _Spec(32, 4, 9, load_q8_0, decode_q8_0),
+    _T.Q4_0: _Spec(32, 4, 5, load_q4_0, decode_q4_0),
+    _T.Q4_K: _Spec(256, 4, 12, load_q4_k, decode_q4_k, align=16),
+    _T.Q6_K: _Spec(256, 4, 17, load_q6_k, decode_q6_k),
 }
 MATMUL_TYPES = frozenset(_SPECS)
 
 # (BM, BN, BK, WM, WN, fragment loads[, stages]): block tile, warp tile; "ldsm" = ldmatrix,
 # "lds" = 32-bit shared loads; stages: shared buffers (1 or 2, see the kernel's loop). The
 # simulator default is small enough for ~1e5 thread-iterations.
-TILE_GPU = (128, 128, 32, 64, 32, "ldsm", 2)
-TILE_SIM = (16, 32, 32, 16, 16, "lds", 2)
+TILE_GPU = (128, 128, 64, 64, 32, "ldsm", 1)
+TILE_SIM = (16, 32, 64, 16, 16, "lds", 2)
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None):
@@ -468,9 +483,13 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     MT, NT8 = WM // 16, WN // 8
     LDSM = frag == "ldsm"
     assert not LDSM or NT8 % 2 == 0
-    C8 = BK // 8                       # 8-element units per tile row
-    XU, WU = BM * C8 // NT, BN * C8 // NT
-    assert XU * NT == BM * C8 and WU * NT == BN * C8, "tile too small for its threads"
+    J = spec.j
+    C8 = BK // 8                       # X units (8 elements) per tile row
+    CW = BK // (8 * J)                 # W units per tile row
+    assert CW * 8 * J == BK, "BK must be a multiple of the type's unit"
+    XTOT, WTOT = BM * C8, BN * CW      # units per tile; threads take them round-robin
+    XU, WU = -(-XTOT // NT), -(-WTOT // NT)
+    XALL, WALL = XU * NT == XTOT, WU * NT == WTOT  # no guard needed when they divide evenly
     SA = BK // 2 + 4                   # words per shared row; +4 makes fragment loads conflict-free
     XR = 4 if x_f16 else 8             # raw X words per unit
     NRAW = spec.nraw
@@ -495,7 +514,9 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             r = u // C8
             c = u - r * C8
             m = m0 + r
-            if m < M:
+            if not XALL and u >= XTOT:
+                pass
+            elif m < M:
                 if XF16:
                     a, b, cc, d = ldg_u16_u32x4(x, m * K + k0 + 8 * c)
                     xr[i, 0] = a
@@ -514,11 +535,13 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                     xr[i, j] = 0
         for i in range(WU):
             u = tid + NT * i
-            r = u // C8
-            c = u - r * C8
+            r = u // CW
+            c = u - r * CW
             n = n0 + r
-            if n < N:
-                load_w(w, n * rowh_w, k0 + 8 * c, wr, i)
+            if not WALL and u >= WTOT:
+                pass
+            elif n < N:
+                load_w(w, n * rowh_w, k0 + 8 * J * c, wr, i)
             else:
                 for j in range(NRAW):
                     wr[i, j] = 0
@@ -530,7 +553,9 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             r = u // C8
             c = u - r * C8
             o = ao + r * SA + 4 * c
-            if XF16:
+            if not XALL and u >= XTOT:
+                pass
+            elif XF16:
                 sts4(As, o, xr[i, 0], xr[i, 1], xr[i, 2], xr[i, 3])
             else:
                 sts4(As, o, f32x2_to_f16x2(u32_bits_to_f32(xr[i, 0]), u32_bits_to_f32(xr[i, 1])),
@@ -539,15 +564,18 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                      f32x2_to_f16x2(u32_bits_to_f32(xr[i, 6]), u32_bits_to_f32(xr[i, 7])))
         for i in range(WU):
             u = tid + NT * i
-            r = u // C8
-            c = u - r * C8
-            o = bo + r * SA + 4 * c
-            if DIRECT:
+            r = u // CW
+            c = u - r * CW
+            o = bo + r * SA + 4 * J * c
+            if not WALL and u >= WTOT:
+                pass
+            elif DIRECT:
                 sts4(Bs, o, wr[i, 0], wr[i, 1], wr[i, 2], wr[i, 3])
             else:
-                b0, b1, s, off = decode_w(wr, i, k0 + 8 * c)
-                v0, v1, v2, v3 = deq8(b0, b1, s, off)
-                sts4(Bs, o, v0, v1, v2, v3)
+                for j in range(J):
+                    b0, b1, s, off = decode_w(wr, i, k0 + 8 * J * c, j)
+                    v0, v1, v2, v3 = deq8(b0, b1, s, off)
+                    sts4(Bs, o + 4 * j, v0, v1, v2, v3)
 
     @_dev
     def mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t):
@@ -734,14 +762,41 @@ def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_
     return _KERNELS[key]
 
 
+@cuda.jit
+def _to_f16_kernel(x, out, n2):
+    i = cuda.grid(1)
+    if i < n2:
+        out[i] = f32x2_to_f16x2(x[2 * i], x[2 * i + 1])
+
+
+_XBUF: dict = {}
+
+
+def to_f16(x, stream=0):
+    """float32 device array -> its f16 copy (uint16 view) in a buffer kept between calls.
+
+    One buffer per process, grown on demand and reused: a caller running matmuls on several
+    streams at once must convert X itself. A fixed address also keeps CUDA graphs valid."""
+    n = x.size
+    buf = _XBUF.get("x")
+    if buf is None or buf.size < n // 2:
+        buf = _XBUF["x"] = cuda.device_array(max(n // 2, 1 << 16), np.uint32)
+    n2 = n // 2
+    _to_f16_kernel[-(-n2 // 256), 256, stream](_flat(x), buf, n2)
+    return buf[:n2].view(np.uint16)
+
+
 def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, residual=None, stream=0,
-           use_mma=None, tile=None, min_blocks=None):
+           use_mma=None, tile=None, min_blocks=None, x_convert=None):
     """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device.
 
     x_dev: float32 or float16 device array of M * k elements (row-major); w_raw_dev: uint8
     device array of the GGUF bytes of W, n_out rows of row_bytes(qtype, k); out: float32
     device array of M * n_out elements (new if None; may be `residual` itself). use_mma:
-    tensor cores (default on a GPU) or FMAs (default in the simulator). Returns out.
+    tensor cores (default on a GPU) or FMAs (default in the simulator). x_convert: turn a
+    float32 X into f16 in a separate pass first (default: on the tensor-core path; see
+    to_f16), which halves the X traffic that every column block repeats and the kernel's
+    registers. Returns out.
     """
     qtype = as_qtype(qtype)
     tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
@@ -771,8 +826,11 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         raise ValueError("matmul: bias must be float32 [n_out]")
     if residual is not None and (residual.size != m_rows * n_out or residual.dtype != np.float32):
         raise ValueError("matmul: residual must be float32 [M, n_out]")
-    kern, nt = get_kernel(qtype, tile, use_mma, x.dtype == np.float16, bias is not None, residual is not None,
-                          min_blocks)
+    use_mma = (not SIM) if use_mma is None else bool(use_mma)
+    x16 = x.dtype == np.float16
+    if not x16 and (use_mma if x_convert is None else x_convert):
+        x, x16 = to_f16(x, stream), True
+    kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks)
     if "d" not in _DUMMY:
         _DUMMY["d"] = cuda.device_array(1, np.float32)
     dummy = _DUMMY["d"]

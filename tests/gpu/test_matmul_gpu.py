@@ -54,10 +54,19 @@ def test_mma_real_shapes(qtype, k, n):
     run(qtype, 512, n, k)
 
 
-@pytest.mark.parametrize("tile", [(128, 128, 32, 64, 32, "lds", 2), (128, 128, 32, 32, 64, "ldsm", 1),
-                                  (64, 128, 32, 32, 64, "ldsm", 2), (128, 128, 64, 64, 32, "ldsm", 1)])
-def test_mma_tile_variants(tile):
-    run("Q4_K", 300, 1000, 2048, tile=tile)
+@pytest.mark.parametrize("tile,min_blocks", [
+    ((128, 128, 32, 64, 32, "lds", 2), None),   # 32-bit fragment loads; fewer W units than threads
+    ((128, 128, 32, 64, 32, "ldsm", 2), 2),     # register-capped for two blocks per SM
+    ((128, 128, 64, 32, 64, "ldsm", 1), None),
+    ((64, 128, 64, 32, 64, "ldsm", 1), None),
+])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_mma_tile_variants(tile, min_blocks, qtype):
+    run(qtype, 300, 1000, 2048, tile=tile, min_blocks=min_blocks)
+
+
+def test_mma_x_converted_in_kernel():
+    run("Q4_K", 200, 1024, 4096, x_convert=False)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
