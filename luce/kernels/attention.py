@@ -127,6 +127,12 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     G = max(1, nt // qt)
     RPI = nt // G  # rows one pass of the block covers
     red_shape = (qt, G)
+    # f16 pools: a thread's words of a K (V) tile, all loaded into registers before any is
+    # stored, so that LD loads per thread are in flight at once; V is prefetched with K
+    # (its latency hides behind the scores) when the registers allow.
+    LD = BLOCK * dim2 // nt
+    pre_v = LD <= 32
+    LDV = LD if pre_v else 1
 
     @cuda.jit
     def kernel(q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
@@ -157,6 +163,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
         q_reg = cuda.local.array(TR, np.float32)
         k_reg = cuda.local.array(TK, np.float32)
         p_reg = cuda.local.array(TR2, np.float32)
+        k_words = cuda.local.array(LD, np.uint32)
+        v_words = cuda.local.array(LDV, np.uint32)
         for e in range(TR2 * TD):
             acc[e] = 0.0
         tk = t % KT
@@ -215,8 +223,17 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                             b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
                             kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
             else:
-                for e in range(t, BLOCK * dim2, nt):
-                    kv32[e // dim2, e % dim2] = k32[slot, layer, hkv, e // dim2, e % dim2]
+                for c in range(LD):
+                    e = t + c * nt
+                    k_words[c] = k32[slot, layer, hkv, e // dim2, e % dim2]
+                if pre_v:
+                    for c in range(LD):
+                        e = t + c * nt
+                        kk = e // dim2
+                        v_words[c] = v32[slot, layer, hkv, kk, e % dim2] if j0 + kk < key_end else np.uint32(0)
+                for c in range(LD):
+                    e = t + c * nt
+                    kv32[e // dim2, e % dim2] = k_words[c]
             cuda.syncthreads()
 
             for e in range(TR * TK):
@@ -269,13 +286,18 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                     else:
                         for c in range(4):
                             kv[kk, 4 * w + c] = np.float16(0.0)
+            elif pre_v:
+                for c in range(LD):
+                    e = t + c * nt
+                    kv32[e // dim2, e % dim2] = v_words[c]
             else:
-                for e in range(t, BLOCK * dim2, nt):
+                for c in range(LD):
+                    e = t + c * nt
                     kk = e // dim2
-                    if j0 + kk < key_end:
-                        kv32[kk, e % dim2] = v32[slot, layer, hkv, kk, e % dim2]
-                    else:
-                        kv32[kk, e % dim2] = np.uint32(0)
+                    k_words[c] = v32[slot, layer, hkv, kk, e % dim2] if j0 + kk < key_end else np.uint32(0)
+                for c in range(LD):
+                    e = t + c * nt
+                    kv32[e // dim2, e % dim2] = k_words[c]
             cuda.syncthreads()
 
             for r in range(t // G, qt, RPI):
