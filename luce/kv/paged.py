@@ -237,6 +237,11 @@ class PagedKVCache:
             self.side.synchronize()  # the evictions' copies into these host buffers are done
             self.free.extend(self._dirty_slots)
             self._dirty_slots = []
+            # a free slot may still be read by queued compute work (rows a commit just
+            # dropped): the copies into it start after that work
+            ev = self._cuda.event()
+            ev.record(self.stream)
+            ev.wait(self.side)
         for b in blocks:
             copies = self.host.pop(b)
             s = self._alloc()
