@@ -301,3 +301,20 @@ def test_request_timeout_ends_generation(oai):
     assert time.time() - t0 < 15
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.content.startswith("tick tock tick tock")
+
+
+def test_responses_custom_tool_round_trip(oai):
+    # Codex offers apply_patch as a free-text "custom" tool
+    tool = {"type": "custom", "name": "get_weather", "description": "Weather, free text"}
+    r = oai.responses.create(model=MODEL, input="weather?", tools=[tool], temperature=0)
+    (call,) = r.output
+    assert call.type == "custom_tool_call" and call.name == "get_weather"
+    assert json.loads(call.input) == {"city": "Paris", "days": "3"}
+    r2 = oai.responses.create(model=MODEL, tools=[tool], temperature=0, input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert r2.output_text == ANSWER
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    assert "web_search" in e.value.message

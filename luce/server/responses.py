@@ -78,7 +78,14 @@ def convert_input(body: dict) -> list[dict]:
             msg.setdefault("tool_calls", []).append(
                 {"id": item.get("call_id") or item.get("id"), "type": "function",
                  "function": {"name": item["name"], "arguments": args}})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            if not isinstance(item.get("name"), str):
+                raise APIError(400, f"'{where}.name' is required", param=f"{where}.name")
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append(
+                {"id": item.get("call_id") or item.get("id"), "type": "function",
+                 "function": {"name": item["name"], "arguments": {"input": str(item.get("input", ""))}}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else content_text(output, f"{where}.output")
             if out and out[-1]["role"] == "assistant":
@@ -95,23 +102,41 @@ def convert_input(body: dict) -> list[dict]:
     return out
 
 
-def convert_tools(body: dict) -> list[dict] | None:
+def _custom_parameters(t: dict) -> dict:
+    # A custom tool takes free text. Models are trained on JSON-argument tools, so it is
+    # offered as a function of one string; its grammar, if any, becomes a hint.
+    desc = "The tool's input, as free text."
+    fmt = t.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        desc += f" It must follow this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    return {"type": "object", "properties": {"input": {"type": "string", "description": desc}}, "required": ["input"]}
+
+
+def convert_tools(body: dict) -> tuple[list[dict] | None, set[str]]:
+    """The tools in the chat form, and the names of the custom (free-text) ones."""
     tools = schema.get(body, "tools", "list")
     if not tools:
-        return None
-    out = []
+        return None, set()
+    out, custom = [], set()
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise APIError(400, f"'tools[{i}]': tool type {kind!r} is not supported (only 'function')",
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind not in ("function", "custom"):
+            raise APIError(400, f"'tools[{i}]': tool type {kind!r} is not supported (only 'function' and 'custom')",
                            param=f"tools[{i}].type")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise APIError(400, f"'tools[{i}].name' is required", param=f"tools[{i}].name")
-        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if kind == "custom":
+            custom.add(t["name"])
+            params = _custom_parameters(t)
+        else:
+            params = t.get("parameters") or {"type": "object", "properties": {}}
+            if not isinstance(params, dict):
+                raise APIError(400, f"'tools[{i}].parameters' must be an object", param=f"tools[{i}].parameters")
+        fn = {"name": t["name"], "parameters": params}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
-    return out
+    return out, custom
 
 
 def parse(body: dict, state) -> Request:
@@ -126,23 +151,25 @@ def parse(body: dict, state) -> Request:
         "prompt": lambda v: False,
     })
     messages = convert_input(body)
-    tools = convert_tools(body)
+    tools, custom = convert_tools(body)
     if body.get("tool_choice") == "none":
-        tools = None
+        tools, custom = None, set()
     samp = schema.sampling(body, ("max_output_tokens",))
     stream = schema.get(body, "stream", "bool", False)
     reasoning = schema.get(body, "reasoning", "dict") or {}
     budget, enable = schema.effort_budget(schema.get(reasoning, "effort", "str", where="reasoning."),
                                           "reasoning.effort")
-    return schema.build_chat_request(state, "responses", messages, tools, samp, stream=stream,
-                                     reasoning_budget=budget, enable_thinking=enable)
+    req = schema.build_chat_request(state, "responses", messages, tools, samp, stream=stream,
+                                    reasoning_budget=budget, enable_thinking=enable)
+    return req, custom
 
 
 class _Output:
     """Builds the output items from the event stream, and the SSE events on the way."""
 
-    def __init__(self, req: Request, include_encrypted: bool):
+    def __init__(self, req: Request, include_encrypted: bool, custom: set[str] = frozenset()):
         self.req = req
+        self.custom = custom
         self.items: list[dict] = []
         self.open: dict | None = None
         self.seq = 0
@@ -207,6 +234,21 @@ class _Output:
             self.open["content"][0]["text"] += e.text
             frames.append(self.ev("response.output_text.delta", item_id=self.open["id"],
                                   output_index=len(self.items) - 1, content_index=0, delta=e.text, logprobs=[]))
+        elif isinstance(e, ToolCall) and e.name in self.custom:
+            frames += self.close()
+            text = e.arguments.get("input")
+            text = text if isinstance(text, str) else e.arguments_json
+            item = {"type": "custom_tool_call", "id": self._id("ctc"), "call_id": e.id, "name": e.name,
+                    "input": "", "status": "in_progress"}
+            self.items.append(item)
+            idx = len(self.items) - 1
+            frames.append(self.ev("response.output_item.added", output_index=idx, item=dict(item)))
+            frames.append(self.ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
+                                  delta=text))
+            item.update(input=text, status="completed")
+            frames.append(self.ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
+                                  input=text))
+            frames.append(self.ev("response.output_item.done", output_index=idx, item=item))
         elif isinstance(e, ToolCall):
             frames += self.close()
             args = e.arguments_json
@@ -251,9 +293,9 @@ def _response(req: Request, body: dict, state, status: str, items: list, done: D
 
 async def create(request, state):
     body = await read_json(request)
-    req = parse(body, state)
+    req, custom = parse(body, state)
     include = schema.get(body, "include", "list") or []
-    build = _Output(req, "reasoning.encrypted_content" in include)
+    build = _Output(req, "reasoning.encrypted_content" in include, custom)
     job = submit(state, req)
     if req.stream:
         async def frames():
