@@ -156,7 +156,7 @@ def test_bench_matvec_smoke():
     from luce.kernels.matvec import bench_matvec
     rows = bench_matvec([(4, 256)], [T.Q4_K, "Q8_0"], iters=1)
     assert [r["qtype"] for r in rows] == ["Q4_K", "Q8_0"]
-    assert {"kernel", "rows", "cols", "batch", "weight_bytes", "time_us", "gbps", "timing"} <= set(rows[0])
+    assert {"kernel", "rows", "cols", "batch", "weight_bytes", "time_us", "GB/s", "timing"} <= set(rows[0])
     assert rows[0]["weight_bytes"] == 4 * row_bytes(T.Q4_K, 256)
 
 

@@ -336,7 +336,7 @@ def bench_matvec(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, batch: int = 1, iters:
 
     Weights are random bytes (timing does not depend on values). Each row reports time_us
     per call from cuda events around a replayed CUDA graph of `iters` launches (eager
-    launches as fallback, noted in "timing"), and GB/s = weight bytes / time.
+    launches as fallback, noted in "timing"), and "GB/s" = weight bytes / time.
     """
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
@@ -376,11 +376,11 @@ def bench_matvec(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, batch: int = 1, iters:
             end.synchronize()
             us = start.elapsed_time(end) * 1e3 / iters
             nbytes = rb * n_rows * len(ws)
-            rows.append(dict(kernel="swiglu" if glu else "matvec", qtype=qtype.name, rows=n_rows, cols=n_cols,
-                             batch=batch, rows_per_warp=rows_per_warp or ROWS_PER_WARP,
-                             tile_blocks=tile_blocks or DEVICE_SPECS[qtype].tile_blocks,
-                             weight_bytes=nbytes, time_us=round(us, 2),
-                             gbps=round(nbytes / (us * 1e-6) / 1e9, 1), timing=timing,
-                             compile_s=round(compile_s, 2)))
+            rows.append({"kernel": "swiglu" if glu else "matvec", "qtype": qtype.name, "rows": n_rows,
+                         "cols": n_cols, "batch": batch, "rows_per_warp": rows_per_warp or ROWS_PER_WARP,
+                         "tile_blocks": tile_blocks or DEVICE_SPECS[qtype].tile_blocks,
+                         "weight_bytes": nbytes, "time_us": round(us, 2),
+                         "GB/s": round(nbytes / (us * 1e-6) / 1e9, 1), "timing": timing,
+                         "compile_s": round(compile_s, 2)})
             del ws
     return rows
