@@ -69,9 +69,11 @@ def tree_mask_bits(mask: np.ndarray) -> np.ndarray:
 # luce.kernels.paging (the new tokens' K/V are written into the pool first, so every key
 # is read the same way). The cases differ only in which new keys a query sees:
 #   tree/decode: bit j of mask[i] (N <= 64);  prefill: causal (j <= i).
-# Flash-decoding: grid (split, kv head, query tile); a split walks `pages_per_split`
-# 64-token pages with an online softmax and leaves (acc, m, l) per row; a combine kernel
-# merges the splits. One split writes the normalized output directly.
+# Flash-decoding: grid (split, kv head, query tile); the splits share the pages a tile
+# must read at run time (meta gives the length: a graph sized for the whole context still
+# spreads a short one over every split), each walks its 64-token pages with an online
+# softmax and leaves (acc, m, l) per row; a combine kernel merges the splits. One split
+# writes the normalized output directly.
 # A query tile is QT rows of (query, head in the GQA group): all q heads sharing a kv
 # head are served by one read of each K/V tile.
 import functools  # noqa: E402
@@ -136,7 +138,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 
     @cuda.jit
     def kernel(q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
-               pages_per_split, direct, out, part_o, part_ml):
+               direct, out, part_o, part_ml):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         tile = cuda.blockIdx.z
@@ -198,8 +200,9 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
             for i in range(r0 // group, last_row // group + 1):
                 min_qpos = min(min_qpos, q_pos[i])
         n_pages = (key_end + BLOCK - 1) // BLOCK
-        p_lo = split * pages_per_split
-        p_hi = min(p_lo + pages_per_split, n_pages)
+        pps = (n_pages + cuda.gridDim.x - 1) // cuda.gridDim.x
+        p_lo = split * pps
+        p_hi = min(p_lo + pps, n_pages)
         if r0 >= n_rows:
             p_hi = p_lo  # an idle tile of a graph-sized grid: still writes m=-inf, l=0
         cuda.syncthreads()
@@ -390,7 +393,9 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
                    max_splits: int | None = None) -> dict:
-    """Launch geometry for n_q queries over n_keys keys (the largest context for a graph)."""
+    """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
+    whole context). pages_per_split is what each split reads at n_keys; the kernel
+    re-divides the pages actually present among the n_splits at run time."""
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
@@ -443,7 +448,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
     kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read
     kernel[grid, plan["nt"], stream](q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal,
-                                     window, np.float32(1.0 / math.sqrt(dim)), plan["pages_per_split"], direct,
+                                     window, np.float32(1.0 / math.sqrt(dim)), direct,
                                      out, part_o, part_ml)
     if not direct:
         _combine_kernel[(n_q, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)

@@ -142,3 +142,16 @@ def test_attention_op_matches_cpu_ops():
         dev.commit(acc)
     for a, b in zip(dev.committed(0), ref.committed(0)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_graph_sized_grid():
+    """A grid planned for the whole context (as a captured graph is) over a shorter one:
+    the kernel spreads the pages present over the splits, idle splits are skipped."""
+    cache, q, kv, cpos, npos = setup(70, 3, hq=2, hkv=1)
+    mask = tree_mask(np.array([-1, 0, -1]))
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    assert A.attention_plan(3, 2, 1, D, cache.n_ctx)["n_splits"] == 4
+    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           cuda.to_device(npos.astype(np.int32)), cuda.to_device(tree_mask_bits(mask)),
+                           n_keys=cache.n_ctx, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, mask), rtol=2e-4, atol=2e-5)
