@@ -101,7 +101,8 @@ def test_sampling_parameters_are_honoured(oai):
 @pytest.mark.parametrize("extra,name", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
                                         ({"response_format": {"type": "json_object"}}, "response_format"),
                                         ({"tool_choice": "required"}, "tool_choice"),
-                                        ({"logit_bias": {"42": 5}}, "logit_bias")])
+                                        ({"logit_bias": {"42": 5}}, "logit_bias"),
+                                        ({"extra_body": {"mirostat": 2}}, "mirostat")])
 def test_unsupported_parameters_are_rejected(oai, extra, name):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **extra)

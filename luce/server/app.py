@@ -134,6 +134,7 @@ def stream_response(job: Job, frames: AsyncIterator[str]) -> StreamingResponse:
 def endpoint(api: str, handler: Callable, auth: bool = True):
     """Wrap a handler: API key, the API's error format, request metrics."""
     async def route(request: HTTPRequest) -> Response:
+        route_path = request.scope.get("luce.route", request.url.path)
         state = state_of(request)
         status = 200
         try:
@@ -152,7 +153,7 @@ def endpoint(api: str, handler: Callable, auth: bool = True):
             log.exception("%s %s failed", request.method, request.url.path)
             return error_response(api, APIError(500, f"internal error: {type(e).__name__}: {e}"))
         finally:
-            state.metrics.request(api, request.url.path, status)
+            state.metrics.request(api, route_path, status)
     return route
 
 
@@ -163,10 +164,11 @@ async def health(request, state):
 
 
 def _model_card(state: ServerState) -> dict:
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
     return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "luce",
             "context_length": state.model.n_ctx,
             # Anthropic's /v1/models shape, for clients that list models that way
-            "type": "model", "display_name": state.model_name}
+            "type": "model", "display_name": state.model_name, "created_at": created}
 
 
 async def models(request, state):
@@ -226,6 +228,13 @@ def create_app(model, **kw) -> Starlette:
         finally:
             state.engine.close()
 
+    def labelled(path, fn):
+        # metrics are labelled by route, not by URL: /v1/models/{name} must not mint a label per name
+        async def call(request):
+            request.scope["luce.route"] = path
+            return await fn(request)
+        return call
+
     routes = [
         Route("/health", endpoint("openai", health, auth=False), methods=["GET"]),
         Route("/v1/health", endpoint("openai", health, auth=False), methods=["GET"]),
@@ -242,6 +251,7 @@ def create_app(model, **kw) -> Starlette:
     # the same routes without /v1, for clients configured with a bare base URL
     routes += [Route(r.path[3:], r.endpoint, methods=r.methods) for r in list(routes) if r.path.startswith("/v1/")
                and r.path not in ("/v1/health",)]
+    routes = [Route(r.path, labelled(r.path, r.endpoint), methods=r.methods) for r in routes]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.luce = state
     return app

@@ -68,16 +68,31 @@ def stop_list(body: dict, name: str) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
+# llama.cpp sampler settings clients such as Open WebUI pass through, that luce's sampler
+# does not have: refused unless they are at their "off" value.
+_SAMPLERS_OFF = {
+    "mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "typical_p": 1.0, "tfs_z": 1.0, "top_a": 0.0,
+    "dry_multiplier": 0.0, "xtc_probability": 0.0, "xtc_threshold": None, "dynatemp_range": 0.0,
+    "n_probs": 0, "min_tokens": 0, "grammar": "", "json_schema": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
+
+
 def sampling(body: dict, max_tokens_names: tuple[str, ...], stop_name: str = "stop") -> dict:
     """SamplingParams keywords from the fields every API shares (OpenAI names, plus the
-    llama.cpp extensions top_k, min_p, repeat_penalty)."""
+    llama.cpp extensions top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos, n_predict)."""
+    unsupported(body, {k: (lambda v, off=off: off is not None and v == off) for k, off in _SAMPLERS_OFF.items()})
     out: dict[str, Any] = {}
     for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
                        ("presence_penalty", "number"), ("frequency_penalty", "number"),
-                       ("repeat_penalty", "number"), ("seed", "int")):
+                       ("repeat_penalty", "number"), ("repeat_last_n", "int"), ("seed", "int"),
+                       ("ignore_eos", "bool")):
         v = get(body, name, kind)
         if v is not None:
             out[name] = v
+    if out.get("repeat_last_n", 0) < 0:
+        raise APIError(400, "'repeat_last_n' must be >= 0", param="repeat_last_n")
+    max_tokens_names = max_tokens_names + ("n_predict",)
     for name, lo, hi in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1), ("top_k", 0, None),
                          ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
         v = out.get(name)
