@@ -329,6 +329,22 @@ def ldw(w, h):
 
 
 @_dev
+def ldw8(w, h, raw, i, o):
+    """raw[i, o:o + 8] = the 8 words from uint16 index h of w, with aligned 32-bit loads
+    either way: for odd h, 9 words from h - 1 and byte permutes (reads the 2 bytes on
+    either side, so only for ranges inside a block)."""
+    if h & 1:
+        prev = ldg_u16_u32(w, h - 1)
+        for q in range(8):
+            nxt = ldg_u16_u32(w, h + 1 + 2 * q)
+            raw[i, o + q] = prmt(prev, nxt, 0x5432)
+            prev = nxt
+    else:
+        for q in range(8):
+            raw[i, o + q] = ldg_u16_u32(w, h + 2 * q)
+
+
+@_dev
 def load_f16(w, rh, k, raw, i):  # rows of K halves; K % 8 == 0 keeps rows 16-byte aligned
     a, b, c, d = ldg_u16_u32x4(w, rh + k)
     raw[i, 0] = a
@@ -426,11 +442,8 @@ def load_q6_k(w, rh, k, raw, i):
     e = k & 255
     n = e >> 7
     g = (e >> 5) & 3
-    a = bo + 32 * n + 16 * (g & 1)
-    b = bo + 64 + 16 * n
-    for q in range(8):
-        raw[i, q] = ldw(w, a + 2 * q)
-        raw[i, 8 + q] = ldw(w, b + 2 * q)
+    ldw8(w, bo + 32 * n + 16 * (g & 1), raw, i, 0)
+    ldw8(w, bo + 64 + 16 * n, raw, i, 8)
     raw[i, 16] = pack16(w[bo + 96 + (e >> 5)], w[bo + 104])  # scales (e >> 4), (e >> 4) + 1; d
 
 
