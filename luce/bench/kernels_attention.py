@@ -67,10 +67,10 @@ def _time_eager(launch, stream, reps: int) -> float:
 
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
                     prefill: int = 512, seed: int = 0) -> list[dict]:
-    """Rows {name, shape, time_us, gbps, mode, n_splits}: decode (1 query), decode without
+    """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
     sequence splits, tree verification (tree_nodes queries, a random tree), a causal
     prefill chain of `prefill` tokens, and decode / tree over q8_0 KV, all over `context`
-    committed rows; gbps counts the K/V
+    committed rows; GB/s counts the K/V
     bytes the kernel must read (K and V of every visible row, once: f16, or q8_0 for the
     *_q8_0 rows)."""
     from numba import cuda
@@ -128,7 +128,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             us, mode = _time_eager(launch, stream, reps), "eager"
         kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
         rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}", time_us=round(us, 2),
-                         gbps=round(kv_bytes / (us * 1e-6) / 1e9, 1), mode=mode, n_splits=ns))
+                         **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode, n_splits=ns))
     return rows
 
 
