@@ -132,7 +132,9 @@ class PagedKVCache:
             cuda = self._cuda
             dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a, dtype=dt), stream=self.stream) \
                 if isinstance(a, np.ndarray) else a
-            pos = dev(np.asarray(positions), np.int32)
+            # host ints are uploaded; a device array is used where it lies (np.asarray on it
+            # would copy it to the host and back)
+            pos = dev(np.asarray(positions) if isinstance(positions, (list, tuple)) else positions, np.int32)
             if self.quant:
                 write_kv_q8_cuda(self.k_pool, self.k_scale, self.v_pool, self.v_scale, self.table_d, layer, self.meta,
                                  dev(k_new, np.float32), dev(v_new, np.float32), pos, self.pos_d, self.stream)
