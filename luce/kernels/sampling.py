@@ -148,18 +148,29 @@ def _topk_kernel(vals, ids, use_ids, k, chunk, out_v, out_i):
         pi = bi
 
 
-def topk_cuda(logits, k: int, out_values=None, out_ids=None, stream=0):
+def _topk_chunks(v_size: int, k: int) -> tuple[int, int]:
+    nt = block_threads(256)
+    # Chunks of >= 16 elements a thread keep phase 1's rounds busy; <= 4096 candidates
+    # keep phase 2 (one block a row) short.
+    n_chunks = max(1, min(ceil_div(v_size, 16 * nt), 4096 // k))
+    chunk = ceil_div(v_size, n_chunks)
+    return ceil_div(v_size, chunk), chunk
+
+
+def topk_scratch_shape(rows: int, v_size: int, k: int) -> tuple[int, int]:
+    """Shape of the two candidate buffers (f32, int32) topk_cuda needs: pass them as
+    `scratch` to keep allocations out of a captured graph."""
+    return rows, _topk_chunks(v_size, k)[0] * k
+
+
+def topk_cuda(logits, k: int, out_values=None, out_ids=None, scratch=None, stream=0):
     """Row-wise top-k (k <= 64) of device logits [R, V] -> (f32 [R, k], int32 [R, k]),
     best first; slots beyond the number of non-NaN logits hold (-inf, -1)."""
     if not 1 <= k <= MAX_TOP_K:
         raise ValueError(f"top-k needs 1 <= k <= {MAX_TOP_K}, got {k}")
     rows, v_size = logits.shape
     nt = block_threads(256)
-    # Chunks of >= 16 elements a thread keep phase 1's rounds busy; <= 4096 candidates
-    # keep phase 2 (one block a row) short.
-    n_chunks = max(1, min(ceil_div(v_size, 16 * nt), 4096 // k))
-    chunk = ceil_div(v_size, n_chunks)
-    n_chunks = ceil_div(v_size, chunk)
+    n_chunks, chunk = _topk_chunks(v_size, k)
     if out_values is None:
         out_values = cuda.device_array((rows, k), dtype=np.float32, stream=stream)
     if out_ids is None:
@@ -167,8 +178,10 @@ def topk_cuda(logits, k: int, out_values=None, out_ids=None, stream=0):
     if n_chunks == 1:
         _topk_kernel[(1, rows), nt, stream](logits, out_ids, 0, k, chunk, out_values, out_ids)
         return out_values, out_ids
-    cand_v = cuda.device_array((rows, n_chunks * k), dtype=np.float32, stream=stream)
-    cand_i = cuda.device_array((rows, n_chunks * k), dtype=np.int32, stream=stream)
+    if scratch is None:
+        scratch = (cuda.device_array((rows, n_chunks * k), dtype=np.float32, stream=stream),
+                   cuda.device_array((rows, n_chunks * k), dtype=np.int32, stream=stream))
+    cand_v, cand_i = scratch
     _topk_kernel[(n_chunks, rows), nt, stream](logits, cand_i, 0, k, chunk, cand_v, cand_i)
     _topk_kernel[(1, rows), nt, stream](cand_v, cand_i, 1, k, n_chunks * k, out_values, out_ids)
     return out_values, out_ids

@@ -7,7 +7,7 @@ from numba import cuda
 
 from luce.engine.sampling import SamplingParams, apply_penalties
 from luce.kernels.sampling import (apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,
-                                   token_counts, topk_cuda, topk_ref)
+                                   token_counts, topk_cuda, topk_ref, topk_scratch_shape)
 
 rng = np.random.default_rng()
 
@@ -49,7 +49,9 @@ def test_topk(vocab, k):
     x[1, 0] = np.nan
     ov = cuda.to_device(np.full((2, k), np.nan, np.float32))
     oi = cuda.to_device(np.full((2, k), -7, np.int32))
-    topk_cuda(cuda.to_device(x), k, ov, oi)
+    shape = topk_scratch_shape(2, vocab, k)
+    scratch = (cuda.to_device(np.full(shape, np.nan, np.float32)), cuda.to_device(np.full(shape, -7, np.int32)))
+    topk_cuda(cuda.to_device(x), k, ov, oi, scratch=scratch)
     rv, ri = topk_ref(x, k)
     np.testing.assert_array_equal(oi.copy_to_host(), ri)
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
