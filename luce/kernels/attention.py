@@ -456,28 +456,33 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
 
 
 def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: int | None = None, out=None,
-                         max_splits: int | None = None):
-    """paged_attention_cuda over a device PagedKVCache after its write() of this layer."""
+                         max_splits: int | None = None, *, scratch=None, n_keys: int | None = None):
+    """paged_attention_cuda over a device PagedKVCache after its write() of this layer
+    (f16 or q8_0 pools). n_keys: the grid's context (default: the current one; pass
+    cache.n_ctx for a captured graph), scratch as attention_plan sizes it."""
     return paged_attention_cuda(q, cache.k_pool, cache.v_pool, cache.table_d, layer, cache.meta, cache.pos_d, q_pos,
-                                mask_bits, window=window or 0, n_keys=cache.n_past + cache.n_pending, out=out,
-                                max_splits=max_splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                                stream=cache.stream)
+                                mask_bits, window=window or 0,
+                                n_keys=cache.n_past + cache.n_pending if n_keys is None else n_keys, out=out,
+                                scratch=scratch, max_splits=max_splits, k_scale=cache.k_scale,
+                                v_scale=cache.v_scale, stream=cache.stream)
 
 
 _MASK_MEMO: dict = {}  # one forward's mask serves every layer: upload it once
 
 
-def attention_op_cuda(kv, layer: int, q, k, v, positions, mask, window):
+def attention_op_cuda(kv, layer: int, q, k, v, positions, mask, window, *, mask_bits=None, out=None, scratch=None,
+                      n_keys: int | None = None):
     """`ops.attention` of luce.models.transformer on the device (the NumpyOps signature):
-    writes this layer's new K/V into the PagedKVCache `kv` (device=True, reserve()d),
-    then attends. mask: host bool N x N (None or lower-triangular: causal, any N; else a
-    tree, N <= 64); positions: host ints or device int32 [N]."""
+    writes this layer's new K/V into the PagedKVCache `kv` (device=True, reserve()d; f16
+    or q8_0), then attends. mask: host bool N x N (None or lower-triangular: causal, any
+    N; else a tree, N <= 64) unless mask_bits (device uint64 [N]) is given; positions:
+    host ints or device int32 [N]; out, scratch, n_keys: see attention_cache_cuda."""
     n = q.shape[0]
-    if isinstance(positions, np.ndarray) or isinstance(positions, (list, tuple)):
+    if isinstance(positions, (np.ndarray, list, tuple)):
         positions = cuda.to_device(np.asarray(positions, dtype=np.int32), stream=kv.stream)
     kv.write(layer, k, v, positions)
-    bits = None
-    if mask is not None:
+    bits = mask_bits
+    if bits is None and mask is not None:
         m = np.asarray(mask, dtype=bool)
         if not np.array_equal(m, np.tril(np.ones((n, n), dtype=bool))):
             key = m.tobytes() + bytes([n])
@@ -485,4 +490,4 @@ def attention_op_cuda(kv, layer: int, q, k, v, positions, mask, window):
             if bits is None:
                 _MASK_MEMO.clear()
                 bits = _MASK_MEMO[key] = cuda.to_device(tree_mask_bits(m), stream=kv.stream)
-    return attention_cache_cuda(kv, layer, q, positions, bits, window)
+    return attention_cache_cuda(kv, layer, q, positions, bits, window, out=out, scratch=scratch, n_keys=n_keys)

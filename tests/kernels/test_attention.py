@@ -125,6 +125,7 @@ def test_attention_op_matches_cpu_ops():
     hq, hkv, n_ctx = 2, 2, 256
     ref = KVCache(1, n_ctx, hkv, D, dtype=np.float16)
     dev = PagedKVCache(1, n_ctx, hkv, D, device=True)
+    # the grid is planned for the whole context, as for a captured graph
     steps = [(66, None, np.arange(66)),
              (5, tree_mask(np.array([-1, 0, 0, 1, 2])), 66 + np.array([0, 1, 1, 2, 2]))]
     for n, mask, pos in steps:
@@ -135,7 +136,7 @@ def test_attention_op_matches_cpu_ops():
         dev.reserve(n)
         full = causal_mask(n) if mask is None else mask
         want = NumpyOps.attention(ref, 0, q, k.astype(np.float32), v.astype(np.float32), pos, full, None)
-        got = A.attention_op_cuda(dev, 0, cuda.to_device(q), k, v, pos, mask, None).copy_to_host()
+        got = A.attention_op_cuda(dev, 0, cuda.to_device(q), k, v, pos, mask, None, n_keys=n_ctx).copy_to_host()
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
         acc = None if mask is None else [0, 2, 4]
         ref.commit(acc)
