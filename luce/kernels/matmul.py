@@ -15,6 +15,16 @@ Decoding to f16 uses the f16x2 magic-number trick: byte q placed under the f16 e
 0x64 reads as 1024 + q, so one byte permute, one f16x2 subtract and one f16x2 FMA make two
 weights; the subtract happens before the scale so that no large intermediate loses bits.
 
+Measured on the H200 (GPU time, M=512, `python -m luce.bench.kernels_matmul`): Q4_K 174 /
+179 / 164 TFLOP/s at K x N = 4096 x 12288 / 12288 x 4096 / 4096 x 4096, Q6_K ~124, Q4_0
+~120, Q8_0 ~85 (its word loads are still 16-bit on odd blocks), F16 weights 187-212, the
+FMA path ~19. With F16 weights close to Q4_K, the limit is the skeleton (one 8-warp block
+per SM at ~170-220 registers, load/decode and mma phases separated by barriers), not the
+decoding. Tile sweeps: BK=64 beats BK=32 (fewer barriers per flop), ldmatrix beats 32-bit
+fragment loads, two shared buffers or two register-capped blocks per SM did not help.
+Host cost of one matmul() call is ~400 us (two numba launches and argument marshalling):
+more than the GPU time of a 4096 x 4096 product, so prefill wants CUDA graphs.
+
 In the CUDA simulator (no inline asm, no warp-level instructions) the same code runs with
 Python stand-ins; mma and ldmatrix are emulated through a per-warp shared scratch array, so
 the tensor-core path's indexing can be checked there too (slowly: tiny shapes only).
