@@ -113,8 +113,11 @@ if SIM:
         g = lane >> 2
         t = lane & 3
         d = [np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3)]
+        # Fragment layout (PTX ISA, m16n8k16 .f16): lane 4r + c holds A[r, 2c:2c+2] in a0,
+        # A[r+8, ...] in a1, A[r, 2c+8:2c+10] in a2, A[r+8, ...] in a3; B[2c:2c+2, r] in b0
+        # and B[2c+8:2c+10, r] in b1; D[r, 2c:2c+2] in d0 d1 and D[r+8, ...] in d2 d3.
         for k in range(16):
-            src = 4 * 0 + ((k & 7) >> 1)  # lane offset of A(row, k) within a row group
+            src = (k & 7) >> 1  # lane offset (c) of column k within a row's group of lanes
             half = 16 * (k & 1)
             areg = 2 * (k >> 3)
             a_lo = _h(int(scr[wid, 4 * g + src, areg]) >> half)       # A[g, k]
