@@ -204,6 +204,9 @@ class Engine:
             stepper = None
             if self.stepper_factory is not None:
                 stepper = self.stepper_factory(session, model.sampling_params(**params))
+            if phase == 0:
+                # what prefill will take from the cache, known even if the stats never come
+                usage.cached_tokens = _common_prefix(session.tokens, full[:-1])
             gen = model.stream(full, session=session, stepper=stepper, **params)
             phase_finish = None
             phase_t0, phase_stats = time.perf_counter(), False
@@ -245,7 +248,7 @@ class Engine:
                 elapsed = (time.perf_counter() - phase_t0) * 1000
                 if phase == 0 and first_token_at is not None:
                     timings.prompt_ms = timings.ttft_ms
-                    timings.prompt_n = len(prompt)
+                    timings.prompt_n = len(prompt) - usage.cached_tokens
                     elapsed -= timings.ttft_ms
                 timings.predicted_ms += max(0.0, elapsed)
             phase += 1
@@ -280,3 +283,12 @@ class Engine:
         timings.predicted_ms += stats.decode_s * 1000
         if stats.acceptance_length and self.stepper_factory is not None:
             timings.acceptance_length = stats.acceptance_length
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
