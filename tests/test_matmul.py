@@ -61,7 +61,8 @@ def test_matmul_tails_epilogue_f16_x():
 
 
 def test_matmul_mma_emulated():
-    run("Q4_K", 16, 32, 256, use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))  # BK=32: fewer W units than threads (guarded)
+    # BK=32: fewer W units than threads (the guarded case); X goes through to_f16 first
+    run("Q4_K", 16, 32, 256, use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))
 
 
 def test_matmul_rejects_bad_shapes():
