@@ -228,7 +228,9 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
             else:
                 for c in range(LD):
                     e = t + c * nt
-                    k_words[c] = k32[slot, layer, hkv, e // dim2, e % dim2]
+                    kk = e // dim2
+                    # rows past the last key: never scored, zeroed so no NaN is ever formed
+                    k_words[c] = k32[slot, layer, hkv, kk, e % dim2] if j0 + kk < key_end else np.uint32(0)
                 if pre_v:
                     for c in range(LD):
                         e = t + c * nt
