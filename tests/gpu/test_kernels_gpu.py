@@ -3,10 +3,12 @@ GPU at real shapes (Qwen3-8B: 32 q heads, 8 kv heads, head_dim 128, 8K context, 
 23 nodes) against the numpy references.
 
 Run: NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu tests/gpu/test_kernels_gpu.py
-These are the only tests of the warp-shuffle reductions (luce.kernels._reduce), of
-128..1024-thread blocks, of head_dim 64/128/256 query tiles (8..64 rows) and of the
-8K-context split counts; the simulator tests (tests/kernels/) cover the same code with
-shared-memory reductions, one-warp blocks and small shapes.
+These are the only tests that run the warp-shuffle reductions (luce.kernels._reduce),
+128..1024-thread blocks, head_dim 64/128/256 attention tiles with 128 threads, q8_0 KV
+at 8K and the 8K-context split counts; the simulator tests (tests/kernels/) run the same
+code with shared-memory reductions, one-warp blocks and small shapes, and
+tests/kernels/test_attention.py::test_gpu_kernels_compile_to_ptx compiles the GPU paths.
+The paged-cache test uses 4 layers (real heads and head_dim) to keep host memory small.
 """
 import numpy as np
 import pytest
