@@ -295,12 +295,38 @@ def test_client_disconnect_cancels_non_streaming(server):
 
 
 def test_request_timeout_ends_generation(oai):
+    # the server's timeout is 4 s, waiting included: the running request stops at it,
+    # and the one queued behind it is served next, in what is left of its own 4 s
+    out = {}
+
+    def run():
+        out["r"] = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[tick]"}],
+                                               max_tokens=2000, temperature=0)
     t0 = time.time()
-    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[tick]"}],
-                                    max_tokens=2000, temperature=0)
+    first = threading.Thread(target=run)
+    first.start()
+    time.sleep(1.0)
+    after = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert after.choices[0].message.content and TEXT.startswith(after.choices[0].message.content)
+    first.join()
     assert time.time() - t0 < 15
-    assert r.choices[0].finish_reason == "length"
+    r = out["r"]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 2000
     assert r.choices[0].message.content.startswith("tick tock tick tock")
+
+
+def test_metrics_after_traffic(server):
+    assert _metric(server, "luce_completion_tokens_total") > 50
+    assert _metric(server, "luce_time_to_first_token_seconds_count") > 5
+    assert _metric(server, "luce_requests_total", api="openai", path="/v1/chat/completions", status="200") > 5
+    assert _metric(server, "luce_requests_total", api="anthropic", path="/v1/messages", status="429") >= 1
+
+
+def test_responses_bad_input(server):
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": 42})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
 
 
 def test_responses_custom_tool_round_trip(oai):
