@@ -108,7 +108,7 @@ def _split2(total: int, cap: int) -> tuple[int, int]:
 def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     # Register micro-tiles: each thread computes TR x TK scores and owns TR2 x TD output
     # elements, so every value it reads from shared memory feeds several FMAs (one score
-    # or output per thread would make the kernel shared-memory bound 4-5x over).
+    # or output element per thread costs two shared loads per FMA: shared-memory bound).
     TR, TK = _split2(qt * BLOCK // nt, 4 if qt * BLOCK // nt < 32 else 8)
     KT = BLOCK // TK  # threads along keys; rows of a thread are strided by qt // TR
     RS = qt // TR
@@ -204,7 +204,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
         p_lo = split * pps
         p_hi = min(p_lo + pps, n_pages)
         if r0 >= n_rows:
-            p_hi = p_lo  # an idle tile of a graph-sized grid: still writes m=-inf, l=0
+            p_hi = p_lo  # a tile past the queries present (graph-sized grid): nothing to do
         cuda.syncthreads()
 
         for page in range(p_lo, p_hi):
