@@ -126,7 +126,7 @@ def build_script_model(path, smollm2_path) -> Path:
     """Write the script model to `path` (tens of MB, a few seconds)."""
     import gguf
 
-    from luce.bench.synthetic import ModelShape, _copy_tokenizer
+    from luce.bench.synthetic import ModelShape
     from luce.gguf_file import GGUFFile
     from luce.text.tokenizer import Tokenizer
 
@@ -237,12 +237,13 @@ def build_script_model(path, smollm2_path) -> Path:
     w.add_uint32("qwen3.rope.dimension_count", ROPE_DIM)
     w.add_string("general.name", "luce-script-model")
 
-    class _NoTemplate:
-        # the copied tokenizer must not bring SmolLM2's template along with it
-        def add_key_value(self, key, *args):
-            if key != "tokenizer.chat_template":
-                w.add_key_value(key, *args)
-    _copy_tokenizer(_NoTemplate(), smollm2_path)
+    reader = gguf.GGUFReader(str(smollm2_path))
+    for f in reader.fields.values():
+        # SmolLM2's tokenizer, without its chat template
+        if f.name.startswith("tokenizer.") and f.name != "tokenizer.chat_template":
+            vtype = gguf.GGUFValueType(f.types[0])
+            sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(f.name, f.contents(), vtype, sub)
     w.add_string("tokenizer.chat_template", template)
     for name, arr in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(arr))
