@@ -15,7 +15,7 @@ from ..text.output_parser import InvalidToolCall, ReasoningDelta, TextDelta, Too
 
 # Reasoning budgets for the named effort levels (OpenAI reasoning_effort /
 # reasoning.effort). None: no budget.
-EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": None}
+EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": None, "xhigh": None}
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Timings:
 
 @dataclass
 class Done:
-    finish_reason: str  # "stop" | "length" | "tool_calls" | "stop_sequence" | "cancelled" | "timeout"
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "cancelled" | "timeout"
     usage: Usage
     timings: Timings
     stop_sequence: str | None = None
