@@ -156,11 +156,6 @@ def families(as_json):
     click.echo(families_report(as_json=as_json))
 
 
-def _serve_options(f):
-    from .spec.options import spec_options
-    return spec_options(f)
-
-
 @main.command()
 @click.argument("model", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (loopback by default)")
@@ -180,7 +175,7 @@ def _serve_options(f):
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @backend_option
-@_serve_options
+@_spec_options
 def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
           request_timeout, log_level, backend, spec, draft, ddtree_budget, draft_max):
     """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
