@@ -344,3 +344,11 @@ def test_responses_custom_tool_round_trip(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
     assert "web_search" in e.value.message
+
+
+def test_unknown_routes_answer_in_json(server):
+    r = httpx.post(server.url + "/v1/nothing", json={})
+    assert r.status_code == 404 and "no such route" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+

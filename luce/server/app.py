@@ -252,7 +252,14 @@ def create_app(model, **kw) -> Starlette:
     routes += [Route(r.path[3:], r.endpoint, methods=r.methods) for r in list(routes) if r.path.startswith("/v1/")
                and r.path not in ("/v1/health",)]
     routes = [Route(r.path, labelled(r.path, r.endpoint), methods=r.methods) for r in routes]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    async def not_found(request, exc):
+        # unknown routes answer in JSON too, so an SDK pointed at the wrong path says why
+        api = "anthropic" if request.url.path.endswith(("/messages", "/count_tokens")) else "openai"
+        status = getattr(exc, "status_code", 404)
+        what = "no such route" if status == 404 else f"method {request.method} not allowed"
+        return error_response(api, APIError(status, f"{what}: {request.method} {request.url.path}"))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.state.luce = state
     return app
 
