@@ -156,6 +156,11 @@ def test_anthropic_messages(ant):
     assert s.stop_reason == "stop_sequence" and s.stop_sequence == cut
     n = ant.messages.count_tokens(model=MODEL, messages=HI, system="Be brief.")
     assert n.input_tokens > 5
+    # SmolLM2's template drops tools: the server writes them into the system prompt
+    tool = {"name": "get_weather", "description": "Weather for a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    with_tool = ant.messages.count_tokens(model=MODEL, messages=HI, system="Be brief.", tools=[tool])
+    assert with_tool.input_tokens > n.input_tokens + 30
 
 
 def test_anthropic_errors(server, ant):

@@ -42,6 +42,8 @@ class ServerState:
         template = getattr(model.chat_template, "source", "") or ""
         # a template that knows the reasoning markers renders for a model that emits them
         self.supports_reasoning = bool(cf.reasoning or cf.reasoning_markers[0] in template)
+        from .schema import template_renders_tools
+        self.template_renders_tools = template_renders_tools(model)
         self.started = time.time()
 
     def check_model(self, name):

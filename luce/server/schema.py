@@ -180,6 +180,8 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
     extra = dict(template_kwargs or {})
     if enable_thinking is not None:
         extra.setdefault("enable_thinking", enable_thinking)
+    if tools and not state.template_renders_tools:
+        messages = tools_in_messages(messages, tools)
     try:
         text = model.render_chat(messages, tools=tools, add_generation_prompt=True, **extra)
     except TemplateError as e:
@@ -194,3 +196,56 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
     return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning,
                    starts_in_reasoning=starts, reasoning_budget=reasoning_budget if reasoning else None,
                    stream=stream, api=api, model=state.model_name, timeout_s=state.request_timeout)
+
+
+_TOOLS_NOTE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>")
+
+
+def template_renders_tools(model) -> bool:
+    """Whether the chat template shows the model the tools it is given (many small
+    models' templates drop them)."""
+    probe = [{"type": "function", "function": {"name": "luce_probe_tool", "parameters": {"type": "object"}}}]
+    try:
+        return "luce_probe_tool" in model.render_chat([{"role": "user", "content": "x"}], tools=probe)
+    except Exception:  # a template that cannot render the probe: leave its tool handling alone
+        return True
+
+
+def tools_in_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The conversation with tools, calls and results written into the text in the Hermes
+    format the output parser reads, for a template that would drop them."""
+    note = _TOOLS_NOTE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m.pop("tool_calls"):
+                args = c["function"]["arguments"]
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    pass
+                calls.append("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": args},
+                                                          ensure_ascii=False) + "\n</tool_call>")
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+        elif m["role"] == "tool":
+            text = "<tool_response>\n" + str(m.get("content", "")) + "\n</tool_response>"
+            if out and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + text
+                continue
+            m = {"role": "user", "content": text, "_results": True}
+        out.append(m)
+    for m in out:
+        m.pop("_results", None)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return out
+
