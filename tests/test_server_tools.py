@@ -352,3 +352,24 @@ def test_unknown_routes_answer_in_json(server):
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
 
+
+
+def test_queue_wait_timeout(server):
+    # straight to the live server's engine, to give two requests different timeouts: the
+    # second expires while the first generates, and is answered 503 without running
+    import asyncio
+
+    from luce.engine.request import Done, Error, Request
+
+    model, engine = server.state.model, server.state.engine
+    tick = model.chat_prompt_ids([{"role": "user", "content": "[tick]"}])
+    hi = model.chat_prompt_ids([{"role": "user", "content": "hi"}])
+
+    async def run():
+        first = engine.submit(Request(prompt_ids=tick, sampling={"max_tokens": 1500, "temperature": 0}, timeout_s=2.0))
+        second = engine.submit(Request(prompt_ids=hi, sampling={"max_tokens": 20}, timeout_s=0.5))
+        return [e async for e in first.events()], [e async for e in second.events()]
+
+    a, b = asyncio.run(run())
+    assert isinstance(a[-1], Done) and a[-1].finish_reason == "timeout"
+    assert len(b) == 1 and isinstance(b[0], Error) and b[0].status == 503
