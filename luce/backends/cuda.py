@@ -151,7 +151,7 @@ class CUDABackend:
         from numba import cuda
         self.cuda = cuda
         self.stream = cuda.stream()
-        self.use_graphs = use_graphs
+        self.use_graphs = use_graphs and not cuda.config.ENABLE_CUDASIM  # the simulator has no graphs
         self.kv_dtype = kv_dtype
         self._state = {}  # id(weights) -> per-model device state
 

@@ -13,7 +13,7 @@ def _load(model_arg, synthetic, backend_name, n_ctx):
     from ..backends import get_backend
     from ..models.transformer import build_weights
     from ..plugins import families
-    be = get_backend(backend_name)
+    be = get_backend(backend_name) if isinstance(backend_name, str) else backend_name
     if synthetic:
         from .synthetic import SyntheticFile, synthetic_loader
         f = SyntheticFile(synthetic)
@@ -21,7 +21,7 @@ def _load(model_arg, synthetic, backend_name, n_ctx):
         fam = families()[cfg.arch]
         t0 = time.perf_counter()
         weights = build_weights(cfg, f, synthetic_loader(be))
-        return be, fam, cfg, weights, f.weight_bytes_per_token, f"synthetic {synthetic}", time.perf_counter() - t0
+        return be, fam, cfg, weights, f.weight_bytes_per_token, f"synthetic {f.name}", time.perf_counter() - t0
     from ..model import load
     m = load(model_arg, backend=be, n_ctx=n_ctx)
     emb = m.file.tensors["token_embd.weight"].n_bytes

@@ -182,18 +182,23 @@ class SyntheticFile:
     """Stands in for a GGUFFile: tensor names, types and shapes, no data. Backends load
     its tensors with `synthetic_loader`."""
 
-    def __init__(self, name: str, types=None):
+    def __init__(self, name: "str | ModelShape", types=None):
         from ..gguf_file import TensorInfo
-        if name not in SHAPES:
+        if isinstance(name, ModelShape):
+            self.name, self.shape = f"{name.arch}-custom", name
+        elif name in SHAPES:
+            self.name, self.shape = name, SHAPES[name]
+        else:
             from ..errors import LuceError
             raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
-        self.name = name
-        self.shape = SHAPES[name]
         types = types or q4_k_m_type
         self.tensors = {}
         for tname, shp in self.shape.tensor_shapes().items():
             qt = types(tname)
             self.tensors[tname] = TensorInfo(tname, qt, tuple(shp), _nbytes(qt, shp), None)
+
+    def tensor(self, name: str):
+        return self.tensors[name]
 
     def config(self):
         from ..models.config import ROPE_ADJACENT, ROPE_HALVES, ModelConfig

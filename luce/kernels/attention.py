@@ -440,7 +440,8 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     ns = plan["n_splits"]
     direct = 1 if ns == 1 else 0
     if direct:
-        part_o, part_ml = out, out  # never touched
+        # never touched, but typed like the split scratch so one compiled kernel serves both
+        part_o = part_ml = out.reshape((1,) + tuple(out.shape))
     else:
         if scratch is None:
             scratch = (cuda.device_array((ns, n_q, n_heads, dim), np.float32, stream=stream),
