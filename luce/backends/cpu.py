@@ -66,6 +66,12 @@ class CPUBackend:
     def load_tensor(self, info) -> np.ndarray:
         return dequantize(info.data, info.qtype, info.shape)
 
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int) -> np.ndarray:
+        """A random-weight matrix made by repeating the raw rows of `pool` (benchmarks)."""
+        reps = -(-rows // pool.shape[0])
+        raw = np.concatenate([pool] * reps)[:rows]
+        return dequantize(raw.reshape(-1), qtype, (rows, cols))
+
     def new_cache(self, cfg, n_ctx: int) -> KVCache:
         return KVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
 

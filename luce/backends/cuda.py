@@ -95,12 +95,17 @@ class CudaOps:
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
-        if n <= MAX_MATVEC_ROWS:
-            from ..kernels.matvec import matvec
-            return matvec(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
-        from ..kernels.matmul import matmul
-        return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
-                      stream=self.stream)
+        from ..kernels.matmul import MATMUL_TYPES, matmul
+        from ..kernels.matvec import matvec
+        if n > MAX_MATVEC_ROWS and w.qtype in MATMUL_TYPES:
+            return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
+                          stream=self.stream)
+        # decode and verification widths; also long prefill of types the matmul lacks, 64 rows at a time
+        for s in range(0, n, MAX_MATVEC_ROWS):
+            e = min(n, s + MAX_MATVEC_ROWS)
+            matvec(w.raw, w.qtype, x[s:e], out=out[s:e], bias=bias,
+                   residual=None if residual is None else residual[s:e], stream=self.stream)
+        return out
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         n = x.shape[0]
@@ -193,7 +198,7 @@ class CUDABackend:
             from ..plugins import ops_with_overrides
             ops = CudaOps(self, cfg)
             st = self._state[key] = {"ops": ops, "run_ops": ops_with_overrides(ops, family, self.name),
-                                     "graphs": {}, "arena_tokens": 0, "inputs": None}
+                                     "graphs": {}, "seen": {}, "arena_tokens": 0, "inputs": None}
             ops.n_keys = kv.n_ctx
         return st
 
@@ -238,16 +243,17 @@ class CUDABackend:
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
 
         key = (n, tree, tuple(rows))
-        if self.use_graphs and n <= GRAPH_WIDTHS_MAX:
-            g = st["graphs"].get(key)
-            if g is None:
-                run()  # compile every kernel (and check) outside capture
-                from .cuda_graph import Graph
-                g = st["graphs"][key] = Graph(self.stream, run)
-            else:
-                g.replay()
+        g = st["graphs"].get(key)
+        if g is not None:
+            g.replay()
         else:
-            run()
+            run()  # eager; also compiles every kernel before any capture
+            seen = st["seen"]
+            seen[key] = seen.get(key, 0) + 1
+            # a shape met twice (decode, a verification width) is worth a graph; a prompt's length is not
+            if self.use_graphs and n <= GRAPH_WIDTHS_MAX and seen[key] >= 2:
+                from .cuda_graph import Graph
+                st["graphs"][key] = Graph(self.stream, run)  # records only: this step already ran
         out = st["logits"].copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out

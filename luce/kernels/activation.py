@@ -5,7 +5,8 @@ import numpy as np
 
 
 def silu_ref(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    # x * sigmoid(x) written with tanh: no exp overflow for large negative x
+    return 0.5 * x * (1.0 + np.tanh(0.5 * x))
 
 
 def swiglu_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
