@@ -172,12 +172,14 @@ def families(as_json):
               help="requests that may wait for the engine; more are answered 429")
 @click.option("--timeout", "request_timeout", type=float, default=600.0, show_default=True,
               help="seconds a request may take, queue wait included (0: no limit)")
+@click.option("--kv-slots", type=int, default=1, show_default=True,
+              help="KV caches kept warm for different conversations (each costs a full context of memory)")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @backend_option
 @_spec_options
 def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
-          request_timeout, log_level, backend, spec, draft, ddtree_budget, draft_max):
+          request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max):
     """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
     import logging
 
@@ -189,6 +191,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 
     if max_queue < 0:
         raise click.BadParameter("must be >= 0", param_hint="--max-queue")
+    if kv_slots < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--kv-slots")
     template = None
     if chat_template_file:
         with open(chat_template_file, encoding="utf-8") as fh:
@@ -204,7 +208,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
                        "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max}
     app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
-                     accept_any_model=accept_any_model,
+                     accept_any_model=accept_any_model, kv_slots=kv_slots,
                      settings={"host": host, "port": port, "chat_template_file": chat_template_file})
     name = app.state.luce.model_name
     click.echo(f"luce: {name} loaded in {m.load_s:.1f} s [{m.backend.name}, ctx {m.n_ctx}]; serving on "

@@ -33,7 +33,7 @@ def served(smollm2_path, tmp_path_factory):
     port = _free_port()
     cmd = [sys.executable, "-m", "luce.cli", "serve", str(path), "--port", str(port), "--backend", "cpu",
            "--api-key", KEY, "--model-name", "scripted", "--max-ctx", "1024", "--chat-template-file", str(tpl),
-           "--log-level", "warning"]
+           "--kv-slots", "2", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -88,6 +88,18 @@ def test_serves_with_key_name_template_and_context(served):
     with pytest.raises(openai.APIStatusError) as e:
         oai.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=1020)
     assert e.value.status_code == 413
+
+
+def test_kv_slots_keep_two_conversations_cached(served):
+    url, _ = served
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    a = [{"role": "user", "content": "the first conversation, " * 20}]
+    b = [{"role": "user", "content": "another one entirely; " * 20}]
+    for msgs in (a, b):
+        oai.chat.completions.create(model="scripted", messages=msgs, temperature=0)
+    r = oai.chat.completions.create(model="scripted", messages=a, temperature=0)
+    # the second conversation took the other slot: the first one's cache is intact
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
 
 
 def test_bad_options_fail_cleanly():

@@ -55,8 +55,13 @@ class Job:
 
 class Engine:
     def __init__(self, model, max_queue: int = 64, request_timeout: float | None = 600.0,
-                 stepper_factory=None, metrics=None):
+                 stepper_factory=None, metrics=None, kv_slots: int = 1):
         self.model = model
+        # One KV cache per conversation kept warm. Clients such as Claude Code interleave
+        # a long conversation with short side requests; with one cache each switch would
+        # prefill the whole conversation again. Each slot costs a full context of KV memory.
+        self.kv_slots = max(1, kv_slots)
+        self._sessions: list = []  # most recently used last
         self.max_queue = max_queue  # waiting requests, the running one not counted
         self.request_timeout = request_timeout
         self.stepper_factory = stepper_factory  # (session, params) -> stepper, for speculative decoding
@@ -165,7 +170,7 @@ class Engine:
         finish = "stop"
         stop_sequence = None
         prompt = list(req.prompt_ids)
-        session = model.session
+        session = self._session_for(prompt)
 
         def forward_events(events):
             nonlocal in_reasoning, n_calls, reasoning_open
@@ -271,6 +276,26 @@ class Engine:
         if self.metrics:
             self.metrics.done(req.api, usage, timings, finish)
         job.emit(Done(finish, usage, timings, stop_sequence))
+
+    def _session_for(self, prompt: list[int]):
+        """The cache sharing the longest prefix with `prompt`; a fresh one while slots are
+        free and no cache shares even half of it; else the least recently used."""
+        if not self._sessions:
+            self._sessions.append(self.model.session)
+        best = max(self._sessions, key=lambda s: _common_prefix(s.tokens, prompt))
+        shared = _common_prefix(best.tokens, prompt)
+        if shared * 2 < len(prompt):
+            empty = next((s for s in self._sessions if not s.tokens), None)
+            if empty is not None:
+                best = empty
+            elif len(self._sessions) < self.kv_slots:
+                best = self.model.new_session()
+                self._sessions.append(best)
+            elif shared == 0:
+                best = self._sessions[0]
+        self._sessions.remove(best)
+        self._sessions.append(best)
+        return best
 
     def _account(self, stats, timings: Timings, usage: Usage, first_phase: bool):
         # a generation may run in phases (reasoning budget); the first one saw the prompt

@@ -26,7 +26,8 @@ log = logging.getLogger("luce.server")
 class ServerState:
     def __init__(self, model, *, model_name: str | None = None, api_key: str | None = None,
                  max_queue: int = 64, request_timeout: float | None = 600.0, draft: str | None = None,
-                 stepper_factory=None, accept_any_model: bool = False, settings: dict | None = None):
+                 stepper_factory=None, accept_any_model: bool = False, settings: dict | None = None,
+                 kv_slots: int = 1):
         self.model = model
         self.model_name = model_name or model.path.stem
         self.aliases = {self.model_name, model.path.name, model.path.stem}
@@ -37,7 +38,7 @@ class ServerState:
         self.settings = dict(settings or {})
         self.metrics = Metrics()
         self.engine = Engine(model, max_queue=max_queue, request_timeout=request_timeout,
-                             stepper_factory=stepper_factory, metrics=self.metrics)
+                             stepper_factory=stepper_factory, metrics=self.metrics, kv_slots=kv_slots)
         cf = model.family.chat_format
         template = getattr(model.chat_template, "source", "") or ""
         # a template that knows the reasoning markers renders for a model that emits them
@@ -205,6 +206,7 @@ async def props(request, state):
         "chat_template": getattr(m.chat_template, "source", None),
         "default_sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in defaults.__dict__.items()},
         "runtime": {"max_queue": state.engine.max_queue, "request_timeout_s": state.request_timeout,
+                    "kv_slots": state.engine.kv_slots,
                     "api_key_required": bool(state.api_key), "accept_any_model": state.accept_any_model,
                     "load_s": round(getattr(m, "load_s", 0.0), 3), **state.settings},
         "queue_depth": state.engine.queue_depth,
