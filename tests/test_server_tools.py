@@ -373,3 +373,29 @@ def test_queue_wait_timeout(server):
     a, b = asyncio.run(run())
     assert isinstance(a[-1], Done) and a[-1].finish_reason == "timeout"
     assert len(b) == 1 and isinstance(b[0], Error) and b[0].status == 503
+
+
+def test_keepalive_while_a_stream_waits(server, oai, monkeypatch):
+    import luce.server.anthropic
+    import luce.server.openai
+    monkeypatch.setattr(luce.server.openai, "KEEPALIVE_S", 0.1)
+    monkeypatch.setattr(luce.server.anthropic, "KEEPALIVE_S", 0.1)
+    busy = threading.Thread(target=lambda: oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "[tick]"}], max_tokens=200, temperature=0))
+    busy.start()
+    _wait(lambda: _health(server)["busy"])
+    lines = {}
+
+    def wait_in_line(path, body):
+        with httpx.stream("POST", server.url + path, json=body, timeout=30) as r:
+            lines[path] = [x for x in r.iter_lines() if x]
+    hi = [{"role": "user", "content": "hi"}]
+    waiters = [threading.Thread(target=wait_in_line, args=args) for args in (
+        ("/v1/chat/completions", {"model": MODEL, "messages": hi, "stream": True}),
+        ("/v1/messages", {"model": MODEL, "messages": hi, "max_tokens": 20, "stream": True}))]
+    for t in waiters:
+        t.start()
+    for t in [busy, *waiters]:
+        t.join(timeout=30)
+    assert ": keep-alive" in lines["/v1/chat/completions"] and lines["/v1/chat/completions"][-1] == "data: [DONE]"
+    assert "event: ping" in lines["/v1/messages"] and lines["/v1/messages"][-2] == "event: message_stop"

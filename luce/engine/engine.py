@@ -44,10 +44,18 @@ class Job:
         except RuntimeError:  # the loop has closed: nobody is listening any more
             self.cancelled.set()
 
-    async def events(self) -> AsyncIterator:
-        """Events until (and including) Done or Error."""
+    async def events(self, idle_s: float | None = None) -> AsyncIterator:
+        """Events until (and including) Done or Error; with `idle_s`, None after every
+        idle_s seconds without one (a stream sends a keep-alive then)."""
         while True:
-            ev = await self.queue.get()
+            if idle_s is None:
+                ev = await self.queue.get()
+            else:
+                try:
+                    ev = await asyncio.wait_for(self.queue.get(), idle_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
             yield ev
             if isinstance(ev, (Done, Error)):
                 return

@@ -7,7 +7,7 @@ from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
 from . import schema
-from .app import collect, raise_error_event, read_json, stream_response, submit
+from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
 from .errors import APIError, anthropic_body, sse
 
 # Clients send thinking blocks back verbatim with their signature; ours only marks the
@@ -246,8 +246,10 @@ async def _stream(job, req: Request, mid: str, model_name: str):
     def delta(d: dict):
         return sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
 
-    async for ev in job.events():
-        if isinstance(ev, ReasoningDelta):
+    async for ev in job.events(KEEPALIVE_S):
+        if ev is None:
+            yield sse({"type": "ping"}, "ping")
+        elif isinstance(ev, ReasoningDelta):
             if open_kind != "thinking":
                 yield stop() + start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             yield delta({"type": "thinking_delta", "thinking": ev.text})

@@ -122,6 +122,11 @@ def raise_error_event(events: list):
             raise APIError(ev.status, ev.message, code=ev.kind)
 
 
+# A stream quiet for this long (a long prefill in the queue, a tool call the parser holds
+# until it is complete) gets a keep-alive, so proxies and clients do not drop it.
+KEEPALIVE_S = 10.0
+
+
 def stream_response(job: Job, frames: AsyncIterator[str]) -> StreamingResponse:
     async def body():
         try:

@@ -5,7 +5,7 @@ from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
 from . import schema
-from .app import collect, raise_error_event, read_json, stream_response, submit
+from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
 from .errors import APIError, openai_body, sse
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "timeout": "length", "cancelled": "stop"}
@@ -180,8 +180,10 @@ async def _chat_stream(job, cid, created, model_name, include_usage):
                     **extra})
 
     yield chunk({"role": "assistant", "content": ""})
-    async for ev in job.events():
-        if isinstance(ev, TextDelta):
+    async for ev in job.events(KEEPALIVE_S):
+        if ev is None:
+            yield ": keep-alive\n\n"
+        elif isinstance(ev, TextDelta):
             yield chunk({"content": ev.text})
         elif isinstance(ev, ReasoningDelta):
             yield chunk({"reasoning_content": ev.text})
@@ -236,8 +238,10 @@ async def completions(request, state):
             "system_fingerprint": FINGERPRINT}
     if req.stream:
         async def frames():
-            async for ev in job.events():
-                if isinstance(ev, TextDelta):
+            async for ev in job.events(KEEPALIVE_S):
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(ev, TextDelta):
                     yield sse({**base, "choices": [{"index": 0, "text": ev.text, "logprobs": None,
                                                     "finish_reason": None}]})
                 elif isinstance(ev, Error):

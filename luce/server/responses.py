@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
 from . import schema
-from .app import collect, raise_error_event, read_json, stream_response, submit
+from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
 from .errors import APIError, sse
 from .openai import content_text
 
@@ -304,7 +304,10 @@ async def create(request, state):
                 return sse(payload, kind)
             yield frame(build.ev("response.created", response=_response(req, body, state, "in_progress", [], None)))
             yield frame(build.ev("response.in_progress", response=_response(req, body, state, "in_progress", [], None)))
-            async for e in job.events():
+            async for e in job.events(KEEPALIVE_S):
+                if e is None:
+                    yield ": keep-alive\n\n"
+                    continue
                 if isinstance(e, Error):
                     resp = _response(req, body, state, "failed", build.items, None)
                     resp["error"] = {"code": e.kind, "message": e.message}
