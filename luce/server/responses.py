@@ -149,6 +149,9 @@ def parse(body: dict, state) -> Request:
         "tool_choice": lambda v: v in ("auto", "none"),
         "text": lambda v: isinstance(v, dict) and (v.get("format") or {"type": "text"}).get("type") == "text",
         "prompt": lambda v: False,
+        "max_tool_calls": lambda v: False,
+        # "auto" would drop the start of a conversation that does not fit; luce answers 413
+        "truncation": lambda v: v == "disabled",
     })
     messages = convert_input(body)
     tools, custom = convert_tools(body)
