@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine.engine import Engine, Job, QueueFull
-from ..engine.request import Done, Error, Request
+from ..engine.request import Error, Request
 from .errors import APIError, error_response
 from .metrics import Metrics
 
@@ -273,4 +273,4 @@ def create_app(model, **kw) -> Starlette:
     return app
 
 
-__all__ = ["create_app", "ServerState", "Done", "Error"]
+__all__ = ["create_app", "ServerState"]
