@@ -176,7 +176,8 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "luce",
             "context_length": state.model.n_ctx,
             # Anthropic's /v1/models shape, for clients that list models that way
-            "type": "model", "display_name": state.model_name, "created_at": created}
+            "type": "model", "display_name": state.model_name, "created_at": created,
+            "max_input_tokens": state.model.n_ctx, "max_tokens": state.model.n_ctx}
 
 
 async def models(request, state):
