@@ -33,7 +33,7 @@ def served(smollm2_path, tmp_path_factory):
     port = _free_port()
     cmd = [sys.executable, "-m", "luce.cli", "serve", str(path), "--port", str(port), "--backend", "cpu",
            "--api-key", KEY, "--model-name", "scripted", "--max-ctx", "1024", "--chat-template-file", str(tpl),
-           "--kv-slots", "2", "--log-level", "warning"]
+           "--kv-slots", "2", "--spec", "lookup", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -88,6 +88,11 @@ def test_serves_with_key_name_template_and_context(served):
     with pytest.raises(openai.APIStatusError) as e:
         oai.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=1020)
     assert e.value.status_code == 413
+    # speculative decoding (prompt lookup) is in force and reported
+    assert props["draft"]["mode"] == "lookup"
+    metrics = httpx.get(url + "/metrics").text.splitlines()
+    (gauge,) = [line for line in metrics if line.startswith("luce_speculative_acceptance_length ")]
+    assert float(gauge.split()[1]) >= 1.0
 
 
 def test_kv_slots_keep_two_conversations_cached(served):
