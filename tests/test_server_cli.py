@@ -92,7 +92,7 @@ def test_serves_with_key_name_template_and_context(served):
     assert props["draft"]["mode"] == "lookup"
     metrics = httpx.get(url + "/metrics").text.splitlines()
     (gauge,) = [line for line in metrics if line.startswith("luce_speculative_acceptance_length ")]
-    assert float(gauge.split()[1]) >= 1.0
+    assert float(gauge.split()[1]) > 0
 
 
 def test_kv_slots_keep_two_conversations_cached(served):
