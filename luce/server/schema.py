@@ -92,8 +92,13 @@ def sampling(body: dict, max_tokens_names: tuple[str, ...], stop_name: str = "st
             out[name] = v
     if out.get("repeat_last_n", 0) < 0:
         raise APIError(400, "'repeat_last_n' must be >= 0", param="repeat_last_n")
+    # llama.cpp's seed -1 and vLLM's top_k -1 mean "random" and "off"
+    if out.get("seed", 0) < 0:
+        del out["seed"]
+    if out.get("top_k", 0) < 0:
+        out["top_k"] = 0
     max_tokens_names = max_tokens_names + ("n_predict",)
-    for name, lo, hi in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1), ("top_k", 0, None),
+    for name, lo, hi in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1),
                          ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
         v = out.get(name)
         if v is not None and (v < lo or (hi is not None and v > hi)):
@@ -113,6 +118,11 @@ def sampling(body: dict, max_tokens_names: tuple[str, ...], stop_name: str = "st
     stops = stop_list(body, stop_name)
     if stops:
         out["stop"] = stops
+    from ..engine.sampling import SamplingParams
+    try:
+        SamplingParams().with_(**out)  # the sampler's own checks, before the request queues
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"bad sampling parameters: {e}") from None
     return out
 
 
