@@ -130,6 +130,7 @@ def test_reasoning_effort_none_closes_thinking_at_once(oai):
     assert r.choices[0].message.content == TEXT
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens_details.reasoning_tokens <= 2
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
 
 
 # -- Anthropic --------------------------------------------------------------------------
@@ -178,6 +179,12 @@ def test_anthropic_thinking_budget(ant):
     assert m.stop_reason == "end_turn"
     # 12 reasoning tokens, then the closing tag and the answer
     assert m.usage.output_tokens < 12 + 20
+
+
+def test_anthropic_thinking_disabled(ant):
+    m = ant.messages.create(model=MODEL, max_tokens=300, extra_body=GREEDY, thinking={"type": "disabled"},
+                            messages=[{"role": "user", "content": "[ponder] think hard"}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == TEXT
 
 
 def test_anthropic_thinking_blocks_round_trip(ant):

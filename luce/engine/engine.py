@@ -185,6 +185,9 @@ class Engine:
             for ev in events:
                 if isinstance(ev, ReasoningDelta):
                     in_reasoning = True
+                    if req.reasoning_budget == 0:
+                        # thinking was turned off: what the model began anyway is not shown
+                        continue
                 elif isinstance(ev, (TextDelta, ToolCall)):
                     in_reasoning = reasoning_open = False
                     if isinstance(ev, ToolCall):
