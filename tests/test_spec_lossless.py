@@ -135,3 +135,18 @@ def test_stepper_factory_for_the_engine(smollm2, prompt_ids, plain):
                                      max_tokens=MAX_TOKENS) for t in d.token_ids]
     assert out == plain
     assert stepper.counters.steps > 0 and stepper.counters.acceptance_length >= 1
+
+
+def test_bench_run_on_the_prompt_set(smollm2, tmp_path):
+    import json
+
+    from luce.bench.spec import load_prompts, run, summary
+    rows = load_prompts()
+    assert {r["category"] for r in rows} == {"code", "math", "chat"} and len(rows) >= 9
+    out = tmp_path / "spec.jsonl"
+    results = run(smollm2, None, modes=("lookup", "off"), categories=("code",), limit=1, max_tokens=6,
+                  n_ctx=N_CTX, out=out, echo=lambda s: None)
+    assert [r.mode for r in results] == ["off", "lookup"]
+    assert results[1].matches_plain is True and results[0].matches_plain is None
+    assert len(out.read_text().splitlines()) == 2 and json.loads(out.read_text().splitlines()[1])["tokens"]
+    assert "| lookup | code |" in summary(results)

@@ -69,8 +69,11 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     results: list[Result] = []
     sink = open(out, "a") if out else None
     try:
-        for mode in modes:
-            for row in rows:
+        # prompt by prompt, the modes back to back: a shared machine's load then skews
+        # them alike; "off" first so the others are checked against its output
+        order = sorted(modes, key=lambda m: m != "off")
+        for row in rows:
+            for mode in order:
                 ids = _prompt_ids(model, row)
                 opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=draft_max)
                 drafter = None
@@ -87,7 +90,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                     plain[row["id"]] = toks
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
-                           (plain[row["id"]] == toks) if row["id"] in plain else None)
+                           (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None)
                 results.append(r)
                 echo(f"{mode:7s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
