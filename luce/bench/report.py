@@ -23,6 +23,9 @@ def machine() -> str:
 
 
 def commit() -> str:
+    import os
+    if os.environ.get("LUCE_COMMIT"):  # machines that get a copy of the tree without .git
+        return os.environ["LUCE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parents[2], timeout=5)
