@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
@@ -181,13 +182,13 @@ def _usage(done: Done, req: Request) -> dict:
 
 async def count_tokens(request, state):
     body = await read_json(request)
-    req = parse(body, state, count_only=True)
+    req = await run_in_threadpool(parse, body, state, True)
     return JSONResponse({"input_tokens": len(req.prompt_ids)})
 
 
 async def messages(request, state):
     body = await read_json(request)
-    req = parse(body, state)
+    req = await run_in_threadpool(parse, body, state)
     mid = "msg_" + req.id
     job = submit(state, req)
     if req.stream:

@@ -23,6 +23,10 @@ from .metrics import Metrics
 log = logging.getLogger("luce.server")
 
 
+# Handlers render the chat template and tokenize in a worker thread, so a long prompt does
+# not stall every other client's stream; the tokenizer is safe to share between threads.
+
+
 class ServerState:
     def __init__(self, model, *, model_name: str | None = None, api_key: str | None = None,
                  max_queue: int = 64, request_timeout: float | None = 600.0, draft: str | None = None,

@@ -1,6 +1,7 @@
 """OpenAI Chat Completions (/v1/chat/completions) and Completions (/v1/completions)."""
 from __future__ import annotations
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
@@ -137,7 +138,7 @@ def parse_chat(body: dict, state) -> Request:
 
 async def chat_completions(request, state):
     body = await read_json(request)
-    req = parse_chat(body, state)
+    req = await run_in_threadpool(parse_chat, body, state)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     cid = "chatcmpl-" + req.id
     created = int(req.created)
@@ -229,7 +230,7 @@ def parse_completion(body: dict, state) -> Request:
 
 async def completions(request, state):
     body = await read_json(request)
-    req = parse_completion(body, state)
+    req = await run_in_threadpool(parse_completion, body, state)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     cid = "cmpl-" + req.id
     created = int(req.created)

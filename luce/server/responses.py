@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
@@ -296,7 +297,7 @@ def _response(req: Request, body: dict, state, status: str, items: list, done: D
 
 async def create(request, state):
     body = await read_json(request)
-    req, custom = parse(body, state)
+    req, custom = await run_in_threadpool(parse, body, state)
     include = schema.get(body, "include", "list") or []
     build = _Output(req, "reasoning.encrypted_content" in include, custom)
     job = submit(state, req)
