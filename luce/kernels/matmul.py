@@ -38,7 +38,8 @@ from .dequant import dequantize
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "matmul", "matmul_ref", "to_f16"]
+__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "choose_splits", "matmul", "matmul_ref",
+           "pick_tile", "to_f16"]
 
 _dev = cuda.jit(device=True)
 
@@ -496,8 +497,76 @@ MATMUL_TYPES = frozenset(_SPECS)
 TILE_GPU = (128, 128, 64, 64, 32, "ldsm", 1)
 TILE_SIM = (16, 32, 64, 16, 16, "lds", 2)
 
+# Small M (speculative verification, 8-64 rows): (largest M, tile, resident blocks per SM).
+# Each weight byte is then used by only M rows, so the kernel must stream W near HBM speed:
+# BN is small, and the K range is split, so that the grid fills every SM several times over
+# and enough 16-byte loads are in flight (Little's law: ~3 TB/s x ~1 us is ~24 KB an SM);
+# BM takes all M rows at once so that W is read once; BK is as large as the 48 KB of static
+# shared memory allows, for more bytes per step and fewer barriers. Blocks per SM: what
+# the registers (ptxas -v, sm_90) and shared memory allow; it only steers the split count.
+TILES_SMALL_M = (
+    (16, (16, 64, 256, 16, 16, "ldsm", 1), 3),
+    (32, (32, 64, 128, 32, 16, "ldsm", 1), 4),
+    (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),
+)
+MAX_SPLITS = 16
+_SMS: dict = {}
 
-def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None):
+
+def _num_sms() -> int:
+    if "n" not in _SMS:
+        try:
+            _SMS["n"] = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+        except Exception:  # simulator or no device yet: the H200's count
+            _SMS["n"] = 132
+    return _SMS["n"]
+
+
+def _fit_bk(tile, qtype, k):
+    """tile with BK halved until it divides k (down to the type's unit), so that small-M
+    tiles also serve widths like 896 that are not multiples of 256."""
+    bk, unit = tile[2], 8 * _SPECS[qtype].j
+    while k % bk and bk // 2 >= max(unit, 16) and (bk // 2) % unit == 0:
+        bk //= 2
+    return tile[:2] + (bk,) + tile[3:]
+
+
+def choose_splits(blocks: int, nk: int, per_sm: int, sms: int) -> int:
+    """Split-K factor for a grid of `blocks` tiles with nk K steps each: the fewest splits
+    that use >= 85% of the resident-block slots of the last wave (a partial last wave idles
+    SMs for a whole block's time), else the best found; at least 2 K steps a split so that
+    each block still overlaps one step's loads with the previous step's work."""
+    cap = per_sm * sms
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(MAX_SPLITS, nk // 2)) + 1):
+        b = blocks * s
+        eff = b / (-(-b // cap) * cap)
+        if eff >= 0.85:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
+    """(tile, splits) that matmul uses by default for an M x K @ (N x K)^T product: the
+    big tile from 128 rows on, else the TILES_SMALL_M entry for m with the split-K factor
+    of choose_splits; in the simulator TILE_SIM, unsplit."""
+    qtype = as_qtype(qtype)
+    if sim:
+        return TILE_SIM, 1
+    if m >= 128:
+        return TILE_GPU, 1
+    for m_max, tile, per_sm in TILES_SMALL_M:
+        if m <= m_max:
+            break
+    tile = _fit_bk(tile, qtype, k)
+    blocks = -(-n // tile[1]) * -(-m // tile[0])
+    return tile, choose_splits(blocks, k // tile[2], per_sm, _num_sms())
+
+
+def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None,
+           split=False):
     spec = _SPECS[qtype]
     BM, BN, BK, WM, WN, frag = tile[:6]
     STAGES = tile[6] if len(tile) > 6 else 1
@@ -528,6 +597,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     TN = OUTS // TM
     assert TM * TN == OUTS and BM % TM == 0 and BN % TN == 0
     FTN = BN // TN                     # FMA threads along N
+    NACC = MT * NT8 * 4 if use_mma else OUTS  # accumulators per thread
+    SPLIT = bool(split)
     SCR = (NWARP, 32, SCRATCH) if SIM else (1,)
     ASZ, BSZ = BM * SA, BN * SA        # words of one buffer of each tile
     ASH, BSH = ASZ * STAGES, BSZ * STAGES  # shared sizes must be compile-time constants
@@ -639,11 +710,12 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 for j in range(NT8):
                     d0, d1, d2, d3 = mma_f16(scr, wid, lane, af[i, 0], af[i, 1], af[i, 2], af[i, 3],
                                              bf[j, 0], bf[j, 1],
-                                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
-                    acc[i, j, 0] = d0
-                    acc[i, j, 1] = d1
-                    acc[i, j, 2] = d2
-                    acc[i, j, 3] = d3
+                                             acc[4 * (i * NT8 + j)], acc[4 * (i * NT8 + j) + 1],
+                                             acc[4 * (i * NT8 + j) + 2], acc[4 * (i * NT8 + j) + 3])
+                    acc[4 * (i * NT8 + j)] = d0
+                    acc[4 * (i * NT8 + j) + 1] = d1
+                    acc[4 * (i * NT8 + j) + 2] = d2
+                    acc[4 * (i * NT8 + j) + 3] = d3
 
     @_dev
     def fma_step(As, Bs, ao, bo, acc, af2, bf2, ty, tx):
@@ -658,7 +730,37 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 bf2[j, 1] = h2f(b >> 16)
             for i in range(TM):
                 for j in range(TN):
-                    acc[i, j] += af2[i, 0] * bf2[j, 0] + af2[i, 1] * bf2[j, 1]
+                    acc[i * TN + j] += af2[i, 0] * bf2[j, 0] + af2[i, 1] * bf2[j, 1]
+
+    @_dev
+    def split_fixup(acc, ws, cnt, flag, nsplit, ks, tid):
+        """Split-K: every block of a tile leaves its partial sums in ws; the last one to
+        finish adds them up, in split order whatever the arrival order, so that results do
+        not depend on scheduling. Returns True in the block that writes the tile."""
+        tile_id = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+        base = tile_id * nsplit
+        for e in range(NACC):  # thread-fastest layout: each store instruction is coalesced
+            ws[((base + ks) * NACC + e) * NT + tid] = acc[e]
+        # Release: partials visible device-wide before the count that announces them.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            flag[0] = cuda.atomic.add(cnt, tile_id, 1)
+        cuda.syncthreads()
+        if flag[0] != nsplit - 1:
+            return False
+        cuda.threadfence()
+        for e in range(NACC):
+            v = np.float32(0.0)
+            for s in range(nsplit):
+                if s == ks:
+                    v += acc[e]
+                else:
+                    v += ws[((base + s) * NACC + e) * NT + tid]
+            acc[e] = v
+        if tid == 0:
+            cnt[tile_id] = 0  # ready for the next launch: no clearing pass between calls
+        return True
 
     @_dev
     def emit(y, bias, res, M, N, m, n, v):
@@ -672,10 +774,11 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     jit = cuda.jit(launch_bounds=(NT, min_blocks)) if min_blocks else cuda.jit
 
     @jit
-    def kernel(x, w, y, bias, res, M, N, K, rowh_w):
+    def kernel(x, w, y, bias, res, ws, cnt, M, N, K, rowh_w, nsplit):
         As = cuda.shared.array(ASH, np.uint32)
         Bs = cuda.shared.array(BSH, np.uint32)
         scr = cuda.shared.array(SCR, np.uint32)
+        flag = cuda.shared.array(1, np.int32)
         xr = cuda.local.array((XU, XR), np.uint32)
         wr = cuda.local.array((WU, NRAW), np.uint32)
         tid = cuda.threadIdx.x
@@ -683,13 +786,20 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         wid = tid >> 5
         n0 = cuda.blockIdx.x * BN
         m0 = cuda.blockIdx.y * BM
-        nk = K // BK
+        if SPLIT:
+            # split ks takes K steps [s0, s1): balanced within one step
+            ks = cuda.blockIdx.z
+            s0 = (K // BK) * ks // nsplit
+            nk = (K // BK) * (ks + 1) // nsplit - s0
+            k0 = s0 * BK
+        else:
+            ks = 0
+            nk = K // BK
+            k0 = 0
         if MMA:
-            acc = cuda.local.array((MT, NT8, 4), np.float32)
-            for i in range(MT):
-                for j in range(NT8):
-                    for e in range(4):
-                        acc[i, j, e] = 0.0
+            acc = cuda.local.array(NACC, np.float32)
+            for e in range(NACC):
+                acc[e] = 0.0
             af = cuda.local.array((MT, 4), np.uint32)
             bf = cuda.local.array((NT8, 2), np.uint32)
             wm = (wid // WGN) * WM
@@ -697,18 +807,17 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             g = lane >> 2
             t = lane & 3
         else:
-            acc = cuda.local.array((TM, TN), np.float32)
-            for i in range(TM):
-                for j in range(TN):
-                    acc[i, j] = 0.0
+            acc = cuda.local.array(NACC, np.float32)
+            for e in range(NACC):
+                acc[e] = 0.0
             af2 = cuda.local.array((TM, 2), np.float32)
             bf2 = cuda.local.array((TN, 2), np.float32)
             ty = tid // FTN
             tx = tid - ty * FTN
 
-        load_tiles(x, w, M, K, rowh_w, m0, n0, 0, tid, xr, wr, N)
+        load_tiles(x, w, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N)
         if STAGES == 2:
-            store_tiles(As, Bs, 0, 0, 0, tid, xr, wr)
+            store_tiles(As, Bs, 0, 0, k0, tid, xr, wr)
             cuda.syncthreads()
         for kt in range(nk):
             if STAGES == 2:
@@ -718,36 +827,41 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 ao = (kt & 1) * ASZ
                 bo = (kt & 1) * BSZ
                 if kt + 1 < nk:
-                    load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
+                    load_tiles(x, w, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
             else:
                 ao = 0
                 bo = 0
-                store_tiles(As, Bs, 0, 0, kt * BK, tid, xr, wr)
+                store_tiles(As, Bs, 0, 0, k0 + kt * BK, tid, xr, wr)
                 cuda.syncthreads()
                 if kt + 1 < nk:
-                    load_tiles(x, w, M, K, rowh_w, m0, n0, (kt + 1) * BK, tid, xr, wr, N)
+                    load_tiles(x, w, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
             if MMA:
                 mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t)
             else:
                 fma_step(As, Bs, ao, bo, acc, af2, bf2, ty, tx)
             if STAGES == 2:
                 if kt + 1 < nk:
-                    store_tiles(As, Bs, ASZ - ao, BSZ - bo, (kt + 1) * BK, tid, xr, wr)
+                    store_tiles(As, Bs, ASZ - ao, BSZ - bo, k0 + (kt + 1) * BK, tid, xr, wr)
             cuda.syncthreads()
+
+        if SPLIT:
+            if not split_fixup(acc, ws, cnt, flag, nsplit, ks, tid):
+                return
 
         if MMA:
             for i in range(MT):
                 for j in range(NT8):
                     m = m0 + wm + 16 * i + g
                     n = n0 + wn + 8 * j + 2 * t
-                    emit(y, bias, res, M, N, m, n, acc[i, j, 0])
-                    emit(y, bias, res, M, N, m, n + 1, acc[i, j, 1])
-                    emit(y, bias, res, M, N, m + 8, n, acc[i, j, 2])
-                    emit(y, bias, res, M, N, m + 8, n + 1, acc[i, j, 3])
+                    e = 4 * (i * NT8 + j)
+                    emit(y, bias, res, M, N, m, n, acc[e])
+                    emit(y, bias, res, M, N, m, n + 1, acc[e + 1])
+                    emit(y, bias, res, M, N, m + 8, n, acc[e + 2])
+                    emit(y, bias, res, M, N, m + 8, n + 1, acc[e + 3])
         else:
             for i in range(TM):
                 for j in range(TN):
-                    emit(y, bias, res, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i, j])
+                    emit(y, bias, res, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i * TN + j])
 
     return kernel, NT
 
@@ -775,16 +889,19 @@ def _ptr(a) -> int:
     return 0 if SIM else int(a.__cuda_array_interface__["data"][0])
 
 
-def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None):
-    """The compiled-on-first-launch kernel for one configuration, and its block size."""
+def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None,
+               split=False):
+    """The compiled-on-first-launch kernel for one configuration, and its block size.
+    split: compile the split-K epilogue (partial sums through a workspace)."""
     qtype = as_qtype(qtype)
     if qtype not in _SPECS:
         raise NotImplementedError(f"matmul: {qtype.name} is not supported (have {sorted(t.name for t in _SPECS)})")
     tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
     use_mma = (not SIM) if use_mma is None else bool(use_mma)
-    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks)
+    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split))
     if key not in _KERNELS:
-        _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks)
+        _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks,
+                               bool(split))
     return _KERNELS[key]
 
 
@@ -812,8 +929,24 @@ def to_f16(x, stream=0):
     return buf[:n2].view(np.uint16)
 
 
+_SPLITBUF: dict = {}
+
+
+def _split_buffers(ws_words: int, tiles: int):
+    """Workspace for split-K partial sums and the per-tile arrival counters, kept between
+    calls and grown on demand (so a CUDA graph captured after a first call of the same
+    shape sees fixed addresses). The counters are zeroed once here; each launch leaves them
+    at zero. As with to_f16, concurrent matmuls on several streams must not share them."""
+    ws, cnt = _SPLITBUF.get("ws"), _SPLITBUF.get("cnt")
+    if ws is None or ws.size < ws_words:
+        ws = _SPLITBUF["ws"] = cuda.device_array(max(ws_words, 1 << 16), np.float32)
+    if cnt is None or cnt.size < tiles:
+        cnt = _SPLITBUF["cnt"] = cuda.to_device(np.zeros(max(tiles, 1024), np.int32))
+    return ws, cnt
+
+
 def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, residual=None, stream=0,
-           use_mma=None, tile=None, min_blocks=None, x_convert=None):
+           use_mma=None, tile=None, min_blocks=None, x_convert=None, splits=None):
     """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device.
 
     x_dev: float32 or float16 device array of M * k elements (row-major); w_raw_dev: uint8
@@ -822,20 +955,26 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     tensor cores (default on a GPU) or FMAs (default in the simulator). x_convert: turn a
     float32 X into f16 in a separate pass first (default: on the tensor-core path; see
     to_f16), which halves the X traffic that every column block repeats and the kernel's
-    registers. Returns out.
+    registers. tile (BM, BN, BK, WM, WN, frag, stages) and splits (split-K factor): default
+    pick_tile(M, n_out, k, qtype); a given tile runs unsplit unless splits says otherwise.
+    Returns out.
     """
     qtype = as_qtype(qtype)
-    tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
-    BK = tile[2]
     spec = _SPECS.get(qtype)
     if spec is None:
         raise NotImplementedError(f"matmul: {qtype.name} is not supported")
-    if k % BK or k % block_elems(qtype):
-        raise ValueError(f"matmul: k={k} must be a multiple of {BK} and of {qtype.name}'s block")
     x = _as_dev(x_dev)
-    if x.dtype not in (np.float32, np.float16) or x.size % k:
+    if x.dtype not in (np.float32, np.float16) or k <= 0 or x.size % k:
         raise ValueError(f"matmul: x must be float32/float16 with a multiple of k={k} elements")
     m_rows = x.size // k
+    if tile is None:
+        tile, auto = pick_tile(m_rows, n_out, k, qtype)
+        splits = auto if splits is None else splits
+    tile = tuple(tile)
+    splits = max(1, min(int(splits or 1), k // tile[2] or 1))
+    BK = tile[2]
+    if k % BK or k % block_elems(qtype):
+        raise ValueError(f"matmul: k={k} must be a multiple of {BK} and of {qtype.name}'s block")
     rb = row_bytes(qtype, k)
     w = _as_dev(w_raw_dev)
     if w.dtype != np.uint8 or w.size != n_out * rb:
@@ -856,15 +995,21 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     x16 = x.dtype == np.float16
     if not x16 and (use_mma if x_convert is None else x_convert):
         x, x16 = to_f16(x, stream), True
-    kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks)
+    split = splits > 1
+    kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks, split)
     if "d" not in _DUMMY:
         _DUMMY["d"] = cuda.device_array(1, np.float32)
+        _DUMMY["i"] = cuda.device_array(1, np.int32)
     dummy = _DUMMY["d"]
     BM, BN = tile[0], tile[1]
     grid = (-(-n_out // BN), -(-m_rows // BM))
+    ws, cnt = dummy, _DUMMY["i"]
+    if split:
+        ws, cnt = _split_buffers(splits * grid[0] * grid[1] * BM * BN, grid[0] * grid[1])
+        grid = grid + (splits,)
     kern[grid, nt, stream](_flat(x).view(np.uint16), _flat(w).view(np.uint16), _flat(out),
                            dummy if bias is None else _flat(bias), dummy if residual is None else _flat(residual),
-                           m_rows, n_out, k, rb // 2)
+                           ws, cnt, m_rows, n_out, k, rb // 2, splits)
     return out
 
 
