@@ -43,10 +43,11 @@ class ServerState:
         self.metrics = Metrics()
         self.engine = Engine(model, max_queue=max_queue, request_timeout=request_timeout,
                              stepper_factory=stepper_factory, metrics=self.metrics, kv_slots=kv_slots)
-        cf = model.family.chat_format
-        template = getattr(model.chat_template, "source", "") or ""
-        # a template that knows the reasoning markers renders for a model that emits them
-        self.supports_reasoning = bool(cf.reasoning or cf.reasoning_markers[0] in template)
+        from ..text.chat_format import detect_chat_format
+        self.template_source = getattr(model.chat_template, "source", "") or ""
+        # the family may say so, or the model's own template (it knows the <think> markers)
+        self.supports_reasoning = bool(model.family.chat_format.reasoning
+                                       or detect_chat_format(self.template_source).reasoning)
         from .schema import template_renders_tools
         self.template_renders_tools = template_renders_tools(model)
         self.started = time.time()

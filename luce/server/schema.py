@@ -186,8 +186,10 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
     """Render the conversation with the model's chat template, tokenize, check the context."""
     from ..text.chat_template import TemplateError
 
+    from ..text.chat_format import default_template_kwargs, prompt_opens_reasoning
+
     model = state.model
-    extra = dict(template_kwargs or {})
+    extra = {**default_template_kwargs(state.template_source), **(template_kwargs or {})}
     if enable_thinking is not None:
         extra.setdefault("enable_thinking", enable_thinking)
     if tools and not state.template_renders_tools:
@@ -198,9 +200,8 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
         raise APIError(400, str(e)) from None
     ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
     check_context(state, len(ids), samp.get("max_tokens"))
-    reasoning = state.supports_reasoning
-    open_tag = model.family.chat_format.reasoning_markers[0]
-    starts = reasoning and text.rstrip().endswith(open_tag)
+    starts = prompt_opens_reasoning(text)
+    reasoning = state.supports_reasoning or starts
     if enable_thinking is False and reasoning_budget is None:
         reasoning_budget = 0
     return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning,
