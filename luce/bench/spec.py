@@ -136,7 +136,9 @@ def summary(results: list[Result]) -> str:
     for r in results:
         for key in ((r.mode, r.category), (r.mode, "all")):
             groups.setdefault(key, []).append(r)
-    for (mode, cat), rs in groups.items():
+    modes = list(dict.fromkeys(r.mode for r in results))
+    cats = list(dict.fromkeys(r.category for r in results)) + ["all"]
+    for (mode, cat), rs in sorted(groups.items(), key=lambda kv: (modes.index(kv[0][0]), cats.index(kv[0][1]))):
         tok = sum(r.completion_tokens for r in rs)
         fwd = sum(r.target_forwards for r in rs)
         dec = sum(r.decode_s for r in rs)
