@@ -1,0 +1,469 @@
+"""Bandwidth-oriented decode matvec y = W x for Q4_K, Q6_K and Q8_0 (one activation row).
+
+Why a second kernel: luce.kernels.matvec stages whole blocks in shared memory and decodes
+element by element through a generic interface; on the H200 that reaches 15-28% of copy
+bandwidth. Here (llama.cpp mmvq style) nothing goes through shared memory: a warp owns
+ROWS rows, each lane takes one "unit" (a fixed slice of one block: TPB lanes cover a
+block, consecutive lanes read consecutive 16-byte pieces, so a warp's loads are coalesced)
+straight into registers with ld.global.nc.v4, reads the block's scales itself (the other
+lanes of the block hit the same L1 line), and multiplies with x read as float4 (x stays in
+L1/L2; the ROWS rows of a warp share every x load).
+
+Decode cost is what bounds these kernels once loads are wide (Q4_K at 4 TB/s is ~32
+elements per SM clock against 128 issue slots), so each quant becomes a float with one
+logic op and one add: (word & mask) | 0x4B000000 read as float is 2**23 + (field << p)
+exactly, and subtracting 2**23 leaves field * 2**p. Fields at different bit positions p go
+to different accumulators, scaled by 2**-p once per unit; that also gives each lane
+several independent FMA chains.
+
+Q6_K (210-byte) and Q8_0 (34-byte) blocks sit at any even byte offset, so their 16-byte
+pieces come from two aligned 16-byte loads and a funnel shift (ld16); the second load is an
+L1 hit, DRAM traffic is unchanged. Arguments the fast path cannot take (a weight or x not
+16-byte aligned, a weight buffer whose size is not a multiple of 16 bytes) fall back to
+luce.kernels.matvec, which has the same semantics.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import namedtuple
+
+import numpy as np
+from numba import cuda
+
+from . import matvec as _mv
+from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
+from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
+
+__all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
+
+_dev = cuda.jit(device=True)
+
+NW = 4     # warps per thread block
+ROWS = 2   # rows per warp: each x load serves both (x is 4-8x the weight bytes per element)
+
+U = np.uint32
+MAGIC = U(0x4B000000)
+F_MAGIC = np.float32(8388608.0)
+B16 = U(16)
+S8 = np.float32(1.0 / 256)
+
+
+@_dev
+def fm(v):
+    """v (< 2**23, already masked) as float32, exactly."""
+    return u32_bits_to_f32(U(v | MAGIC)) - F_MAGIC
+
+
+@_dev
+def fms(v, bias):
+    """Like fm, subtracting 2**23 + an offset in the same add (int8 read as offset binary)."""
+    return u32_bits_to_f32(U(v | MAGIC)) - bias
+
+
+@_dev
+def sel4(w0, w1, w2, w3, i):
+    """Word i (lane-dependent) of four registers: selects, not a local-memory array."""
+    lo = w1 if i & 1 else w0
+    hi = w3 if i & 1 else w2
+    return hi if i & 2 else lo
+
+
+@_dev
+def ld16(w, h):
+    """16 bytes at uint16 index h of w (2-byte aligned) as four little-endian words."""
+    a = h & 7
+    base = h - a
+    a0, a1, a2, a3 = ldg_u16_u32x4(w, base)
+    # When a == 0 the second piece is unused; re-reading the first keeps the load in bounds.
+    b0, b1, b2, b3 = ldg_u16_u32x4(w, base + 8 if a != 0 else base)
+    s2 = (a & 4) != 0
+    c0 = a2 if s2 else a0
+    c1 = a3 if s2 else a1
+    c2 = b0 if s2 else a2
+    c3 = b1 if s2 else a3
+    c4 = b2 if s2 else b0
+    c5 = b3 if s2 else b1
+    s1 = (a & 2) != 0
+    d0 = c1 if s1 else c0
+    d1 = c2 if s1 else c1
+    d2 = c3 if s1 else c2
+    d3 = c4 if s1 else c3
+    d4 = c5 if s1 else c4
+    if a & 1:
+        return (U(U(d0 >> B16) | U(d1 << B16)), U(U(d1 >> B16) | U(d2 << B16)),
+                U(U(d2 >> B16) | U(d3 << B16)), U(U(d3 >> B16) | U(d4 << B16)))
+    return d0, d1, d2, d3
+
+
+# ---------------------------------------------------------------------------------------
+# Per-type units. unit(w, ha, hb, x, c, t) -> (ya, yb): the dot products with x of unit t
+# of the block starting at uint16 index ha (row a) and hb (row b); c = the block's first
+# column.
+# ---------------------------------------------------------------------------------------
+@_dev
+def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
+    """Nibble `sh` (0 or 4) of the four bytes of q times x0..x3, into the accumulators of
+    bit positions sh (bytes 0, 2) and 8 + sh (bytes 1, 3)."""
+    q2 = U(q >> B16)
+    m0 = U(U(15) << U(sh))
+    m8 = U(U(0xF00) << U(sh))
+    a0 = cuda.fma(fm(U(q & m0)), x0, a0)
+    a8 = cuda.fma(fm(U(q & m8)), x1, a8)
+    a0 = cuda.fma(fm(U(q2 & m0)), x2, a0)
+    a8 = cuda.fma(fm(U(q2 & m8)), x3, a8)
+    return a0, a8
+
+
+@_dev
+def k4_scale(s1, s2, s3, j):
+    """(scale, min) of sub-block j of a Q4_K block whose scale bytes are the words s1..s3."""
+    sh = U(8 * (j & 3))
+    b1 = U(U(s1 >> sh) & U(255))
+    b2 = U(U(s2 >> sh) & U(255))
+    b3 = U(U(s3 >> sh) & U(255))
+    if j < 4:
+        return fm(U(b1 & U(63))), fm(U(b2 & U(63)))
+    return (fm(U(U(b3 & U(15)) | U(U(b1 >> U(6)) << U(4)))),
+            fm(U(U(b3 >> U(4)) | U(U(b2 >> U(6)) << U(4)))))
+
+
+@_dev
+def k4_row(s0, s1, s2, s3, g, l0, l8, h0, h8, sxl, sxh):
+    d = f16_bits_to_f32(U(s0 & U(0xFFFF)))
+    dm = f16_bits_to_f32(U(s0 >> B16))
+    scl, mnl = k4_scale(s1, s2, s3, 2 * g)
+    sch, mnh = k4_scale(s1, s2, s3, 2 * g + 1)
+    lo = l0 + l8 * S8
+    hi = (h0 + h8 * S8) * np.float32(1.0 / 16)
+    return d * (scl * lo + sch * hi) - dm * (mnl * sxl + mnh * sxh)
+
+
+@_dev
+def unit_q4_k(w, ha, hb, x, c, t):
+    # Q4_K: d dmin scales[12] qs[128]. Unit t (8 a block) holds qs bytes 16t..16t+15:
+    # low nibbles are columns 64g + 16(t & 1) + 0..15 (sub-block 2g), high ones 32 further
+    # (sub-block 2g + 1), g = t >> 1. Every piece is 16-byte aligned (144 = 9 * 16).
+    g = t >> 1
+    qa = ldg_u16_u32x4(w, ha + 8 + 8 * t)
+    qb = ldg_u16_u32x4(w, hb + 8 + 8 * t)
+    sa = ldg_u16_u32x4(w, ha)
+    sb = ldg_u16_u32x4(w, hb)
+    cl = c + 64 * g + 16 * (t & 1)
+    z = np.float32(0.0)
+    al0 = al8 = ah0 = ah8 = bl0 = bl8 = bh0 = bh8 = sxl = sxh = z
+    for i in range(4):
+        x0, x1, x2, x3 = ldg_f32x4(x, cl + 4 * i)
+        y0, y1, y2, y3 = ldg_f32x4(x, cl + 32 + 4 * i)
+        sxl += (x0 + x1) + (x2 + x3)
+        sxh += (y0 + y1) + (y2 + y3)
+        al0, al8 = nib_acc(qa[i], x0, x1, x2, x3, 0, al0, al8)
+        ah0, ah8 = nib_acc(qa[i], y0, y1, y2, y3, 4, ah0, ah8)
+        bl0, bl8 = nib_acc(qb[i], x0, x1, x2, x3, 0, bl0, bl8)
+        bh0, bh8 = nib_acc(qb[i], y0, y1, y2, y3, 4, bh0, bh8)
+    return (k4_row(sa[0], sa[1], sa[2], sa[3], g, al0, al8, ah0, ah8, sxl, sxh),
+            k4_row(sb[0], sb[1], sb[2], sb[3], g, bl0, bl8, bh0, bh8, sxl, sxh))
+
+
+@_dev
+def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
+    """Group g of Q6_K: nibble g >> 1 of ql with bits 2g, 2g + 1 of qh as bits 4-5, each
+    byte's 6-bit q (still biased by 32) times x0..x3."""
+    lo = U(U(ql >> U(4 * (g >> 1))) & U(0x0F0F0F0F))
+    hi = U(U(U(qh >> U(2 * g)) & U(0x03030303)) << U(4))
+    v = U(lo | hi)
+    v2 = U(v >> B16)
+    a0 = cuda.fma(fm(U(v & U(63))), x0, a0)
+    a8 = cuda.fma(fm(U(v & U(0x3F00))), x1, a8)
+    a0 = cuda.fma(fm(U(v2 & U(63))), x2, a0)
+    a8 = cuda.fma(fm(U(v2 & U(0x3F00))), x3, a8)
+    return a0, a8
+
+
+@_dev
+def i8f(b):
+    """The int8 in the low byte of b as float32."""
+    return fms(U(U(b ^ U(0x80)) & U(255)), np.float32(8388608.0 + 128))
+
+
+@_dev
+def unit_q6_k(w, ha, hb, x, c, t):
+    # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
+    # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
+    # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
+    n = t >> 1
+    hh = t & 1
+    o = 32 * n + 8 * hh
+    ya = unit_q6_row(w, ha, o, n, hh, x, c)
+    yb = unit_q6_row(w, hb, o, n, hh, x, c)
+    return ya, yb
+
+
+@_dev
+def unit_q6_row(w, h, o, n, hh, x, c):
+    # One row at a time: 48 quant bytes a row would otherwise double the live registers,
+    # and the second row's x loads hit L1.
+    pa = ld16(w, h + o)
+    pb = ld16(w, h + o + 16)
+    qh = ld16(w, h + 64 + 16 * n + 8 * hh)
+    sc = ld16(w, h + 96)
+    d = f16_bits_to_f32(U(w[h + 104]))
+    cc = c + 128 * n + 16 * hh
+    z = np.float32(0.0)
+    y = z
+    for g in range(4):
+        a0 = a8 = sx = z
+        for i in range(4):
+            x0, x1, x2, x3 = ldg_f32x4(x, cc + 32 * g + 4 * i)
+            sx += (x0 + x1) + (x2 + x3)
+            ql = pa[i] if g % 2 == 0 else pb[i]
+            a0, a8 = q6_acc(ql, qh[i], g, x0, x1, x2, x3, a0, a8)
+        k = 8 * n + 2 * g + hh
+        s = i8f(U(sel4(sc[0], sc[1], sc[2], sc[3], k >> 2) >> U(8 * (k & 3))))
+        y += s * ((a0 + a8 * S8) - np.float32(32.0) * sx)
+    return d * y
+
+
+@_dev
+def q8_acc(q, x0, x1, x2, x3, a0, a8):
+    v = U(q ^ U(0x80808080))
+    v2 = U(v >> B16)
+    b0 = np.float32(8388608.0 + 128)
+    b8 = np.float32(8388608.0 + 128 * 256)
+    a0 = cuda.fma(fms(U(v & U(255)), b0), x0, a0)
+    a8 = cuda.fma(fms(U(v & U(0xFF00)), b8), x1, a8)
+    a0 = cuda.fma(fms(U(v2 & U(255)), b0), x2, a0)
+    a8 = cuda.fma(fms(U(v2 & U(0xFF00)), b8), x3, a8)
+    return a0, a8
+
+
+@_dev
+def unit_q8_0(w, ha, hb, x, c, t):
+    # Q8_0: d qs[32]. Unit t (2 a block) holds qs bytes 16t .. 16t + 15 = columns 16t + 0..15.
+    qa = ld16(w, ha + 1 + 8 * t)
+    qb = ld16(w, hb + 1 + 8 * t)
+    da = f16_bits_to_f32(U(w[ha]))
+    db = f16_bits_to_f32(U(w[hb]))
+    z = np.float32(0.0)
+    a0 = a8 = b0 = b8 = z
+    for i in range(4):
+        x0, x1, x2, x3 = ldg_f32x4(x, c + 16 * t + 4 * i)
+        a0, a8 = q8_acc(qa[i], x0, x1, x2, x3, a0, a8)
+        b0, b8 = q8_acc(qb[i], x0, x1, x2, x3, b0, b8)
+    return da * (a0 + a8 * S8), db * (b0 + b8 * S8)
+
+
+# qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
+# flight), unit function.
+FastSpec = namedtuple("FastSpec", "qk bs tpb unroll unit")
+FAST_SPECS = {
+    T.Q4_K: FastSpec(256, 144, 8, 2, unit_q4_k),
+    T.Q6_K: FastSpec(256, 210, 4, 1, unit_q6_k),
+    T.Q8_0: FastSpec(32, 34, 2, 2, unit_q8_0),
+}
+FAST_TYPES = frozenset(FAST_SPECS)
+
+if SIM:
+    # No warp shuffles in the simulator: reduce through shared memory (lane 0 gets the sum).
+    RED_SIZE = NW * 32
+
+    @_dev
+    def warp_sum(v, red, wid, lane):
+        red[wid * 32 + lane] = v
+        cuda.syncthreads()
+        s = np.float32(0.0)
+        if lane == 0:
+            for i in range(32):
+                s += red[wid * 32 + i]
+        cuda.syncthreads()
+        return s
+else:
+    RED_SIZE = 1
+
+    @_dev
+    def warp_sum(v, red, wid, lane):
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+        return v
+
+
+def _make_rows(qtype):
+    spec = FAST_SPECS[qtype]
+    TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.unit
+    STEP = 32 * UN
+
+    @_dev
+    def rows_dot(w, ha, hb, x, n_units, lane):
+        """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
+        ya = yb = np.float32(0.0)
+        for u0 in range(lane, n_units, STEP):
+            for k in range(UN):
+                # Units past the row's end are clamped to its last unit (so every load
+                # stays in bounds and issues before any branch) and their sums dropped.
+                u = min(u0 + 32 * k, n_units - 1)
+                b = u // TPB
+                t = u - b * TPB
+                pa, pb = unit(w, ha + b * BH, hb + b * BH, x, b * QK, t)
+                if u0 + 32 * k < n_units:
+                    ya += pa
+                    yb += pb
+        return ya, yb
+    return rows_dot
+
+
+def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool):
+    rows_dot = _make_rows(qtype)
+    RED = RED_SIZE
+
+    @cuda.jit
+    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units):
+        red = cuda.shared.array(RED, np.float32)
+        lane = cuda.threadIdx.x & 31
+        wid = cuda.threadIdx.x >> 5
+        row0 = (cuda.blockIdx.x * NW + wid) * ROWS
+        # Rows past the end repeat the last row and are not stored: every warp runs the
+        # same loop, as the simulator's block-wide barriers need.
+        ra = min(row0, n_rows - 1)
+        rb = min(row0 + 1, n_rows - 1)
+        ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, n_units, lane)
+        ya = warp_sum(ya, red, wid, lane)
+        yb = warp_sum(yb, red, wid, lane)
+        if glu:
+            ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, n_units, lane)
+            ua = warp_sum(ua, red, wid, lane)
+            ub = warp_sum(ub, red, wid, lane)
+            ya = _mv.silu(ya) * ua
+            yb = _mv.silu(yb) * ub
+        if lane == 0:
+            for i in range(ROWS):
+                row = row0 + i
+                if row < n_rows:
+                    y = ya if i == 0 else yb
+                    if has_bias:
+                        y += bias[row]
+                    if has_res:
+                        y += res[row]
+                    out[row] = y
+    return kernel
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(*key):
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_kernel(*key)
+    return _KERNELS[key]
+
+
+def _addr(a) -> int:
+    return 0 if SIM else a.__cuda_array_interface__["data"][0]
+
+
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream):
+    qtype = as_qtype(qtype)
+    if qtype not in FAST_TYPES:
+        raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
+    spec = FAST_SPECS[qtype]
+    x_dev = as_device(x_dev)
+    xshape = tuple(x_dev.shape)
+    if len(xshape) not in (1, 2) or (len(xshape) == 2 and xshape[0] != 1):
+        raise ValueError(f"matvec_fast: x must be (K,) or (1, K), got {xshape}")
+    n_cols = xshape[-1]
+    if n_cols % spec.qk:
+        raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk}")
+    ws = [weight_u16(w, qtype, n_cols) for w in w_list]
+    n_rows = ws[0][1]
+    if any(r != n_rows for _, r in ws):
+        raise ValueError("gate and up weights differ in rows")
+    x = _mv._flat_f32(x_dev, "x")
+    rb = row_bytes(qtype, n_cols)
+    # The v4 loads need 16-byte aligned bases, and ld16's second piece must not leave the
+    # buffer: its size a multiple of 16 bytes guarantees that.
+    if any(_addr(w) % 16 or (w.size * 2) % 16 for w, _ in ws) or _addr(x) % 16:
+        if len(w_list) == 2:
+            return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
+        return _mv.matvec(w_list[0], qtype, x_dev, out=out, bias=bias, residual=residual, stream=stream)
+    out_shape = (n_rows,) if len(xshape) == 1 else (1, n_rows)
+    if out is None:
+        out = cuda.device_array(out_shape, np.float32, stream=stream)
+    out_flat = _mv._flat_f32(out, "out", n_rows)
+    b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
+    r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None)
+    grid = -(-n_rows // (NW * ROWS))
+    w0 = ws[0][0]
+    w1 = ws[1][0] if len(ws) == 2 else w0
+    kern[grid, 32 * NW, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb)
+    return out
+
+
+def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0):
+    """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
+    with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
+    out itself."""
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream)
+
+
+def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0):
+    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream)
+
+
+# ---------------------------------------------------------------------------------------
+# benchmark
+# ---------------------------------------------------------------------------------------
+BENCH_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (25600, 5120), (5120, 25600))
+BENCH_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+ROTATE_BYTES = 256 << 20  # 5x the H200's 50 MB L2: each launch reads its weights from HBM
+
+
+def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100, seed: int = 0,
+                      rotate_bytes: int = ROTATE_BYTES) -> list[dict]:
+    """Time matvec_fast for each (rows, cols) and qtype: cuda events around a replayed CUDA
+    graph of `iters` launches, launch i reading weight copy i % n_copies, with enough copies
+    (>= rotate_bytes together) that the L2 cannot hold the weights between launches.
+    "GB/s" = weight bytes of one launch / time of one launch."""
+    rng = np.random.default_rng(seed)
+    stream = cuda.stream()
+    rows = []
+    for n_rows, n_cols in shapes:
+        x = cuda.to_device(rng.standard_normal(n_cols).astype(np.float32))
+        out = cuda.device_array(n_rows, np.float32)
+        for qtype in qtypes:
+            qtype = as_qtype(qtype)
+            rb = row_bytes(qtype, n_cols)
+            nbytes = rb * n_rows
+            host = rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)
+            copies = max(1, min(iters, math.ceil(rotate_bytes / nbytes))) if not SIM else 1
+            ws = [cuda.to_device(host) for _ in range(copies)]
+            state = {"i": 0}
+
+            def launch():
+                matvec_fast(ws[state["i"] % copies], qtype, x, out=out, stream=stream)
+                state["i"] += 1
+            t0 = time.perf_counter()
+            launch()  # compiles
+            stream.synchronize()
+            compile_s = time.perf_counter() - t0
+            try:
+                run, timing = _mv._capture(launch, stream, iters), "graph"
+            except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
+                def run():
+                    for _ in range(iters):
+                        launch()
+                timing = f"eager ({type(e).__name__})"
+            run()
+            stream.synchronize()
+            start, end = cuda.event(), cuda.event()
+            start.record(stream)
+            run()
+            end.record(stream)
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3 / iters
+            rows.append({"kernel": "matvec_fast", "qtype": qtype.name, "rows": n_rows, "cols": n_cols,
+                         "weight_bytes": nbytes, "time_us": round(us, 2),
+                         "GB/s": round(nbytes / (us * 1e-6) / 1e9, 1), "copies": copies,
+                         "timing": timing, "compile_s": round(compile_s, 2)})
+            del ws
+    return rows

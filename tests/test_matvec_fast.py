@@ -1,0 +1,176 @@
+"""luce.kernels.matvec_fast against matvec_ref in the CUDA simulator, plus a PTX compile check.
+
+The simulator runs the same unit functions and index math as the GPU (ld16's two-piece
+loads and funnel selects, per-position accumulators, the unit/lane mapping and the
+clamped unroll); only ldg_* (plain indexing here, inline asm there) and the warp sum
+(shared memory here, shuffles there) differ. Shapes are chosen so that rows start at every
+even offset mod 16 (Q6_K, Q8_0), lanes run partial unroll steps, and the last warp holds
+rows past the end. Outputs are poisoned with NaN.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from numba import cuda
+
+from luce.kernels.dequant import dequantize
+from luce.kernels.matvec import matvec_ref, swiglu_ref
+from luce.kernels.matvec_fast import FAST_TYPES, matvec_fast, swiglu_fast
+from test_dequant import random_tensor
+
+ID = lambda v: getattr(v, "name", str(v))  # noqa: E731
+
+
+def weights(rng, qtype, n_rows, n_cols):
+    return random_tensor(rng, qtype, (n_rows, n_cols)).reshape(n_rows, -1)
+
+
+def nan_device(shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+def assert_close(got, want, raw, qtype, x):
+    """Float32 sums against a float64 reference: error bounded by K eps |W| |x|."""
+    assert np.isfinite(got).all()
+    w = np.abs(dequantize(raw, qtype, (raw.shape[0], x.shape[-1]))).astype(np.float64)
+    bound = np.abs(x).astype(np.float64).reshape(-1) @ w.T
+    np.testing.assert_array_less(np.abs(got - want).reshape(-1), 1e-5 * bound + 1e-6)
+
+
+def run(qtype, n_rows, n_cols, bias=False, residual=False, x2d=False, seed=None):
+    rng = np.random.default_rng(seed if seed is not None else int(qtype) * 1000 + n_cols)
+    raw = weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((1, n_cols) if x2d else n_cols).astype(np.float32)
+    shape = (1, n_rows) if x2d else (n_rows,)
+    b = rng.standard_normal(n_rows).astype(np.float32) if bias else None
+    r = rng.standard_normal(shape).astype(np.float32) if residual else None
+    out = nan_device(shape)
+    ret = matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out,
+                      bias=None if b is None else cuda.to_device(b),
+                      residual=None if r is None else cuda.to_device(r))
+    assert ret is out
+    assert_close(out.copy_to_host(), matvec_ref(raw, qtype, x, bias=b, residual=r), raw, qtype, x)
+
+
+@pytest.mark.parametrize("qtype,n_rows,n_cols", [
+    (T.Q4_K, 5, 768),     # 24 units a row: one partial unroll step; last warp past the end
+    (T.Q4_K, 3, 2304),    # 72 units: a full step then a partial one
+    (T.Q6_K, 16, 256),    # rows start at byte offsets 0, 2, ..., 14 mod 16
+    (T.Q6_K, 5, 2048),    # 8 blocks a row: blocks at every offset within a row
+    (T.Q8_0, 5, 256),
+    (T.Q8_0, 8, 1056),    # 33 blocks: odd row length, rows at every offset, partial step
+], ids=ID)
+def test_matvec_fast(qtype, n_rows, n_cols):
+    run(qtype, n_rows, n_cols)
+
+
+@pytest.mark.parametrize("qtype", sorted(FAST_TYPES, key=int), ids=ID)
+def test_matvec_fast_epilogues(qtype):
+    run(qtype, 8, 256, bias=True, residual=True, x2d=True)
+
+
+def test_matvec_fast_residual_in_place():
+    rng = np.random.default_rng(3)
+    raw = weights(rng, T.Q4_K, 6, 512)
+    x = rng.standard_normal(512).astype(np.float32)
+    h = rng.standard_normal(6).astype(np.float32)
+    h_dev = cuda.to_device(h)
+    matvec_fast(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), out=h_dev, residual=h_dev)
+    assert_close(h_dev.copy_to_host(), matvec_ref(raw, T.Q4_K, x, residual=h), raw, T.Q4_K, x)
+
+
+def test_matvec_fast_fallback():
+    """5 rows of 210 bytes are not a multiple of 16 bytes: luce.kernels.matvec takes them."""
+    run(T.Q6_K, 5, 256, bias=True)
+
+
+@pytest.mark.parametrize("qtype", sorted(FAST_TYPES, key=int), ids=ID)
+def test_swiglu_fast(qtype):
+    rng = np.random.default_rng(int(qtype) + 7)
+    n_rows, n_cols = 8, 256
+    g, u = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
+    x = (0.1 * rng.standard_normal(n_cols)).astype(np.float32)
+    out = nan_device(n_rows)
+    swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, cuda.to_device(x), out=out)
+    got, want = out.copy_to_host(), swiglu_ref(g, u, qtype, x)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_matvec_fast_rejects():
+    rng = np.random.default_rng(0)
+    raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))
+    with pytest.raises(ValueError):  # batched x is matvec's job
+        matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros((2, 256), np.float32)))
+    with pytest.raises(ValueError):  # weight rows do not match K
+        matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros(512, np.float32)))
+    with pytest.raises(NotImplementedError):
+        matvec_fast(raw, T.Q4_0, cuda.to_device(np.zeros(256, np.float32)))
+
+
+def test_bench_matvec_fast_smoke():
+    from luce.kernels.matvec_fast import bench_matvec_fast
+    rows = bench_matvec_fast([(8, 256)], ["Q4_K"], iters=1)
+    assert {"kernel", "qtype", "rows", "cols", "weight_bytes", "time_us", "GB/s"} <= set(rows[0])
+    assert rows[0]["weight_bytes"] == 8 * 144
+
+
+# ---------------------------------------------------------------- GPU code generation
+PTX_CHECK = r'''
+import glob, os, re, sys
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+import numba.cuda.codegen as codegen
+import numba.cuda.cudadrv.libs as libs
+import numba.cuda.cudadrv.nvvm as nvvm
+import numba.cuda.dispatcher as dispatcher
+try:
+    nvvm.NVVM()
+except Exception as e:
+    print("SKIP: no libNVVM:", e); sys.exit(0)
+try:
+    libdevice = libs.get_libdevice()
+except Exception:
+    libdevice = None
+if not libdevice:
+    found = [p for pat in ("/usr/local/cuda*/nvvm/libdevice/libdevice*.bc",
+                           os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"), "nvvm/libdevice/*.bc"))
+             for p in glob.glob(pat)]
+    if not found:
+        print("SKIP: no libdevice"); sys.exit(0)
+    libdevice = found[0]
+    nvvm.get_libdevice = libs.get_libdevice = lambda: libdevice
+    nvvm.open_libdevice = libs.open_libdevice = lambda: open(libdevice, "rb").read()
+
+class Sm90:
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: Sm90()
+codegen.nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
+
+from numba import cuda
+from numba.cuda import types
+from luce.kernels import matvec_fast as F
+u16, f32 = types.uint16[::1], types.float32[::1]
+sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
+out_dir = sys.argv[1] if len(sys.argv) > 1 else None
+for q in F.FAST_SPECS:
+    for glu, br in [(False, False), (False, True), (True, False)]:
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br).py_func, sig, cc=(9, 0))
+        name = f"{q.name}_glu{int(glu)}_br{int(br)}"
+        if out_dir:
+            open(os.path.join(out_dir, name + ".ptx"), "w").write(ptx)
+        assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name
+        assert "shfl.sync" in ptx, name
+        assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
+        assert "ld.shared" not in ptx and "st.shared" not in ptx, name
+print("PTX OK")
+'''
+
+
+def test_matvec_fast_compiles_to_ptx():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    r = subprocess.run([sys.executable, "-c", PTX_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert not r.stdout.startswith("SKIP"), r.stdout
+    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
