@@ -245,7 +245,8 @@ class CUDABackend:
         key = (n, tree, tuple(rows))
         g = st["graphs"].get(key)
         if g is not None:
-            g.replay()
+            graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's
+            graph.replay()
         else:
             run()  # eager; also compiles every kernel before any capture
             seen = st["seen"]
@@ -253,7 +254,8 @@ class CUDABackend:
             # a shape met twice (decode, a verification width) is worth a graph; a prompt's length is not
             if self.use_graphs and n <= GRAPH_WIDTHS_MAX and seen[key] >= 2:
                 from .cuda_graph import Graph
-                st["graphs"][key] = Graph(self.stream, run)  # records only: this step already ran
+                graph = Graph(self.stream, run)  # records only: this step already ran
+                st["graphs"][key] = (graph, st["logits"])
         out = st["logits"].copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
