@@ -46,6 +46,8 @@ class Model:
             # a hostile or broken template must not stop plain completions: chat fails, naming it
             self.chat_template, self.chat_template_error = None, f"{self.path}: chat template rejected ({e})"
         self.weights = self._load_weights(progress)
+        if hasattr(self.backend, "warmup"):  # compile kernels now, not on the first request
+            self.backend.warmup(self.family, self.config, self.weights)
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.config.n_ctx_train) if n_ctx is None else n_ctx
         self._session: Session | None = None
         self.load_s = time.perf_counter() - t0

@@ -186,6 +186,15 @@ class CUDABackend:
         cuda.synchronize()
         return DeviceWeight(dst, qtype, (rows, cols))
 
+    def warmup(self, family, cfg, weights, widths=(1, 2, 8, 23, 64, 96)) -> None:
+        """Compile every kernel specialization the first requests will meet (decode, the
+        verification widths, a prefill chunk) at load time, on a throwaway cache."""
+        kv = self.new_cache(cfg, 2 * max(widths) + 8)
+        for n in widths:
+            self.forward(family, cfg, weights, kv, np.zeros(n, np.int64), np.arange(n), None, [n - 1])
+            kv.commit([])
+        self._state = {k: v for k, v in self._state.items() if k[1] != id(kv)}
+
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
         return PagedKVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=True,
                             stream=self.stream)
