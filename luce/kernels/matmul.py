@@ -505,9 +505,9 @@ TILE_SIM = (16, 32, 64, 16, 16, "lds", 2)
 # shared memory allows, for more bytes per step and fewer barriers. Blocks per SM: what
 # the registers (ptxas -v, sm_90) and shared memory allow; it only steers the split count.
 TILES_SMALL_M = (
-    (16, (16, 64, 256, 16, 16, "ldsm", 1), 3),
-    (32, (32, 64, 128, 32, 16, "ldsm", 1), 4),
-    (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),
+    (16, (16, 64, 256, 16, 16, "ldsm", 1), 2),    # Q4_K 180-206 registers, Q6_K 250
+    (32, (32, 64, 128, 32, 16, "ldsm", 1), 3),    # 130-190
+    (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),   # ~126
 )
 MAX_SPLITS = 16
 _SMS: dict = {}
@@ -560,6 +560,9 @@ def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
     for m_max, tile, per_sm in TILES_SMALL_M:
         if m <= m_max:
             break
+    if qtype == _T.F16 and tile[2] > 128:
+        # F16 units are 8 weights: the 16 a thread holds at BK=256 spill registers
+        tile = tile[:2] + (128,) + tile[3:]
     tile = _fit_bk(tile, qtype, k)
     blocks = -(-n // tile[1]) * -(-m // tile[0])
     return tile, choose_splits(blocks, k // tile[2], per_sm, _num_sms())
@@ -735,8 +738,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     @_dev
     def split_fixup(acc, ws, cnt, flag, nsplit, ks, tid):
         """Split-K: every block of a tile leaves its partial sums in ws; the last one to
-        finish adds them up, in split order whatever the arrival order, so that results do
-        not depend on scheduling. Returns True in the block that writes the tile."""
+        finish adds them all up (its own re-read too) in split order, so that results do not
+        depend on which block came last. Returns True in the block that writes the tile."""
         tile_id = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
         base = tile_id * nsplit
         for e in range(NACC):  # thread-fastest layout: each store instruction is coalesced
@@ -750,14 +753,12 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         if flag[0] != nsplit - 1:
             return False
         cuda.threadfence()
+        # The constant-length loop innermost: unrolled, acc stays in registers.
         for e in range(NACC):
-            v = np.float32(0.0)
-            for s in range(nsplit):
-                if s == ks:
-                    v += acc[e]
-                else:
-                    v += ws[((base + s) * NACC + e) * NT + tid]
-            acc[e] = v
+            acc[e] = 0.0
+        for s in range(nsplit):
+            for e in range(NACC):
+                acc[e] += ws[((base + s) * NACC + e) * NT + tid]
         if tid == 0:
             cnt[tile_id] = 0  # ready for the next launch: no clearing pass between calls
         return True
