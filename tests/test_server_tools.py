@@ -406,3 +406,33 @@ def test_keepalive_while_a_stream_waits(server, oai, monkeypatch):
         t.join(timeout=30)
     assert ": keep-alive" in lines["/v1/chat/completions"] and lines["/v1/chat/completions"][-1] == "data: [DONE]"
     assert "event: ping" in lines["/v1/messages"] and lines["/v1/messages"][-2] == "event: message_stop"
+
+
+def test_forced_tool_choice(oai, ant):
+    # the forced call's opening is written after the generation prompt, and the model
+    # goes on from it: the parser must read opening + continuation as one call
+    msgs = [{"role": "user", "content": "weather?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], tool_choice=choice,
+                                        temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    m = ant.messages.create(model=MODEL, max_tokens=100, messages=msgs, tools=[ANTHROPIC_TOOL], extra_body=GREEDY,
+                            tool_choice={"type": "tool", "name": "get_weather"})
+    assert m.stop_reason == "tool_use" and m.content[0].input == {"city": "Paris", "days": 3}
+    r = oai.responses.create(model=MODEL, input="weather?", tools=[RESPONSES_TOOL], temperature=0,
+                             tool_choice={"type": "function", "name": "get_weather"})
+    assert r.output[0].type == "function_call" and json.loads(r.output[0].arguments)["city"] == "Paris"
+    # the opening is part of the prompt
+    auto = ant.messages.count_tokens(model=MODEL, messages=msgs, tools=[ANTHROPIC_TOOL])
+    forced = ant.messages.count_tokens(model=MODEL, messages=msgs, tools=[ANTHROPIC_TOOL],
+                                       tool_choice={"type": "tool", "name": "get_weather"})
+    assert forced.input_tokens > auto.input_tokens + 5
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL],
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "nope" in e.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        ant.messages.create(model=MODEL, max_tokens=10, messages=msgs, tool_choice={"type": "any"})

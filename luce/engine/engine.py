@@ -196,6 +196,10 @@ class Engine:
                     log.warning("dropped a tool call that does not parse (%s): %.200r", ev.error, ev.text)
                 job.emit(ev)
 
+        if parser and req.prefill:
+            # the answer's opening was written into the prompt; the parser must read it as
+            # the model's own words
+            forward_events(parser.feed(req.prefill))
         forced_close = budget == 0 and in_reasoning
         phase = 0
         while True:

@@ -27,6 +27,7 @@ class Request:
     starts_in_reasoning: bool = False  # the prompt already opened <think>
     reasoning_budget: int | None = None  # tokens of reasoning before </think> is forced
     raw: bool = False  # /v1/completions: text out as generated, no parsing
+    prefill: str = ""  # the start of the answer, already in prompt_ids (a forced tool call's opening)
     stream: bool = False
     timeout_s: float | None = None
     api: str = ""

@@ -134,15 +134,20 @@ def convert_tools(body: dict) -> list[dict] | None:
 def parse(body: dict, state, count_only: bool = False) -> Request:
     state.check_model(body.get("model"))
     schema.unsupported(body, {
-        "tool_choice": lambda v: isinstance(v, dict) and v.get("type") in ("auto", "none"),
+        "tool_choice": lambda v: isinstance(v, dict) and (v.get("type") in ("auto", "none", "any") or (
+            v.get("type") == "tool" and isinstance(v.get("name"), str))),
         "mcp_servers": lambda v: not v,
         "container": lambda v: False,
         "output_config": lambda v: isinstance(v, dict) and not v.get("format"),
     })
     messages = convert_messages(body)
     tools = convert_tools(body)
-    if (body.get("tool_choice") or {}).get("type") == "none":
+    choice = body.get("tool_choice") or {}
+    if choice.get("type") == "none":
         tools = None
+    force = None
+    if choice.get("type") in ("any", "tool"):
+        force = schema.forced_tool(tools, "forced", choice.get("name"), "tool_choice")
     if not count_only:
         schema.get(body, "max_tokens", "int", required=True)
     samp = schema.sampling(body, ("max_tokens",), stop_name="stop_sequences")
@@ -166,8 +171,10 @@ def parse(body: dict, state, count_only: bool = False) -> Request:
         budget, _ = schema.effort_budget(levels[effort], "output_config.effort")
     if count_only:
         samp.pop("max_tokens", None)
+    if force is not None and enable:
+        raise APIError(400, "thinking cannot be enabled when tool_choice forces a tool call", param="thinking")
     return schema.build_chat_request(state, "anthropic", messages, tools, samp, stream=stream,
-                                     reasoning_budget=budget, enable_thinking=enable)
+                                     reasoning_budget=budget, enable_thinking=enable, force_tool=force)
 
 
 def _tool_id(call: ToolCall) -> str:

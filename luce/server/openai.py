@@ -29,7 +29,9 @@ def _unsupported_common(body: dict):
         "prediction": lambda v: False,
         "web_search_options": lambda v: False,
         "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-        "tool_choice": lambda v: v in ("auto", "none"),
+        "tool_choice": lambda v: v in ("auto", "none", "required") or (
+            isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+            and isinstance(v["function"].get("name"), str)),
     })
 
 
@@ -125,6 +127,10 @@ def parse_chat(body: dict, state) -> Request:
     tools = schema.check_tools(schema.get(body, "tools", "list"))
     if tool_choice == "none":
         tools = None
+    force = None
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        force = schema.forced_tool(tools, "forced", name, "tool_choice")
     samp = schema.sampling(body, ("max_tokens", "max_completion_tokens"))
     stream = schema.get(body, "stream", "bool", False)
     schema.get(body, "stream_options", "dict")
@@ -133,7 +139,7 @@ def parse_chat(body: dict, state) -> Request:
     budget, enable = schema.effort_budget(effort, "reasoning_effort")
     tkw = schema.get(body, "chat_template_kwargs", "dict")
     return schema.build_chat_request(state, "openai", messages, tools, samp, stream=stream, reasoning_budget=budget,
-                                     enable_thinking=enable, template_kwargs=tkw)
+                                     enable_thinking=enable, template_kwargs=tkw, force_tool=force)
 
 
 async def chat_completions(request, state):

@@ -147,7 +147,8 @@ def parse(body: dict, state) -> Request:
         "conversation": lambda v: False,
         "background": lambda v: v is False,
         "top_logprobs": lambda v: v == 0,
-        "tool_choice": lambda v: v in ("auto", "none"),
+        "tool_choice": lambda v: v in ("auto", "none", "required") or (
+            isinstance(v, dict) and v.get("type") in ("function", "custom") and isinstance(v.get("name"), str)),
         "text": lambda v: isinstance(v, dict) and (v.get("format") or {"type": "text"}).get("type") == "text",
         "prompt": lambda v: False,
         "max_tool_calls": lambda v: False,
@@ -156,15 +157,20 @@ def parse(body: dict, state) -> Request:
     })
     messages = convert_input(body)
     tools, custom = convert_tools(body)
-    if body.get("tool_choice") == "none":
+    choice = body.get("tool_choice")
+    if choice == "none":
         tools, custom = None, set()
+    force = None
+    if choice == "required" or isinstance(choice, dict):
+        force = schema.forced_tool(tools, "forced", choice.get("name") if isinstance(choice, dict) else None,
+                                   "tool_choice")
     samp = schema.sampling(body, ("max_output_tokens",))
     stream = schema.get(body, "stream", "bool", False)
     reasoning = schema.get(body, "reasoning", "dict") or {}
     budget, enable = schema.effort_budget(schema.get(reasoning, "effort", "str", where="reasoning."),
                                           "reasoning.effort")
     req = schema.build_chat_request(state, "responses", messages, tools, samp, stream=stream,
-                                    reasoning_budget=budget, enable_thinking=enable)
+                                    reasoning_budget=budget, enable_thinking=enable, force_tool=force)
     return req, custom
 
 

@@ -180,10 +180,39 @@ def effort_budget(effort: str | None, where: str) -> tuple[int | None, bool | No
     return budget, budget != 0
 
 
+def forced_tool(tools: list[dict] | None, choice: str | None, name: str | None, where: str) -> str | None:
+    """Check a tool_choice that forces a call: "" for any tool, the tool's name, or None
+    when nothing is forced."""
+    if choice is None:
+        return None
+    if not tools:
+        raise APIError(400, f"'{where}' asks for a tool call but no tools were given", param=where)
+    if name is None:
+        return ""
+    if name not in {t["function"]["name"] for t in tools}:
+        raise APIError(400, f"'{where}' names {name!r}, which is not among the tools", param=where)
+    return name
+
+
+def tool_call_opening(state, name: str) -> str:
+    """The start of a tool call in the model's own syntax, written after the generation
+    prompt so that the model can only go on with a call (to `name`, when given)."""
+    from ..text.chat_format import detect_chat_format
+
+    fmt = detect_chat_format(state.template_source).name if state.template_renders_tools else "hermes"
+    if fmt == "qwen3_coder":
+        return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+    if fmt == "llama3":
+        return '{"name": "' + (f'{name}", "parameters":' if name else "")
+    # Hermes JSON; the opening ends on a token boundary ("arguments": then " {")
+    return "<tool_call>\n" + (f'{{"name": "{name}", "arguments":' if name else "")
+
+
 def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] | None, samp: dict, *,
                        stream: bool, reasoning_budget: int | None = None, enable_thinking: bool | None = None,
-                       template_kwargs: dict | None = None) -> Request:
-    """Render the conversation with the model's chat template, tokenize, check the context."""
+                       template_kwargs: dict | None = None, force_tool: str | None = None) -> Request:
+    """Render the conversation with the model's chat template, tokenize, check the context.
+    `force_tool` (see forced_tool) makes the answer start with a tool call."""
     from ..text.chat_template import TemplateError
 
     from ..text.chat_format import default_template_kwargs, prompt_opens_reasoning
@@ -194,17 +223,22 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
         extra.setdefault("enable_thinking", enable_thinking)
     if tools and not state.template_renders_tools:
         messages = tools_in_messages(messages, tools)
+    if force_tool is not None:
+        enable_thinking = False  # a forced call comes first, as with Anthropic's API
     try:
         text = model.render_chat(messages, tools=tools, add_generation_prompt=True, **extra)
     except TemplateError as e:
         raise APIError(400, str(e)) from None
-    ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
-    check_context(state, len(ids), samp.get("max_tokens"))
     starts = prompt_opens_reasoning(text)
     reasoning = state.supports_reasoning or starts
+    prefill = ""
+    if force_tool is not None:
+        prefill = ("\n</think>\n\n" if starts else "") + tool_call_opening(state, force_tool)
+    ids = model.tokenizer.encode(text + prefill, add_special=False, parse_special=True)
+    check_context(state, len(ids), samp.get("max_tokens"))
     if enable_thinking is False and reasoning_budget is None:
         reasoning_budget = 0
-    return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning,
+    return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning, prefill=prefill,
                    starts_in_reasoning=starts, reasoning_budget=reasoning_budget if reasoning else None,
                    stream=stream, api=api, model=state.model_name, timeout_s=state.request_timeout)
 
