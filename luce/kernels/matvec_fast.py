@@ -140,10 +140,27 @@ def k4_row(s0, s1, s2, s3, g, l0, l8, h0, h8, sxl, sxh):
 
 
 @_dev
+def k4_word(qa, qb, x, c, acc):
+    """One quant word (8 nibbles: 4 columns of each sub-block) of rows a and b."""
+    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
+    x0, x1, x2, x3 = ldg_f32x4(x, c)
+    y0, y1, y2, y3 = ldg_f32x4(x, c + 32)
+    sxl += (x0 + x1) + (x2 + x3)
+    sxh += (y0 + y1) + (y2 + y3)
+    al0, al8 = nib_acc(qa, x0, x1, x2, x3, 0, al0, al8)
+    ah0, ah8 = nib_acc(qa, y0, y1, y2, y3, 4, ah0, ah8)
+    bl0, bl8 = nib_acc(qb, x0, x1, x2, x3, 0, bl0, bl8)
+    bh0, bh8 = nib_acc(qb, y0, y1, y2, y3, 4, bh0, bh8)
+    return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh
+
+
+@_dev
 def unit_q4_k(w, ha, hb, x, c, t):
     # Q4_K: d dmin scales[12] qs[128]. Unit t (8 a block) holds qs bytes 16t..16t+15:
     # low nibbles are columns 64g + 16(t & 1) + 0..15 (sub-block 2g), high ones 32 further
     # (sub-block 2g + 1), g = t >> 1. Every piece is 16-byte aligned (144 = 9 * 16).
+    # Tuple elements are taken with literal indices only: a variable index becomes a
+    # branchy switch in numba.
     g = t >> 1
     qa = ldg_u16_u32x4(w, ha + 8 + 8 * t)
     qb = ldg_u16_u32x4(w, hb + 8 + 8 * t)
@@ -151,16 +168,12 @@ def unit_q4_k(w, ha, hb, x, c, t):
     sb = ldg_u16_u32x4(w, hb)
     cl = c + 64 * g + 16 * (t & 1)
     z = np.float32(0.0)
-    al0 = al8 = ah0 = ah8 = bl0 = bl8 = bh0 = bh8 = sxl = sxh = z
-    for i in range(4):
-        x0, x1, x2, x3 = ldg_f32x4(x, cl + 4 * i)
-        y0, y1, y2, y3 = ldg_f32x4(x, cl + 32 + 4 * i)
-        sxl += (x0 + x1) + (x2 + x3)
-        sxh += (y0 + y1) + (y2 + y3)
-        al0, al8 = nib_acc(qa[i], x0, x1, x2, x3, 0, al0, al8)
-        ah0, ah8 = nib_acc(qa[i], y0, y1, y2, y3, 4, ah0, ah8)
-        bl0, bl8 = nib_acc(qb[i], x0, x1, x2, x3, 0, bl0, bl8)
-        bh0, bh8 = nib_acc(qb[i], y0, y1, y2, y3, 4, bh0, bh8)
+    acc = (z, z, z, z, z, z, z, z, z, z)
+    acc = k4_word(qa[0], qb[0], x, cl, acc)
+    acc = k4_word(qa[1], qb[1], x, cl + 4, acc)
+    acc = k4_word(qa[2], qb[2], x, cl + 8, acc)
+    acc = k4_word(qa[3], qb[3], x, cl + 12, acc)
+    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
     return (k4_row(sa[0], sa[1], sa[2], sa[3], g, al0, al8, ah0, ah8, sxl, sxh),
             k4_row(sb[0], sb[1], sb[2], sb[3], g, bl0, bl8, bh0, bh8, sxl, sxh))
 
@@ -200,6 +213,27 @@ def unit_q6_k(w, ha, hb, x, c, t):
 
 
 @_dev
+def q6_group(pq, qh, g, x, c, sc, k):
+    """Group g (32 columns; this unit's 16 start at c) of one Q6_K row: the sum of
+    scale * (q - 32) * x, d still to apply."""
+    z = np.float32(0.0)
+    x0, x1, x2, x3 = ldg_f32x4(x, c)
+    y0, y1, y2, y3 = ldg_f32x4(x, c + 4)
+    sx = (x0 + x1) + (x2 + x3)
+    sy = (y0 + y1) + (y2 + y3)
+    a0, a8 = q6_acc(pq[0], qh[0], g, x0, x1, x2, x3, z, z)
+    b0, b8 = q6_acc(pq[1], qh[1], g, y0, y1, y2, y3, z, z)
+    x0, x1, x2, x3 = ldg_f32x4(x, c + 8)
+    y0, y1, y2, y3 = ldg_f32x4(x, c + 12)
+    sx += (x0 + x1) + (x2 + x3)
+    sy += (y0 + y1) + (y2 + y3)
+    a0, a8 = q6_acc(pq[2], qh[2], g, x0, x1, x2, x3, a0, a8)
+    b0, b8 = q6_acc(pq[3], qh[3], g, y0, y1, y2, y3, b0, b8)
+    s = i8f(U(sel4(sc[0], sc[1], sc[2], sc[3], k >> 2) >> U(8 * (k & 3))))
+    return s * (((a0 + b0) + (a8 + b8) * S8) - np.float32(32.0) * (sx + sy))
+
+
+@_dev
 def unit_q6_row(w, h, o, n, hh, x, c):
     # One row at a time: 48 quant bytes a row would otherwise double the live registers,
     # and the second row's x loads hit L1.
@@ -209,18 +243,9 @@ def unit_q6_row(w, h, o, n, hh, x, c):
     sc = ld16(w, h + 96)
     d = f16_bits_to_f32(U(w[h + 104]))
     cc = c + 128 * n + 16 * hh
-    z = np.float32(0.0)
-    y = z
-    for g in range(4):
-        a0 = a8 = sx = z
-        for i in range(4):
-            x0, x1, x2, x3 = ldg_f32x4(x, cc + 32 * g + 4 * i)
-            sx += (x0 + x1) + (x2 + x3)
-            ql = pa[i] if g % 2 == 0 else pb[i]
-            a0, a8 = q6_acc(ql, qh[i], g, x0, x1, x2, x3, a0, a8)
-        k = 8 * n + 2 * g + hh
-        s = i8f(U(sel4(sc[0], sc[1], sc[2], sc[3], k >> 2) >> U(8 * (k & 3))))
-        y += s * ((a0 + a8 * S8) - np.float32(32.0) * sx)
+    k = 8 * n + hh
+    y = (q6_group(pa, qh, 0, x, cc, sc, k) + q6_group(pb, qh, 1, x, cc + 32, sc, k + 2)) + \
+        (q6_group(pa, qh, 2, x, cc + 64, sc, k + 4) + q6_group(pb, qh, 3, x, cc + 96, sc, k + 6))
     return d * y
 
 
@@ -245,12 +270,20 @@ def unit_q8_0(w, ha, hb, x, c, t):
     da = f16_bits_to_f32(U(w[ha]))
     db = f16_bits_to_f32(U(w[hb]))
     z = np.float32(0.0)
-    a0 = a8 = b0 = b8 = z
-    for i in range(4):
-        x0, x1, x2, x3 = ldg_f32x4(x, c + 16 * t + 4 * i)
-        a0, a8 = q8_acc(qa[i], x0, x1, x2, x3, a0, a8)
-        b0, b8 = q8_acc(qb[i], x0, x1, x2, x3, b0, b8)
+    acc = q8_word(qa[0], qb[0], x, c + 16 * t, (z, z, z, z))
+    acc = q8_word(qa[1], qb[1], x, c + 16 * t + 4, acc)
+    acc = q8_word(qa[2], qb[2], x, c + 16 * t + 8, acc)
+    a0, a8, b0, b8 = q8_word(qa[3], qb[3], x, c + 16 * t + 12, acc)
     return da * (a0 + a8 * S8), db * (b0 + b8 * S8)
+
+
+@_dev
+def q8_word(qa, qb, x, c, acc):
+    a0, a8, b0, b8 = acc
+    x0, x1, x2, x3 = ldg_f32x4(x, c)
+    a0, a8 = q8_acc(qa, x0, x1, x2, x3, a0, a8)
+    b0, b8 = q8_acc(qb, x0, x1, x2, x3, b0, b8)
+    return a0, a8, b0, b8
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
@@ -290,24 +323,41 @@ else:
 def _make_rows(qtype):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.unit
-    STEP = 32 * UN
 
     @_dev
-    def rows_dot(w, ha, hb, x, n_units, lane):
-        """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
-        ya = yb = np.float32(0.0)
-        for u0 in range(lane, n_units, STEP):
-            for k in range(UN):
-                # Units past the row's end are clamped to its last unit (so every load
-                # stays in bounds and issues before any branch) and their sums dropped.
-                u = min(u0 + 32 * k, n_units - 1)
-                b = u // TPB
-                t = u - b * TPB
-                pa, pb = unit(w, ha + b * BH, hb + b * BH, x, b * QK, t)
-                if u0 + 32 * k < n_units:
-                    ya += pa
-                    yb += pb
-        return ya, yb
+    def at(w, ha, hb, x, n_units, u):
+        # Units past the row's end are clamped to its last unit, so every load stays in
+        # bounds and can issue before any branch; the caller drops their sums.
+        u = min(u, n_units - 1)
+        b = u // TPB
+        t = u - b * TPB
+        return unit(w, ha + b * BH, hb + b * BH, x, b * QK, t)
+
+    if UN == 1:
+        @_dev
+        def rows_dot(w, ha, hb, x, n_units, lane):
+            """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
+            ya = yb = np.float32(0.0)
+            for u in range(lane, n_units, 32):
+                pa, pb = at(w, ha, hb, x, n_units, u)
+                ya += pa
+                yb += pb
+            return ya, yb
+    else:
+        @_dev
+        def rows_dot(w, ha, hb, x, n_units, lane):
+            """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step so
+            that twice the loads are in flight."""
+            ya = yb = np.float32(0.0)
+            for u in range(lane, n_units, 64):
+                pa, pb = at(w, ha, hb, x, n_units, u)
+                qa, qb = at(w, ha, hb, x, n_units, u + 32)
+                ya += pa
+                yb += pb
+                if u + 32 < n_units:
+                    ya += qa
+                    yb += qb
+            return ya, yb
     return rows_dot
 
 
