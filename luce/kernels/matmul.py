@@ -498,16 +498,19 @@ TILE_GPU = (128, 128, 64, 64, 32, "ldsm", 1)
 TILE_SIM = (16, 32, 64, 16, 16, "lds", 2)
 
 # Small M (speculative verification, 8-64 rows): (largest M, tile, resident blocks per SM).
-# Each weight byte is then used by only M rows, so the kernel must stream W near HBM speed:
-# BN is small, and the K range is split, so that the grid fills every SM several times over
-# and enough 16-byte loads are in flight (Little's law: ~3 TB/s x ~1 us is ~24 KB an SM);
-# BM takes all M rows at once so that W is read once; BK is as large as the 48 KB of static
-# shared memory allows, for more bytes per step and fewer barriers. Blocks per SM: what
-# the registers (ptxas -v, sm_90) and shared memory allow; it only steers the split count.
+# Each weight byte then serves only M rows, so the kernel has to stream W at HBM speed
+# rather than feed tensor cores: BM takes all the rows (W is read once), BN is small and
+# the K range is split (choose_splits) so that every SM holds several blocks, and the bytes
+# in flight, which live in registers between a step's loads and its decode, add up to
+# what Little's law asks (~3 TB/s x ~1 us: ~24 KB an SM). BK=128 with 4 warps keeps a
+# thread at 2 W units: ~95-130 registers, 4-5 blocks an SM, ~20 KB of W in flight; BK=256
+# held twice the bytes a thread but at 180-250 registers allowed only 2 blocks, and one
+# block's barrier stall then idles half the SM. Blocks per SM: from ptxas -v (sm_90)
+# register counts and the shared sizes; it only steers the split count.
 TILES_SMALL_M = (
-    (16, (16, 64, 256, 16, 16, "ldsm", 1), 2),    # Q4_K 180-206 registers, Q6_K 250
+    (16, (16, 64, 128, 16, 16, "ldsm", 2), 4),    # Q4_K 93 registers, Q6_K 128
     (32, (32, 64, 128, 32, 16, "ldsm", 1), 3),    # 130-190
-    (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),   # ~126
+    (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),   # ~126, 8 warps
 )
 MAX_SPLITS = 16
 _SMS: dict = {}
@@ -560,9 +563,6 @@ def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
     for m_max, tile, per_sm in TILES_SMALL_M:
         if m <= m_max:
             break
-    if qtype == _T.F16 and tile[2] > 128:
-        # F16 units are 8 weights: the 16 a thread holds at BK=256 spill registers
-        tile = tile[:2] + (128,) + tile[3:]
     tile = _fit_bk(tile, qtype, k)
     blocks = -(-n // tile[1]) * -(-m // tile[0])
     return tile, choose_splits(blocks, k // tile[2], per_sm, _num_sms())
