@@ -60,6 +60,7 @@ def run(qtype, n_rows, n_cols, bias=False, residual=False, x2d=False, seed=None)
     (T.Q4_K, 3, 2304),    # 72 units: a full step then a partial one
     (T.Q6_K, 16, 256),    # rows start at byte offsets 0, 2, ..., 14 mod 16
     (T.Q6_K, 5, 2048),    # 8 blocks a row: blocks at every offset within a row
+    (T.Q6_K, 2, 5120),    # 4200-byte rows: the second starts 8 bytes into a 16-byte piece
     (T.Q8_0, 5, 256),
     (T.Q8_0, 8, 1056),    # 33 blocks: odd row length, rows at every offset, partial step
 ], ids=ID)

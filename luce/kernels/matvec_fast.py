@@ -200,53 +200,65 @@ def i8f(b):
 
 
 @_dev
+def q6_group(pa, ha, pb, hb, g, x, c):
+    """Group g (32 columns; this unit's 16 start at c) of rows a and b of a Q6_K block:
+    the sums of q * x (q still biased by 32) and the sum of x."""
+    z = np.float32(0.0)
+    x0, x1, x2, x3 = ldg_f32x4(x, c)
+    y0, y1, y2, y3 = ldg_f32x4(x, c + 4)
+    sx = ((x0 + x1) + (x2 + x3)) + ((y0 + y1) + (y2 + y3))
+    a0, a8 = q6_acc(pa[0], ha[0], g, x0, x1, x2, x3, z, z)
+    b0, b8 = q6_acc(pb[0], hb[0], g, x0, x1, x2, x3, z, z)
+    a0, a8 = q6_acc(pa[1], ha[1], g, y0, y1, y2, y3, a0, a8)
+    b0, b8 = q6_acc(pb[1], hb[1], g, y0, y1, y2, y3, b0, b8)
+    x0, x1, x2, x3 = ldg_f32x4(x, c + 8)
+    y0, y1, y2, y3 = ldg_f32x4(x, c + 12)
+    sx += ((x0 + x1) + (x2 + x3)) + ((y0 + y1) + (y2 + y3))
+    a0, a8 = q6_acc(pa[2], ha[2], g, x0, x1, x2, x3, a0, a8)
+    b0, b8 = q6_acc(pb[2], hb[2], g, x0, x1, x2, x3, b0, b8)
+    a0, a8 = q6_acc(pa[3], ha[3], g, y0, y1, y2, y3, a0, a8)
+    b0, b8 = q6_acc(pb[3], hb[3], g, y0, y1, y2, y3, b0, b8)
+    return a0 + a8 * S8, b0 + b8 * S8, sx
+
+
+@_dev
 def unit_q6_k(w, ha, hb, x, c, t):
     # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
     # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
     # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
+    # All four pieces of a unit share one offset mod 16, so ld16's selects agree.
     n = t >> 1
     hh = t & 1
     o = 32 * n + 8 * hh
-    ya = unit_q6_row(w, ha, o, n, hh, x, c)
-    yb = unit_q6_row(w, hb, o, n, hh, x, c)
+    la0 = ld16(w, ha + o)           # ql, groups 0 and 2
+    la1 = ld16(w, ha + o + 16)      # ql, groups 1 and 3
+    lha = ld16(w, ha + 64 + o // 2 + 4 * hh)
+    lb0 = ld16(w, hb + o)
+    lb1 = ld16(w, hb + o + 16)
+    lhb = ld16(w, hb + 64 + o // 2 + 4 * hh)
+    cc = c + 128 * n + 16 * hh
+    k = 8 * n + hh
+    ya, yb = q6_step(w, ha, hb, la0, lha, lb0, lhb, 0, x, cc, k, np.float32(0.0), np.float32(0.0))
+    ya, yb = q6_step(w, ha, hb, la1, lha, lb1, lhb, 1, x, cc + 32, k + 2, ya, yb)
+    ya, yb = q6_step(w, ha, hb, la0, lha, lb0, lhb, 2, x, cc + 64, k + 4, ya, yb)
+    ya, yb = q6_step(w, ha, hb, la1, lha, lb1, lhb, 3, x, cc + 96, k + 6, ya, yb)
+    return (f16_bits_to_f32(U(w[ha + 104])) * ya, f16_bits_to_f32(U(w[hb + 104])) * yb)
+
+
+@_dev
+def q6_step(w, ha, hb, pa, qa, pb, qb, g, x, c, k, ya, yb):
+    sa, sb, sx = q6_group(pa, qa, pb, qb, g, x, c)
+    ya += q6_scale_at(w, ha, k) * (sa - np.float32(32.0) * sx)
+    yb += q6_scale_at(w, hb, k) * (sb - np.float32(32.0) * sx)
     return ya, yb
 
 
 @_dev
-def q6_group(pq, qh, g, x, c, sc, k):
-    """Group g (32 columns; this unit's 16 start at c) of one Q6_K row: the sum of
-    scale * (q - 32) * x, d still to apply."""
-    z = np.float32(0.0)
-    x0, x1, x2, x3 = ldg_f32x4(x, c)
-    y0, y1, y2, y3 = ldg_f32x4(x, c + 4)
-    sx = (x0 + x1) + (x2 + x3)
-    sy = (y0 + y1) + (y2 + y3)
-    a0, a8 = q6_acc(pq[0], qh[0], g, x0, x1, x2, x3, z, z)
-    b0, b8 = q6_acc(pq[1], qh[1], g, y0, y1, y2, y3, z, z)
-    x0, x1, x2, x3 = ldg_f32x4(x, c + 8)
-    y0, y1, y2, y3 = ldg_f32x4(x, c + 12)
-    sx += (x0 + x1) + (x2 + x3)
-    sy += (y0 + y1) + (y2 + y3)
-    a0, a8 = q6_acc(pq[2], qh[2], g, x0, x1, x2, x3, a0, a8)
-    b0, b8 = q6_acc(pq[3], qh[3], g, y0, y1, y2, y3, b0, b8)
-    s = i8f(U(sel4(sc[0], sc[1], sc[2], sc[3], k >> 2) >> U(8 * (k & 3))))
-    return s * (((a0 + b0) + (a8 + b8) * S8) - np.float32(32.0) * (sx + sy))
-
-
-@_dev
-def unit_q6_row(w, h, o, n, hh, x, c):
-    # One row at a time: 48 quant bytes a row would otherwise double the live registers,
-    # and the second row's x loads hit L1.
-    pa = ld16(w, h + o)
-    pb = ld16(w, h + o + 16)
-    qh = ld16(w, h + 64 + 16 * n + 8 * hh)
-    sc = ld16(w, h + 96)
-    d = f16_bits_to_f32(U(w[h + 104]))
-    cc = c + 128 * n + 16 * hh
-    k = 8 * n + hh
-    y = (q6_group(pa, qh, 0, x, cc, sc, k) + q6_group(pb, qh, 1, x, cc + 32, sc, k + 2)) + \
-        (q6_group(pa, qh, 2, x, cc + 64, sc, k + 4) + q6_group(pb, qh, 3, x, cc + 96, sc, k + 6))
-    return d * y
+def q6_scale_at(w, h, k):
+    """int8 scale k of the Q6_K block at uint16 index h: one 2-byte load (an L1 hit: the
+    block's other lanes read the same line)."""
+    v = U(w[h + 96 + (k >> 1)])
+    return i8f(U(v >> U(8 * (k & 1))))
 
 
 @_dev
