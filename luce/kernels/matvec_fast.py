@@ -49,6 +49,25 @@ B16 = U(16)
 S8 = np.float32(1.0 / 256)
 
 
+if SIM:
+    @_dev
+    def shr32(a, s):
+        return U(U(a) >> U(s))
+else:
+    from numba.cuda import types as _types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def shr32(typingctx, a, s):
+        """a >> s in 32 bits: numba types uint32 >> uint32 as 64-bit, and LLVM keeps a
+        variable 64-bit shift (two instructions and conversions) where one would do."""
+        sig = _types.uint32(_types.uint32, _types.uint32)
+
+        def codegen(context, builder, sig, args):
+            return builder.lshr(args[0], args[1])
+        return sig, codegen
+
+
 @_dev
 def fm(v):
     """v (< 2**23, already masked) as float32, exactly."""
@@ -59,14 +78,6 @@ def fm(v):
 def fms(v, bias):
     """Like fm, subtracting 2**23 + an offset in the same add (int8 read as offset binary)."""
     return u32_bits_to_f32(U(v | MAGIC)) - bias
-
-
-@_dev
-def sel4(w0, w1, w2, w3, i):
-    """Word i (lane-dependent) of four registers: selects, not a local-memory array."""
-    lo = w1 if i & 1 else w0
-    hi = w3 if i & 1 else w2
-    return hi if i & 2 else lo
 
 
 @_dev
@@ -117,15 +128,19 @@ def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
 
 @_dev
 def k4_scale(s1, s2, s3, j):
-    """(scale, min) of sub-block j of a Q4_K block whose scale bytes are the words s1..s3."""
+    """(scale, min) of sub-block j of a Q4_K block whose scale bytes are the words s1..s3.
+    j differs between the lanes of a warp: both layouts are computed and one selected."""
     sh = U(8 * (j & 3))
-    b1 = U(U(s1 >> sh) & U(255))
-    b2 = U(U(s2 >> sh) & U(255))
-    b3 = U(U(s3 >> sh) & U(255))
-    if j < 4:
-        return fm(U(b1 & U(63))), fm(U(b2 & U(63)))
-    return (fm(U(U(b3 & U(15)) | U(U(b1 >> U(6)) << U(4)))),
-            fm(U(U(b3 >> U(4)) | U(U(b2 >> U(6)) << U(4)))))
+    b1 = U(shr32(s1, sh) & U(255))
+    b2 = U(shr32(s2, sh) & U(255))
+    b3 = U(shr32(s3, sh) & U(255))
+    # a bit mask rather than `if`: numba's branches survive into the PTX
+    m = U(U(j >> 2) * U(0xFFFFFFFF))  # j < 8
+    sc0 = U(b1 & U(63))
+    mn0 = U(b2 & U(63))
+    sc = U(sc0 ^ U(U(sc0 ^ U(U(b3 & U(15)) | U(U(b1 >> U(6)) << U(4)))) & m))
+    mn = U(mn0 ^ U(U(mn0 ^ U(U(b3 >> U(4)) | U(U(b2 >> U(6)) << U(4)))) & m))
+    return fm(sc), fm(mn)
 
 
 @_dev
@@ -258,7 +273,7 @@ def q6_scale_at(w, h, k):
     """int8 scale k of the Q6_K block at uint16 index h: one 2-byte load (an L1 hit: the
     block's other lanes read the same line)."""
     v = U(w[h + 96 + (k >> 1)])
-    return i8f(U(v >> U(8 * (k & 1))))
+    return i8f(shr32(v, U(8 * (k & 1))))
 
 
 @_dev
