@@ -101,6 +101,16 @@ def test_swiglu_fast(qtype):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_matvec_fast_warps():
+    """8 warps a block: 16 rows a block, 13 rows leave the last 3 warps past the end."""
+    rng = np.random.default_rng(9)
+    raw = weights(rng, T.Q8_0, 13, 256)
+    x = rng.standard_normal(256).astype(np.float32)
+    out = nan_device(13)
+    matvec_fast(cuda.to_device(raw), T.Q8_0, cuda.to_device(x), out=out, warps=8)
+    assert_close(out.copy_to_host(), matvec_ref(raw, T.Q8_0, x), raw, T.Q8_0, x)
+
+
 def test_matvec_fast_rejects():
     rng = np.random.default_rng(0)
     raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))
@@ -114,7 +124,8 @@ def test_matvec_fast_rejects():
 
 def test_bench_matvec_fast_smoke():
     from luce.kernels.matvec_fast import bench_matvec_fast
-    rows = bench_matvec_fast([(8, 256)], ["Q4_K"], iters=1)
+    rows = bench_matvec_fast([(8, 256)], ["Q4_K"], iters=1, warps=(4, 2), baseline=True)
+    assert [(r["kernel"], r["warps"]) for r in rows] == [("matvec_fast", 4), ("matvec_fast", 2), ("matvec", None)]
     assert {"kernel", "qtype", "rows", "cols", "weight_bytes", "time_us", "GB/s"} <= set(rows[0])
     assert rows[0]["weight_bytes"] == 8 * 144
 
@@ -157,9 +168,9 @@ u16, f32 = types.uint16[::1], types.float32[::1]
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
-    for glu, br in [(False, False), (False, True), (True, False)]:
-        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br).py_func, sig, cc=(9, 0))
-        name = f"{q.name}_glu{int(glu)}_br{int(br)}"
+    for glu, br, nw in [(False, False, F.NW), (False, True, F.NW), (True, False, F.NW), (False, False, 8)]:
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw).py_func, sig, cc=(9, 0))
+        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}"
         if out_dir:
             open(os.path.join(out_dir, name + ".ptx"), "w").write(ptx)
         assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name

@@ -325,7 +325,7 @@ FAST_TYPES = frozenset(FAST_SPECS)
 
 if SIM:
     # No warp shuffles in the simulator: reduce through shared memory (lane 0 gets the sum).
-    RED_SIZE = NW * 32
+    RED_PER_WARP = 32
 
     @_dev
     def warp_sum(v, red, wid, lane):
@@ -338,7 +338,7 @@ if SIM:
         cuda.syncthreads()
         return s
 else:
-    RED_SIZE = 1
+    RED_PER_WARP = 0
 
     @_dev
     def warp_sum(v, red, wid, lane):
@@ -388,16 +388,16 @@ def _make_rows(qtype):
     return rows_dot
 
 
-def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool):
+def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW):
     rows_dot = _make_rows(qtype)
-    RED = RED_SIZE
+    RED = max(1, nw * RED_PER_WARP)
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units):
         red = cuda.shared.array(RED, np.float32)
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
-        row0 = (cuda.blockIdx.x * NW + wid) * ROWS
+        row0 = (cuda.blockIdx.x * nw + wid) * ROWS
         # Rows past the end repeat the last row and are not stored: every warp runs the
         # same loop, as the simulator's block-wide barriers need.
         ra = min(row0, n_rows - 1)
@@ -437,7 +437,7 @@ def _addr(a) -> int:
     return 0 if SIM else a.__cuda_array_interface__["data"][0]
 
 
-def _launch(w_list, qtype, x_dev, out, bias, residual, stream):
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None):
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -467,24 +467,25 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream):
     out_flat = _mv._flat_f32(out, "out", n_rows)
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None)
-    grid = -(-n_rows // (NW * ROWS))
+    nw = warps or NW
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw)
+    grid = -(-n_rows // (nw * ROWS))
     w0 = ws[0][0]
     w1 = ws[1][0] if len(ws) == 2 else w0
-    kern[grid, 32 * NW, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb)
+    kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb)
     return out
 
 
-def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0):
+def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
-    out itself."""
-    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream)
+    out itself. warps: warps per thread block (default NW), for tuning."""
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps)
 
 
-def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0):
+def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
-    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream)
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -496,11 +497,12 @@ ROTATE_BYTES = 256 << 20  # 5x the H200's 50 MB L2: each launch reads its weight
 
 
 def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100, seed: int = 0,
-                      rotate_bytes: int = ROTATE_BYTES) -> list[dict]:
-    """Time matvec_fast for each (rows, cols) and qtype: cuda events around a replayed CUDA
-    graph of `iters` launches, launch i reading weight copy i % n_copies, with enough copies
-    (>= rotate_bytes together) that the L2 cannot hold the weights between launches.
-    "GB/s" = weight bytes of one launch / time of one launch."""
+                      rotate_bytes: int = ROTATE_BYTES, warps=(NW,), baseline: bool = False) -> list[dict]:
+    """Time matvec_fast for each (rows, cols), qtype and warps-per-block in `warps`: cuda
+    events around a replayed CUDA graph of `iters` launches, launch i reading weight copy
+    i % n_copies, with enough copies (>= rotate_bytes together) that the L2 cannot hold the
+    weights between launches. "GB/s" = weight bytes of one launch / time of one launch.
+    baseline=True also times luce.kernels.matvec.matvec the same way (kernel "matvec")."""
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
     rows = []
@@ -514,33 +516,45 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             host = rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)
             copies = max(1, min(iters, math.ceil(rotate_bytes / nbytes))) if not SIM else 1
             ws = [cuda.to_device(host) for _ in range(copies)]
-            state = {"i": 0}
-
-            def launch():
-                matvec_fast(ws[state["i"] % copies], qtype, x, out=out, stream=stream)
-                state["i"] += 1
-            t0 = time.perf_counter()
-            launch()  # compiles
-            stream.synchronize()
-            compile_s = time.perf_counter() - t0
-            try:
-                run, timing = _mv._capture(launch, stream, iters), "graph"
-            except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
-                def run():
-                    for _ in range(iters):
-                        launch()
-                timing = f"eager ({type(e).__name__})"
-            run()
-            stream.synchronize()
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            run()
-            end.record(stream)
-            end.synchronize()
-            us = start.elapsed_time(end) * 1e3 / iters
-            rows.append({"kernel": "matvec_fast", "qtype": qtype.name, "rows": n_rows, "cols": n_cols,
-                         "weight_bytes": nbytes, "time_us": round(us, 2),
-                         "GB/s": round(nbytes / (us * 1e-6) / 1e9, 1), "copies": copies,
-                         "timing": timing, "compile_s": round(compile_s, 2)})
+            variants = [("matvec_fast", w_) for w_ in warps] + ([("matvec", None)] if baseline else [])
+            for kernel, nw in variants:
+                rows.append(_time_one(kernel, nw, ws, qtype, x, out, stream, iters) | {
+                    "qtype": qtype.name, "rows": n_rows, "cols": n_cols, "weight_bytes": nbytes,
+                    "copies": copies})
+                rows[-1]["GB/s"] = round(nbytes / (rows[-1]["time_us"] * 1e-6) / 1e9, 1)
             del ws
     return rows
+
+
+def _time_one(kernel, nw, ws, qtype, x, out, stream, iters):
+    copies = len(ws)
+    state = {"i": 0}
+
+    def launch():
+        w = ws[state["i"] % copies]
+        if kernel == "matvec":
+            _mv.matvec(w, qtype, x, out=out, stream=stream)
+        else:
+            matvec_fast(w, qtype, x, out=out, stream=stream, warps=nw)
+        state["i"] += 1
+    t0 = time.perf_counter()
+    launch()  # compiles
+    stream.synchronize()
+    compile_s = time.perf_counter() - t0
+    try:
+        run, timing = _mv._capture(launch, stream, iters), "graph"
+    except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
+        def run():
+            for _ in range(iters):
+                launch()
+        timing = f"eager ({type(e).__name__})"
+    run()
+    stream.synchronize()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    run()
+    end.record(stream)
+    end.synchronize()
+    us = start.elapsed_time(end) * 1e3 / iters
+    return {"kernel": kernel, "warps": nw, "time_us": round(us, 2), "timing": timing,
+            "compile_s": round(compile_s, 2)}
