@@ -1,7 +1,9 @@
 """Prefill matmul (luce.kernels.matmul) in the CUDA simulator on small shapes: the per-type
 unit decoders and the f16 staging through the FMA path, the row/column tails and epilogues,
-and one run of the tensor-core path with mma.sync and ldmatrix emulated. Real shapes and
-the real mma instructions: tests/gpu/test_matmul_gpu.py.
+and runs of the tensor-core path with mma.sync and ldmatrix emulated; the small-M tiles
+(pick_tile) with split-K on both paths, and their GPU code generation (PTX through libNVVM,
+then ptxas: no local memory). Real shapes and the real mma instructions:
+tests/gpu/test_matmul_gpu.py.
 
 Tolerance: X and W are rounded to f16 before the product (2^-11 relative each, W's f16x2
 decode adds at most 2^-10 of |s q| + |o|), accumulation is f32, so every output is held to
@@ -13,7 +15,8 @@ from numba import cuda
 
 from luce.bench.synthetic import random_quant_rows
 from luce.kernels.dequant import dequantize
-from luce.kernels.matmul import MATMUL_TYPES, matmul, matmul_ref
+from luce.kernels.matmul import MATMUL_TYPES, TILE_GPU, TILE_SIM, TILES_SMALL_M, choose_splits, matmul, matmul_ref, \
+    pick_tile
 from luce.kernels.quant_types import as_qtype
 
 rng = np.random.default_rng()
@@ -71,3 +74,134 @@ def test_matmul_rejects_bad_shapes():
         matmul(x, cuda.to_device(np.zeros((8, 100 // 32 * 34), np.uint8)), "Q8_0", 8, 100)
     with pytest.raises(NotImplementedError):
         matmul(x, cuda.to_device(np.zeros(8, np.uint8)), "Q2_K", 8, 256)
+
+
+# ---------------------------------------------------------------- small M (verification)
+SMALL = {m_max: tile for m_max, tile, _ in TILES_SMALL_M}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("k,n", [(4096, 12288), (12288, 4096)])
+@pytest.mark.parametrize("m", [1, 8, 16, 23, 64, 100])
+def test_pick_tile_small_m(qtype, k, n, m):
+    tile, splits = pick_tile(m, n, k, qtype, sim=False)
+    bm, bn, bk = tile[:3]
+    per_sm = next(p for _, t, p in TILES_SMALL_M if t == tile)
+    assert bm >= min(m, 64) and bm < 2 * max(m, 16), "one row tile: W is read once"
+    assert bn <= 128 and k % bk == 0
+    blocks = -(-n // bn) * -(-m // bm) * splits
+    # the resident-block slots of the H200's 132 SMs filled: 4 warps a block, >= 2 blocks an SM
+    assert blocks >= 0.85 * per_sm * 132 and blocks * 4 * 32 * 2 >= 0.95 * 132 * 4 * 32 * 2
+    assert 1 <= splits and k // bk // splits >= 2
+
+
+def test_pick_tile_defaults():
+    assert pick_tile(128, 4096, 4096, "Q4_K", sim=False) == (TILE_GPU, 1)
+    assert pick_tile(512, 4096, 4096, "Q6_K", sim=False) == (TILE_GPU, 1)
+    assert pick_tile(16, 4096, 4096, "Q4_K", sim=True) == (TILE_SIM, 1)
+    tile, _ = pick_tile(16, 896, 896, "Q8_0", sim=False)  # 896 = 7 * 128: BK shrinks to divide K
+    assert 896 % tile[2] == 0
+    tile, _ = pick_tile(16, 896, 864, "F16", sim=False)
+    assert 864 % tile[2] == 0
+    assert choose_splits(10_000, 64, 4, 132) == 1
+    assert choose_splits(64, 3, 4, 132) == 1  # never under 2 K steps a split
+    assert choose_splits(64, 96, 4, 132) * 64 >= 4 * 132 * 0.85
+
+
+# The exact GPU tiles (block and warp shapes) with K split: on the emulated tensor-core path
+# the 16- and 32-row tiles, on the FMA path the 16-row tile with an uneven split and the
+# 64-row tile (256 threads: too slow emulated, so its 32 x 32 warp tile runs in one warp).
+@pytest.mark.parametrize("qtype,m,n,k,splits,use_mma,tile,extra", [
+    ("Q4_K", 8, 64, 512, 3, True, SMALL[16], {}),                         # 2-stage, 1 + 1 + 2 steps
+    ("Q6_K", 23, 40, 256, 2, True, SMALL[32], dict(bias=True)),
+    ("Q8_0", 16, 64, 384, 2, False, SMALL[16], dict(residual=True)),
+    ("Q4_0", 40, 96, 128, 2, False, SMALL[127], dict(x_dtype=np.float16)),
+    ("Q8_0", 32, 24, 128, 2, True, (32, 32, 64, 32, 32, "ldsm", 1), {}),   # N tail inside the warp tile
+])
+def test_small_m_split_k(qtype, m, n, k, splits, use_mma, tile, extra):
+    run(qtype, m, n, k, tile=tile, splits=splits, use_mma=use_mma, **extra)
+
+
+# ---------------------------------------------------------------- GPU code generation
+# The simulator never compiles the GPU code. With libNVVM installed, compile the small-M
+# kernels to PTX in a subprocess without the simulator (no GPU or driver needed once numba
+# is told the architecture), and assemble it with ptxas when there is one: the local
+# arrays (accumulators, fragments, raw words) must all live in registers.
+PTX_CHECK = r'''
+import glob, os, re, shutil, subprocess, sys, tempfile
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+import numba.cuda.codegen as codegen
+import numba.cuda.cudadrv.libs as libs
+import numba.cuda.cudadrv.nvvm as nvvm
+import numba.cuda.dispatcher as dispatcher
+try:
+    nvvm.NVVM()
+except Exception as e:
+    print("SKIP: no libNVVM:", e); sys.exit(0)
+
+class Sm90:
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: Sm90()  # device functions ask the (absent) GPU
+codegen.nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
+
+from numba import cuda
+from numba.cuda import types
+from luce.kernels import matmul as MM
+ptxas = shutil.which("ptxas") or next(iter(glob.glob(os.path.join(os.path.dirname(nvvm.__file__), "nonexistent"))), None)
+try:
+    import nvidia.cuda_nvcc as nv
+    ptxas = ptxas or next(iter(glob.glob(os.path.join(list(nv.__path__)[0], "bin", "ptxas"))), None)
+except ImportError:
+    pass
+u16, f32, i32 = types.uint16[::1], types.float32[::1], types.int32[::1]
+sig = (u16, u16, f32, f32, f32, f32, i32) + (types.int64,) * 5
+for q, m, split, bias_res in [("Q4_K", 16, True, False), ("Q6_K", 16, True, True), ("Q4_K", 32, True, True),
+                              ("Q6_K", 32, False, False), ("Q4_K", 64, True, False), ("Q6_K", 64, True, True)]:
+    tile, _ = MM.pick_tile(m, 4096, 4096, q, sim=False)
+    kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split)
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+    name = f"{q} {tile} split={split}"
+    assert ".local" not in ptx, name + ": local arrays left in memory"
+    for op in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "ld.global.nc.v4.u32"):
+        assert op in ptx, name + ": no " + op
+    assert ("atom.global.add" in ptx or "red.global.add" in ptx) == split, name
+    if ptxas:
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx); f.flush()
+            r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        spill = re.findall(r"(\d+) bytes (?:stack frame|spill stores|spill loads)", r.stderr)
+        assert spill and not any(int(v) for v in spill), name + ": " + r.stderr[-600:]
+        print(name, re.search(r"Used \d+ registers", r.stderr).group(0))
+print("PTX OK", "ptxas" if ptxas else "(no ptxas)")
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ptx_check():
+    """The PTX check in the background from the module's first test on: the simulator tests
+    keep one core busy, the compiles take the other one meanwhile."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", PTX_CHECK], stdout=out, stderr=err, text=True, env=env)
+
+        def result():
+            proc.wait(timeout=600)
+            out.seek(0)
+            err.seek(0)
+            return proc.returncode, out.read(), err.read()
+        yield result
+        if proc.poll() is None:  # its test was deselected
+            proc.kill()
+            proc.wait()
+
+
+def test_small_m_kernels_compile_to_ptx(ptx_check):
+    rc, out, err = ptx_check()
+    # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
+    assert not out.startswith("SKIP"), out
+    assert rc == 0 and "PTX OK" in out, out[-2000:] + err[-4000:]
