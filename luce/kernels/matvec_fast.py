@@ -75,6 +75,15 @@ def fm(v):
 
 
 @_dev
+def fmm(vm, mask, bias):
+    """Field `mask` of vm = v | 0x4B000000 as float32, less bias - 2**23: (v & mask) | M
+    equals (v | M) & (mask | M) when mask and M share no bits, and the latter needs one
+    logic op with one immediate per field (the former two: LOP3 takes one immediate),
+    with v | M shared by all the fields of a word."""
+    return u32_bits_to_f32(U(vm & U(U(mask) | MAGIC))) - bias
+
+
+@_dev
 def fms(v, bias):
     """Like fm, subtracting 2**23 + an offset in the same add (int8 read as offset binary)."""
     return u32_bits_to_f32(U(v | MAGIC)) - bias
@@ -116,13 +125,14 @@ def ld16(w, h):
 def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
     """Nibble `sh` (0 or 4) of the four bytes of q times x0..x3, into the accumulators of
     bit positions sh (bytes 0, 2) and 8 + sh (bytes 1, 3)."""
-    q2 = U(q >> B16)
+    qm = U(q | MAGIC)
+    q2m = U(U(q >> B16) | MAGIC)
     m0 = U(U(15) << U(sh))
     m8 = U(U(0xF00) << U(sh))
-    a0 = cuda.fma(fm(U(q & m0)), x0, a0)
-    a8 = cuda.fma(fm(U(q & m8)), x1, a8)
-    a0 = cuda.fma(fm(U(q2 & m0)), x2, a0)
-    a8 = cuda.fma(fm(U(q2 & m8)), x3, a8)
+    a0 = cuda.fma(fmm(qm, m0, F_MAGIC), x0, a0)
+    a8 = cuda.fma(fmm(qm, m8, F_MAGIC), x1, a8)
+    a0 = cuda.fma(fmm(q2m, m0, F_MAGIC), x2, a0)
+    a8 = cuda.fma(fmm(q2m, m8, F_MAGIC), x3, a8)
     return a0, a8
 
 
@@ -171,40 +181,48 @@ def k4_word(qa, qb, x, c, acc):
 
 @_dev
 def unit_q4_k(w, ha, hb, x, c, t):
-    # Q4_K: d dmin scales[12] qs[128]. Unit t (8 a block) holds qs bytes 16t..16t+15:
-    # low nibbles are columns 64g + 16(t & 1) + 0..15 (sub-block 2g), high ones 32 further
-    # (sub-block 2g + 1), g = t >> 1. Every piece is 16-byte aligned (144 = 9 * 16).
-    # Tuple elements are taken with literal indices only: a variable index becomes a
-    # branchy switch in numba.
-    g = t >> 1
-    qa = ldg_u16_u32x4(w, ha + 8 + 8 * t)
-    qb = ldg_u16_u32x4(w, hb + 8 + 8 * t)
+    # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31:
+    # low nibbles are columns 64t + 0..31 (sub-block 2t), high ones 64t + 32..63 (sub-block
+    # 2t + 1), so a unit decodes two scales for 64 columns. Every piece is 16-byte aligned
+    # (144 = 9 * 16). Tuple elements are taken with literal indices only: a variable index
+    # becomes a branchy switch in numba.
+    qa0 = ldg_u16_u32x4(w, ha + 8 + 16 * t)
+    qa1 = ldg_u16_u32x4(w, ha + 16 + 16 * t)
+    qb0 = ldg_u16_u32x4(w, hb + 8 + 16 * t)
+    qb1 = ldg_u16_u32x4(w, hb + 16 + 16 * t)
     sa = ldg_u16_u32x4(w, ha)
     sb = ldg_u16_u32x4(w, hb)
-    cl = c + 64 * g + 16 * (t & 1)
+    cl = c + 64 * t
     z = np.float32(0.0)
     acc = (z, z, z, z, z, z, z, z, z, z)
-    acc = k4_word(qa[0], qb[0], x, cl, acc)
-    acc = k4_word(qa[1], qb[1], x, cl + 4, acc)
-    acc = k4_word(qa[2], qb[2], x, cl + 8, acc)
-    acc = k4_word(qa[3], qb[3], x, cl + 12, acc)
+    acc = k4_word(qa0[0], qb0[0], x, cl, acc)
+    acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
+    acc = k4_word(qa0[2], qb0[2], x, cl + 8, acc)
+    acc = k4_word(qa0[3], qb0[3], x, cl + 12, acc)
+    acc = k4_word(qa1[0], qb1[0], x, cl + 16, acc)
+    acc = k4_word(qa1[1], qb1[1], x, cl + 20, acc)
+    acc = k4_word(qa1[2], qb1[2], x, cl + 24, acc)
+    acc = k4_word(qa1[3], qb1[3], x, cl + 28, acc)
     al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
-    return (k4_row(sa[0], sa[1], sa[2], sa[3], g, al0, al8, ah0, ah8, sxl, sxh),
-            k4_row(sb[0], sb[1], sb[2], sb[3], g, bl0, bl8, bh0, bh8, sxl, sxh))
+    return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
+            k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
 
 
 @_dev
 def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
     """Group g of Q6_K: nibble g >> 1 of ql with bits 2g, 2g + 1 of qh as bits 4-5, each
-    byte's 6-bit q (still biased by 32) times x0..x3."""
+    byte's 6-bit q, less 32 in the same add as the magic (exact: small integers)."""
     lo = U(U(ql >> U(4 * (g >> 1))) & U(0x0F0F0F0F))
     hi = U(U(U(qh >> U(2 * g)) & U(0x03030303)) << U(4))
     v = U(lo | hi)
-    v2 = U(v >> B16)
-    a0 = cuda.fma(fm(U(v & U(63))), x0, a0)
-    a8 = cuda.fma(fm(U(v & U(0x3F00))), x1, a8)
-    a0 = cuda.fma(fm(U(v2 & U(63))), x2, a0)
-    a8 = cuda.fma(fm(U(v2 & U(0x3F00))), x3, a8)
+    vm = U(v | MAGIC)
+    v2m = U(U(v >> B16) | MAGIC)
+    b0 = np.float32(8388608.0 + 32)
+    b8 = np.float32(8388608.0 + 32 * 256)
+    a0 = cuda.fma(fmm(vm, 63, b0), x0, a0)
+    a8 = cuda.fma(fmm(vm, 0x3F00, b8), x1, a8)
+    a0 = cuda.fma(fmm(v2m, 63, b0), x2, a0)
+    a8 = cuda.fma(fmm(v2m, 0x3F00, b8), x3, a8)
     return a0, a8
 
 
@@ -217,23 +235,21 @@ def i8f(b):
 @_dev
 def q6_group(pa, ha, pb, hb, g, x, c):
     """Group g (32 columns; this unit's 16 start at c) of rows a and b of a Q6_K block:
-    the sums of q * x (q still biased by 32) and the sum of x."""
+    the sums of (q - 32) * x."""
     z = np.float32(0.0)
     x0, x1, x2, x3 = ldg_f32x4(x, c)
     y0, y1, y2, y3 = ldg_f32x4(x, c + 4)
-    sx = ((x0 + x1) + (x2 + x3)) + ((y0 + y1) + (y2 + y3))
     a0, a8 = q6_acc(pa[0], ha[0], g, x0, x1, x2, x3, z, z)
     b0, b8 = q6_acc(pb[0], hb[0], g, x0, x1, x2, x3, z, z)
     a0, a8 = q6_acc(pa[1], ha[1], g, y0, y1, y2, y3, a0, a8)
     b0, b8 = q6_acc(pb[1], hb[1], g, y0, y1, y2, y3, b0, b8)
     x0, x1, x2, x3 = ldg_f32x4(x, c + 8)
     y0, y1, y2, y3 = ldg_f32x4(x, c + 12)
-    sx += ((x0 + x1) + (x2 + x3)) + ((y0 + y1) + (y2 + y3))
     a0, a8 = q6_acc(pa[2], ha[2], g, x0, x1, x2, x3, a0, a8)
     b0, b8 = q6_acc(pb[2], hb[2], g, x0, x1, x2, x3, b0, b8)
     a0, a8 = q6_acc(pa[3], ha[3], g, y0, y1, y2, y3, a0, a8)
     b0, b8 = q6_acc(pb[3], hb[3], g, y0, y1, y2, y3, b0, b8)
-    return a0 + a8 * S8, b0 + b8 * S8, sx
+    return a0 + a8 * S8, b0 + b8 * S8
 
 
 @_dev
@@ -262,9 +278,9 @@ def unit_q6_k(w, ha, hb, x, c, t):
 
 @_dev
 def q6_step(w, ha, hb, pa, qa, pb, qb, g, x, c, k, ya, yb):
-    sa, sb, sx = q6_group(pa, qa, pb, qb, g, x, c)
-    ya += q6_scale_at(w, ha, k) * (sa - np.float32(32.0) * sx)
-    yb += q6_scale_at(w, hb, k) * (sb - np.float32(32.0) * sx)
+    sa, sb = q6_group(pa, qa, pb, qb, g, x, c)
+    ya = cuda.fma(q6_scale_at(w, ha, k), sa, ya)
+    yb = cuda.fma(q6_scale_at(w, hb, k), sb, yb)
     return ya, yb
 
 
@@ -279,13 +295,14 @@ def q6_scale_at(w, h, k):
 @_dev
 def q8_acc(q, x0, x1, x2, x3, a0, a8):
     v = U(q ^ U(0x80808080))
-    v2 = U(v >> B16)
+    vm = U(v | MAGIC)
+    v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 128)
     b8 = np.float32(8388608.0 + 128 * 256)
-    a0 = cuda.fma(fms(U(v & U(255)), b0), x0, a0)
-    a8 = cuda.fma(fms(U(v & U(0xFF00)), b8), x1, a8)
-    a0 = cuda.fma(fms(U(v2 & U(255)), b0), x2, a0)
-    a8 = cuda.fma(fms(U(v2 & U(0xFF00)), b8), x3, a8)
+    a0 = cuda.fma(fmm(vm, 255, b0), x0, a0)
+    a8 = cuda.fma(fmm(vm, 0xFF00, b8), x1, a8)
+    a0 = cuda.fma(fmm(v2m, 255, b0), x2, a0)
+    a8 = cuda.fma(fmm(v2m, 0xFF00, b8), x3, a8)
     return a0, a8
 
 
@@ -317,7 +334,7 @@ def q8_word(qa, qb, x, c, acc):
 # flight), unit function.
 FastSpec = namedtuple("FastSpec", "qk bs tpb unroll unit")
 FAST_SPECS = {
-    T.Q4_K: FastSpec(256, 144, 8, 2, unit_q4_k),
+    T.Q4_K: FastSpec(256, 144, 4, 2, unit_q4_k),
     T.Q6_K: FastSpec(256, 210, 4, 1, unit_q6_k),
     T.Q8_0: FastSpec(32, 34, 2, 2, unit_q8_0),
 }
