@@ -1,13 +1,20 @@
 """Prefill matmul throughput (luce.kernels.matmul) on random GGUF weights.
 
-    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_matmul [--sweep]
+    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_matmul [--small-m] [--sweep]
 
 Shapes are (M, K, N): Y[M, N] = X[M, K] @ W[N, K]^T; the defaults are Qwen3-8B's FFN up/gate
-(4096 -> 12288), down (12288 -> 4096) and a 4096 x 4096 projection at a 512-token prefill.
+(4096 -> 12288), down (12288 -> 4096) and a 4096 x 4096 projection at a 512-token prefill;
+--small-m takes the speculative-verification widths (M = 8, 16, 23, 64) of the first two.
 Times are CUDA-event means over `reps` launches after a warm-up (which also compiles).
 time_us is GPU time: the launches are queued behind a sleeping kernel, so they run back to
 back whatever the host's launch cost (numba: ~50-150 us a launch, more than a 4096 x 4096
 product takes); wall_us is the same loop without the queueing, host cost included.
+Successive launches cycle through copies of W at distinct addresses, >= rotate_mb in all
+(256 MB: five times the H200's 50 MB L2), so that each launch reads its weights from HBM as
+a model's layers do; with one copy a 28 MB weight would stay in L2 and small M would look
+faster than it is. GB/s is weight bytes over time: at small M the kernel should approach
+HBM speed (~3-4 TB/s on the H200); baseline=True adds the time of the 1-row matvec on the
+same weights (timed the same way) and their ratio.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import json
 import numpy as np
 
 DEFAULT_SHAPES = ((512, 4096, 12288), (512, 12288, 4096), (512, 4096, 4096))
+SMALL_M_SHAPES = tuple((m, k, n) for m in (8, 16, 23, 64) for _, k, n in DEFAULT_SHAPES[:2])
 
 
 def random_weight(qtype, n: int, k: int, rng) -> np.ndarray:
@@ -31,11 +39,19 @@ def random_weight(qtype, n: int, k: int, rng) -> np.ndarray:
 
 def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dtype=np.float32,
                  use_mma=None, reps: int = 20, warmup: int = 3, seed: int = 0, min_blocks=None,
-                 x_convert=None) -> list[dict]:
-    """One row per (shape, qtype): M, K, N, qtype, time_us, TFLOP/s (2 M N K flops)."""
+                 x_convert=None, splits=None, per_sm: int | None = None, rotate_mb: float = 256,
+                 baseline: bool = False) -> list[dict]:
+    """One row per (shape, qtype): M, K, N, qtype, tile, splits, time_us, TFLOP/s (2 M N K
+    flops), GB/s (weight bytes), wall_us[, matvec_us and x_matvec with baseline].
+
+    tile=None: matmul's own choice (pick_tile), splits as it decides. A given tile runs
+    with `splits`, or, with per_sm (resident blocks an SM) given instead, auto_splits'."""
+    import math
+
     from numba import cuda
 
-    from luce.kernels.matmul import matmul
+    from luce.kernels.matmul import auto_splits, matmul, pick_tile
+    from luce.kernels.quant_types import as_qtype, row_bytes
 
     @cuda.jit
     def sleep(n):  # holds the stream while the host queues the timed launches
@@ -45,33 +61,60 @@ def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dt
     rows = []
     for m, k, n in shapes:
         x = cuda.to_device(rng.standard_normal((m, k)).astype(x_dtype))
+        x1 = cuda.to_device(rng.standard_normal(k).astype(np.float32))
         out = cuda.device_array((m, n), np.float32)
+        out1 = cuda.device_array(n, np.float32)
         for qt in qtypes:
-            w = cuda.to_device(random_weight(qt, n, k, rng))
+            if tile is None:
+                t, sp = pick_tile(m, n, k, qt, sim=False)
+            else:
+                t = tuple(tile)
+                sp = splits or (auto_splits(t, m, n, k, per_sm) if per_sm else 1)
+            wbytes = n * row_bytes(as_qtype(qt), k)
+            w0 = cuda.to_device(random_weight(qt, n, k, rng))
+            ws = [w0]
+            for _ in range(max(1, math.ceil(rotate_mb * 2**20 / wbytes)) - 1):
+                c = cuda.device_array_like(w0)
+                c.copy_to_device(w0)
+                ws.append(c)
             stream = cuda.stream()
 
-            def call():
-                matmul(x, w, qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=tile, min_blocks=min_blocks,
-                       x_convert=x_convert)
-            for _ in range(warmup):
-                call()
-            stream.synchronize()
-            e0, e1 = cuda.event(), cuda.event()  # timing events by default
-            res = {}
-            for mode in ("wall", "gpu"):
-                if mode == "gpu":
-                    sleep[1, 1, stream](2 * reps + 5)  # ~1 ms a unit (nanosleep is approximate): > host time
-                e0.record(stream)
-                for _ in range(reps):
-                    call()
-                e1.record(stream)
-                e1.synchronize()
-                res[mode] = e0.elapsed_time(e1) * 1e3 / reps
+            def call(i):
+                matmul(x, ws[i % len(ws)], qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=t,
+                       min_blocks=min_blocks, x_convert=x_convert, splits=sp)
+
+            def time_us(fn):
+                for i in range(warmup):
+                    fn(i)
+                stream.synchronize()
+                e0, e1 = cuda.event(), cuda.event()  # timing events by default
+                res = {}
+                for mode in ("wall", "gpu"):
+                    if mode == "gpu" and not cuda.config.ENABLE_CUDASIM:  # (no nanosleep there; smoke runs only)
+                        sleep[1, 1, stream](2 * reps + 5)  # ~1 ms a unit (nanosleep is approximate): > host time
+                    e0.record(stream)
+                    for i in range(reps):
+                        fn(i)
+                    e1.record(stream)
+                    e1.synchronize()
+                    res[mode] = e0.elapsed_time(e1) * 1e3 / reps
+                return res
+            res = time_us(call)
             us = res["gpu"]
-            rows.append(dict(M=m, K=k, N=n, qtype=qt, time_us=round(us, 1),
-                             **{"TFLOP/s": round(2 * m * n * k / (us * 1e-6) / 1e12, 1)},
-                             wall_us=round(res["wall"], 1)))
-            del w
+            row = dict(M=m, K=k, N=n, qtype=qt, tile="x".join(map(str, t[:5])) + "/" + "/".join(map(str, t[5:])),
+                       splits=sp, time_us=round(us, 1),
+                       **{"TFLOP/s": round(2 * m * n * k / (us * 1e-6) / 1e12, 1),
+                          "GB/s": round(wbytes / (us * 1e-6) / 1e9)},
+                       wall_us=round(res["wall"], 1), weight_copies=len(ws))
+            if baseline:
+                from luce.kernels.matvec import matvec
+
+                def call1(i):
+                    matvec(ws[i % len(ws)], qt, x1, out=out1, stream=stream)
+                mv = time_us(call1)["gpu"]
+                row.update(matvec_us=round(mv, 1), x_matvec=round(us / mv, 2))
+            rows.append(row)
+            del ws, w0
     return rows
 
 
@@ -84,11 +127,30 @@ SWEEP = {
     "64x128x64 w32x64 (4 warps)": dict(tile=(64, 128, 64, 32, 64, "ldsm", 1)),
     "FMA path": dict(use_mma=False, shapes=DEFAULT_SHAPES[:1], reps=3),
 }
+# --small-m --sweep: candidates for TILES_SMALL_M (luce.kernels.matmul) at the M they would
+# serve; per_sm sets the split count (auto_splits), from ptxas register counts.
+_M16, _M23, _M64 = (SMALL_M_SHAPES[2:4], SMALL_M_SHAPES[4:6], SMALL_M_SHAPES[6:8])
+SWEEP_SMALL_M = {
+    "default (pick_tile), vs the 1-row matvec": dict(shapes=SMALL_M_SHAPES, baseline=True),
+    "default, X converted in the kernel": dict(shapes=_M16 + _M64, x_convert=False),
+    "16x64x128 2-stage unsplit": dict(shapes=_M16, tile=(16, 64, 128, 16, 16, "ldsm", 2), splits=1),
+    "16x64x128 1-stage": dict(shapes=_M16, tile=(16, 64, 128, 16, 16, "ldsm", 1), per_sm=4),
+    "16x64x256 1-stage (2 blocks/SM)": dict(shapes=_M16, tile=(16, 64, 256, 16, 16, "ldsm", 1), per_sm=2),
+    "16x128x128 8 warps": dict(shapes=_M16, tile=(16, 128, 128, 16, 16, "ldsm", 1), per_sm=2),
+    "16x64x64 2-stage": dict(shapes=_M16, tile=(16, 64, 64, 16, 16, "ldsm", 2), per_sm=6),
+    "32x64x64 2-stage at M=23": dict(shapes=_M23, tile=(32, 64, 64, 32, 16, "ldsm", 2), per_sm=5),
+    "32x64x128 w16x32 at M=23": dict(shapes=_M23, tile=(32, 64, 128, 16, 32, "ldsm", 1), per_sm=3),
+    "64x64x128 4 warps at M=64": dict(shapes=_M64, tile=(64, 64, 128, 32, 32, "ldsm", 1), per_sm=2),
+    "128x128 prefill tile at M=64 (before)": dict(shapes=_M64, tile=(128, 128, 64, 64, 32, "ldsm", 1)),
+}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="compare the tile configurations of SWEEP")
+    ap.add_argument("--small-m", action="store_true",
+                    help="verification widths (SMALL_M_SHAPES, with the 1-row matvec for scale; "
+                         "with --sweep: SWEEP_SMALL_M)")
     ap.add_argument("--qtypes", default="Q4_K,Q6_K")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="write the rows here")
@@ -96,7 +158,7 @@ def main(argv=None):
     qtypes = tuple(a.qtypes.split(","))
     out = []
     if a.sweep:
-        for label, kw in SWEEP.items():
+        for label, kw in (SWEEP_SMALL_M if a.small_m else SWEEP).items():
             kw = {"qtypes": qtypes[:1], "reps": a.reps, **kw}
             try:
                 rows = bench_matmul(**kw)
@@ -108,7 +170,8 @@ def main(argv=None):
                 print(json.dumps(r), flush=True)
             out += rows
     else:
-        out = bench_matmul(qtypes=qtypes, reps=a.reps)
+        kw = dict(shapes=SMALL_M_SHAPES, baseline=True) if a.small_m else {}
+        out = bench_matmul(qtypes=qtypes, reps=a.reps, **kw)
         for r in out:
             print(json.dumps(r), flush=True)
     if a.json:

@@ -38,7 +38,7 @@ from .dequant import dequantize
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "choose_splits", "matmul", "matmul_ref",
+__all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "auto_splits", "choose_splits", "matmul", "matmul_ref",
            "pick_tile", "to_f16"]
 
 _dev = cuda.jit(device=True)
@@ -564,8 +564,13 @@ def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
         if m <= m_max:
             break
     tile = _fit_bk(tile, qtype, k)
+    return tile, auto_splits(tile, m, n, k, per_sm)
+
+
+def auto_splits(tile, m: int, n: int, k: int, per_sm: int) -> int:
+    """choose_splits for `tile` on this product and device (per_sm: resident blocks an SM)."""
     blocks = -(-n // tile[1]) * -(-m // tile[0])
-    return tile, choose_splits(blocks, k // tile[2], per_sm, _num_sms())
+    return choose_splits(blocks, k // tile[2], per_sm, _num_sms())
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None,
