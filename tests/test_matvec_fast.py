@@ -176,7 +176,8 @@ for q in F.FAST_SPECS:
         assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name
         assert "shfl.sync" in ptx, name
         assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
-        assert "ld.shared" not in ptx and "st.shared" not in ptx, name
+        if not F.FAST_SPECS[q].sums:  # weights never go through shared memory
+            assert "ld.shared" not in ptx and "st.shared" not in ptx, name
 print("PTX OK")
 '''
 

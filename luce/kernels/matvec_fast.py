@@ -167,20 +167,18 @@ def k4_row(s0, s1, s2, s3, g, l0, l8, h0, h8, sxl, sxh):
 @_dev
 def k4_word(qa, qb, x, c, acc):
     """One quant word (8 nibbles: 4 columns of each sub-block) of rows a and b."""
-    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
+    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8 = acc
     x0, x1, x2, x3 = ldg_f32x4(x, c)
     y0, y1, y2, y3 = ldg_f32x4(x, c + 32)
-    sxl += (x0 + x1) + (x2 + x3)
-    sxh += (y0 + y1) + (y2 + y3)
     al0, al8 = nib_acc(qa, x0, x1, x2, x3, 0, al0, al8)
     ah0, ah8 = nib_acc(qa, y0, y1, y2, y3, 4, ah0, ah8)
     bl0, bl8 = nib_acc(qb, x0, x1, x2, x3, 0, bl0, bl8)
     bh0, bh8 = nib_acc(qb, y0, y1, y2, y3, 4, bh0, bh8)
-    return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh
+    return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8
 
 
 @_dev
-def unit_q4_k(w, ha, hb, x, c, t):
+def unit_q4_k(w, ha, hb, x, sxs, c, t):
     # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31:
     # low nibbles are columns 64t + 0..31 (sub-block 2t), high ones 64t + 32..63 (sub-block
     # 2t + 1), so a unit decodes two scales for 64 columns. Every piece is 16-byte aligned
@@ -194,7 +192,7 @@ def unit_q4_k(w, ha, hb, x, c, t):
     sb = ldg_u16_u32x4(w, hb)
     cl = c + 64 * t
     z = np.float32(0.0)
-    acc = (z, z, z, z, z, z, z, z, z, z)
+    acc = (z, z, z, z, z, z, z, z)
     acc = k4_word(qa0[0], qb0[0], x, cl, acc)
     acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
     acc = k4_word(qa0[2], qb0[2], x, cl + 8, acc)
@@ -203,7 +201,10 @@ def unit_q4_k(w, ha, hb, x, c, t):
     acc = k4_word(qa1[1], qb1[1], x, cl + 20, acc)
     acc = k4_word(qa1[2], qb1[2], x, cl + 24, acc)
     acc = k4_word(qa1[3], qb1[3], x, cl + 28, acc)
-    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
+    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8 = acc
+    # sums of x over the two sub-blocks, for the mins (computed once per thread block)
+    sxl = sxs[(c >> 5) + 2 * t]
+    sxh = sxs[(c >> 5) + 2 * t + 1]
     return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
             k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
 
@@ -253,7 +254,7 @@ def q6_group(pa, ha, pb, hb, g, x, c):
 
 
 @_dev
-def unit_q6_k(w, ha, hb, x, c, t):
+def unit_q6_k(w, ha, hb, x, sxs, c, t):
     # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
     # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
     # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
@@ -307,7 +308,7 @@ def q8_acc(q, x0, x1, x2, x3, a0, a8):
 
 
 @_dev
-def unit_q8_0(w, ha, hb, x, c, t):
+def unit_q8_0(w, ha, hb, x, sxs, c, t):
     # Q8_0: d qs[32]. Unit t (2 a block) holds qs bytes 16t .. 16t + 15 = columns 16t + 0..15.
     qa = ld16(w, ha + 1 + 8 * t)
     qb = ld16(w, hb + 1 + 8 * t)
@@ -331,13 +332,15 @@ def q8_word(qa, qb, x, c, acc):
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
-# flight), unit function.
-FastSpec = namedtuple("FastSpec", "qk bs tpb unroll unit")
+# flight), unit function, whether units read the sums of x over 32 columns (sxs).
+FastSpec = namedtuple("FastSpec", "qk bs tpb unroll unit sums")
 FAST_SPECS = {
-    T.Q4_K: FastSpec(256, 144, 4, 2, unit_q4_k),
-    T.Q6_K: FastSpec(256, 210, 4, 1, unit_q6_k),
-    T.Q8_0: FastSpec(32, 34, 2, 2, unit_q8_0),
+    T.Q4_K: FastSpec(256, 144, 4, 2, unit_q4_k, True),
+    T.Q6_K: FastSpec(256, 210, 4, 1, unit_q6_k, False),
+    T.Q8_0: FastSpec(32, 34, 2, 2, unit_q8_0, False),
 }
+# Shared memory for the sums of x: columns up to 32 * SX_MAX (8 KiB a block).
+SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 
 if SIM:
@@ -369,33 +372,33 @@ def _make_rows(qtype):
     TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.unit
 
     @_dev
-    def at(w, ha, hb, x, n_units, u):
+    def at(w, ha, hb, x, sxs, n_units, u):
         # Units past the row's end are clamped to its last unit, so every load stays in
         # bounds and can issue before any branch; the caller drops their sums.
         u = min(u, n_units - 1)
         b = u // TPB
         t = u - b * TPB
-        return unit(w, ha + b * BH, hb + b * BH, x, b * QK, t)
+        return unit(w, ha + b * BH, hb + b * BH, x, sxs, b * QK, t)
 
     if UN == 1:
         @_dev
-        def rows_dot(w, ha, hb, x, n_units, lane):
+        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
             """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 32):
-                pa, pb = at(w, ha, hb, x, n_units, u)
+                pa, pb = at(w, ha, hb, x, sxs, n_units, u)
                 ya += pa
                 yb += pb
             return ya, yb
     else:
         @_dev
-        def rows_dot(w, ha, hb, x, n_units, lane):
+        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
             """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step so
             that twice the loads are in flight."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 64):
-                pa, pb = at(w, ha, hb, x, n_units, u)
-                qa, qb = at(w, ha, hb, x, n_units, u + 32)
+                pa, pb = at(w, ha, hb, x, sxs, n_units, u)
+                qa, qb = at(w, ha, hb, x, sxs, n_units, u + 32)
                 ya += pa
                 yb += pb
                 if u + 32 < n_units:
@@ -408,22 +411,36 @@ def _make_rows(qtype):
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW):
     rows_dot = _make_rows(qtype)
     RED = max(1, nw * RED_PER_WARP)
+    SUMS = FAST_SPECS[qtype].sums
+    SXN = SX_MAX if SUMS else 1
+    NT = 32 * nw
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units):
         red = cuda.shared.array(RED, np.float32)
+        sxs = cuda.shared.array(SXN, np.float32)
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
+        if SUMS:
+            # Row-independent: summed once here rather than by every row's units (which
+            # cost ~0.5 add per weight element and row).
+            for gi in range(cuda.threadIdx.x, x.size >> 5, NT):
+                s = np.float32(0.0)
+                for j in range(8):
+                    x0, x1, x2, x3 = ldg_f32x4(x, 32 * gi + 4 * j)
+                    s += (x0 + x1) + (x2 + x3)
+                sxs[gi] = s
+            cuda.syncthreads()
         row0 = (cuda.blockIdx.x * nw + wid) * ROWS
         # Rows past the end repeat the last row and are not stored: every warp runs the
         # same loop, as the simulator's block-wide barriers need.
         ra = min(row0, n_rows - 1)
         rb = min(row0 + 1, n_rows - 1)
-        ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, n_units, lane)
+        ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, lane)
         ya = warp_sum(ya, red, wid, lane)
         yb = warp_sum(yb, red, wid, lane)
         if glu:
-            ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, n_units, lane)
+            ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, lane)
             ua = warp_sum(ua, red, wid, lane)
             ub = warp_sum(ub, red, wid, lane)
             ya = _mv.silu(ya) * ua
@@ -466,6 +483,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None):
     n_cols = xshape[-1]
     if n_cols % spec.qk:
         raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk}")
+    if spec.sums and n_cols > 32 * SX_MAX:
+        raise ValueError(f"matvec_fast: {qtype.name} rows of more than {32 * SX_MAX} columns")
     ws = [weight_u16(w, qtype, n_cols) for w in w_list]
     n_rows = ws[0][1]
     if any(r != n_rows for _, r in ws):
