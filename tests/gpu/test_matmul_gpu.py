@@ -1,7 +1,8 @@
 """Prefill matmul (luce.kernels.matmul) on a real GPU at real shapes against the numpy
 reference: the tensor-core path (mma.sync + ldmatrix inline asm) for every type at
 Qwen3-8B projection shapes, the 32-bit-fragment and single-buffer variants, the FMA path,
-tails, f16 activations and the fused epilogues.
+tails, f16 activations and the fused epilogues; the small-M tiles that matmul picks for
+speculative verification (8-64 rows) with their split-K reduction, at Qwen3-8B FFN shapes.
 
 Run: NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu tests/gpu/test_matmul_gpu.py
 
@@ -23,7 +24,8 @@ pytestmark = [
 
 from luce.bench.kernels_matmul import random_weight  # noqa: E402
 from luce.kernels.dequant import dequantize  # noqa: E402
-from luce.kernels.matmul import matmul, matmul_ref  # noqa: E402
+from luce.kernels import matmul as MM  # noqa: E402
+from luce.kernels.matmul import TILE_GPU, TILES_SMALL_M, matmul, matmul_ref, pick_tile  # noqa: E402
 
 rng = np.random.default_rng()
 
@@ -88,3 +90,88 @@ def test_residual_in_place():
     ref = matmul_ref(x, w, "Q8_0", (n, k), residual=r)
     bound = np.abs(x) @ np.abs(dequantize(w, "Q8_0", (n, k))).T
     assert (np.abs(dr.copy_to_host() - ref) <= 2.0 ** -8 * bound + 1e-6).all()
+
+
+# ---------------------------------------------------------------- small M (verification)
+_W: dict = {}
+
+
+def weight(qtype, n, k):
+    """(host bytes, device bytes, |dequantized| float32) of one random weight per shape,
+    shared by the tests of that shape."""
+    key = (qtype, n, k)
+    if key not in _W:
+        w = random_weight(qtype, n, k, rng)
+        _W[key] = (w, cuda.to_device(w), np.abs(dequantize(w, qtype, (n, k))).astype(np.float32))
+    return _W[key]
+
+
+def check_small(qtype, m, n, k, x_dtype=np.float32, bias=None, residual=None, **kw):
+    w, wd, wabs = weight(qtype, n, k)
+    x = rng.standard_normal((m, k)).astype(x_dtype)
+    if residual is not None:
+        out = cuda.to_device(residual)  # in place, as the backend updates the residual stream
+        res = out
+    else:
+        out, res = cuda.to_device(np.full((m, n), np.nan, np.float32)), None
+    matmul(cuda.to_device(x), wd, qtype, n, k, out=out, bias=None if bias is None else cuda.to_device(bias),
+           residual=res, **kw)
+    y = out.copy_to_host()
+    assert not np.isnan(y).any(), f"{np.isnan(y).sum()} outputs unwritten"
+    ref = matmul_ref(x, w, qtype, (n, k), bias=bias, residual=residual)
+    bound = np.abs(x.astype(np.float32)) @ wabs.T
+    err = np.abs(y - ref)
+    bad = err > 2.0 ** -8 * bound + 1e-6
+    assert not bad.any(), f"{qtype} M={m}: {bad.sum()} outputs off, worst {err.max()}"
+    return y, x
+
+
+@pytest.mark.parametrize("k,n", [(4096, 12288), (12288, 4096)])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [8, 16, 23, 64])
+def test_small_m_real_shapes(m, qtype, k, n):
+    tile, splits = pick_tile(m, n, k, qtype)
+    assert tile in [t for _, t, _ in TILES_SMALL_M] and tile[0] >= m
+    assert splits > 1  # neither shape has enough column tiles alone
+    check_small(qtype, m, n, k)  # matmul's own choice (tile=None)
+    cnt = MM._SPLITBUF["cnt"].copy_to_host()
+    assert not cnt.any(), "split-K arrival counters left non-zero"
+
+
+def test_small_m_deterministic_and_split_invariant():
+    m, k, n = 16, 12288, 4096
+    y1, x = check_small("Q4_K", m, n, k)
+    _, wd, _ = weight("Q4_K", n, k)
+    xd = cuda.to_device(x)
+    y2 = matmul(xd, wd, "Q4_K", n, k).copy_to_host()
+    assert np.array_equal(y1, y2), "split-K sums depend on block arrival order"
+    tile, splits = pick_tile(m, n, k, "Q4_K")
+    y3 = matmul(xd, wd, "Q4_K", n, k, tile=tile, splits=1).copy_to_host()
+    y4 = matmul(xd, wd, "Q4_K", n, k, tile=tile, splits=splits + 3).copy_to_host()  # uneven split
+    scale = np.abs(y3).max()
+    assert np.abs(y1 - y3).max() <= 1e-4 * scale and np.abs(y4 - y3).max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_small_m_bias_residual_in_place(m):
+    k, n = 12288, 4096
+    check_small("Q6_K", m, n, k, bias=rng.standard_normal(n).astype(np.float32),
+                residual=rng.standard_normal((m, n)).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype,m,k,n,x_dtype", [
+    ("Q8_0", 16, 4096, 4096, np.float32), ("Q4_0", 23, 4096, 4096, np.float16),
+    ("F16", 8, 4096, 4096, np.float32), ("Q8_0", 16, 896, 4864, np.float32),  # K = 7 x 128
+])
+def test_small_m_other_types(qtype, m, k, n, x_dtype):
+    check_small(qtype, m, n, k, x_dtype=x_dtype)
+
+
+def test_small_m_fma_path_and_x_in_kernel():
+    check_small("Q4_K", 16, 12288, 4096, use_mma=False)
+    check_small("Q4_K", 64, 12288, 4096, x_convert=False)
+
+
+def test_big_tile_from_128_rows():
+    assert pick_tile(128, 4096, 4096, "Q4_K") == (TILE_GPU, 1)
+    check_small("Q4_K", 128, 4096, 4096)
