@@ -147,8 +147,8 @@ codegen.nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
 from numba import cuda
 from numba.cuda import types
 from luce.kernels import matmul as MM
-ptxas = shutil.which("ptxas") or next(iter(glob.glob(os.path.join(os.path.dirname(nvvm.__file__), "nonexistent"))), None)
-try:
+ptxas = shutil.which("ptxas")
+try:  # the dev extra's nvidia-cuda-nvcc-cu12 ships one
     import nvidia.cuda_nvcc as nv
     ptxas = ptxas or next(iter(glob.glob(os.path.join(list(nv.__path__)[0], "bin", "ptxas"))), None)
 except ImportError:

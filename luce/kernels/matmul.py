@@ -25,6 +25,19 @@ fragment loads, two shared buffers or two register-capped blocks per SM did not 
 Host cost of one matmul() call is ~400 us (two numba launches and argument marshalling):
 more than the GPU time of a 4096 x 4096 product, so prefill wants CUDA graphs.
 
+Small M (speculative verification: 8-64 rows) is a different regime: each weight byte
+serves only M rows, so the product is bound by streaming W from HBM, not by the tensor
+cores, and the 128 x 128 tile wastes most of its rows and launches N / 128 blocks for 132
+SMs. pick_tile (what matmul uses when tile=None) then takes one of TILES_SMALL_M: a row tile
+of 16, 32 or 64 rows that holds all of M (W is read once), 64-128 columns and 4-8 warps, at
+~95-165 registers so that 2-5 blocks share an SM, and splits K (choose_splits) until the grid
+fills the resident-block slots. Split-K blocks of one output tile leave their partial sums in
+a workspace; the last to arrive (an atomic counter per tile) adds them in split order and
+runs the epilogue, so one launch does it and the result does not depend on scheduling.
+Expected on the H200 (not yet measured; `python -m luce.bench.kernels_matmul --small-m`):
+M=16 near weight-streaming speed (Q4_K 4096 x 12288, 28 MB: ~10-15 us), against ~145 us for
+the batched matvec; M=64 about twice that, where mma issue starts to count.
+
 In the CUDA simulator (no inline asm, no warp-level instructions) the same code runs with
 Python stand-ins; mma and ldmatrix are emulated through a per-warp shared scratch array, so
 the tensor-core path's indexing can be checked there too (slowly: tiny shapes only).
