@@ -92,25 +92,25 @@ def fms(v, bias):
 @_dev
 def ld16(w, h):
     """16 bytes at uint16 index h of w (2-byte aligned) as four little-endian words."""
-    a = h & 7
+    a = U(h & 7)  # 32-bit: the tests below would otherwise be 64-bit compares
     base = h - a
     a0, a1, a2, a3 = ldg_u16_u32x4(w, base)
     # When a == 0 the second piece is unused; re-reading the first keeps the load in bounds.
-    b0, b1, b2, b3 = ldg_u16_u32x4(w, base + 8 if a != 0 else base)
-    s2 = (a & 4) != 0
+    b0, b1, b2, b3 = ldg_u16_u32x4(w, base + (8 if a != U(0) else 0))
+    s2 = U(a & U(4)) != U(0)
     c0 = a2 if s2 else a0
     c1 = a3 if s2 else a1
     c2 = b0 if s2 else a2
     c3 = b1 if s2 else a3
     c4 = b2 if s2 else b0
     c5 = b3 if s2 else b1
-    s1 = (a & 2) != 0
+    s1 = U(a & U(2)) != U(0)
     d0 = c1 if s1 else c0
     d1 = c2 if s1 else c1
     d2 = c3 if s1 else c2
     d3 = c4 if s1 else c3
     d4 = c5 if s1 else c4
-    if a & 1:
+    if a & U(1):  # ptxas predicates this: one funnel shift (SHF) per word
         return (U(U(d0 >> B16) | U(d1 << B16)), U(U(d1 >> B16) | U(d2 << B16)),
                 U(U(d2 >> B16) | U(d3 << B16)), U(U(d3 >> B16) | U(d4 << B16)))
     return d0, d1, d2, d3
@@ -213,9 +213,19 @@ def unit_q4_k(w, ha, hb, x, sxs, c, t):
 def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
     """Group g of Q6_K: nibble g >> 1 of ql with bits 2g, 2g + 1 of qh as bits 4-5, each
     byte's 6-bit q, less 32 in the same add as the magic (exact: small integers)."""
-    lo = U(U(ql >> U(4 * (g >> 1))) & U(0x0F0F0F0F))
-    hi = U(U(U(qh >> U(2 * g)) & U(0x03030303)) << U(4))
-    v = U(lo | hi)
+    lo = U(ql >> U(4 * (g >> 1)))
+    # qh's bits 2g, 2g + 1 of each byte to bits 4-5 (g is a literal: one shift or none)
+    if g == 0:
+        hi = U(qh << U(4))
+    elif g == 1:
+        hi = U(qh << U(2))
+    elif g == 2:
+        hi = qh
+    else:
+        hi = U(qh >> U(2))
+    # one bit-select: low nibbles from lo, the rest from hi; bits 6-7 of each byte are
+    # left over, and the field masks below drop them
+    v = U(U(U(lo ^ hi) & U(0x0F0F0F0F)) ^ hi)
     vm = U(v | MAGIC)
     v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 32)
