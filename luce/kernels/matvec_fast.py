@@ -2,25 +2,35 @@
 
 Why a second kernel: luce.kernels.matvec stages whole blocks in shared memory and decodes
 element by element through a generic interface; on the H200 that reaches 15-28% of copy
-bandwidth. Here (llama.cpp mmvq style) nothing goes through shared memory: a warp owns
+bandwidth. Here (llama.cpp mmvq style) weights never go through shared memory: a warp owns
 ROWS rows, each lane takes one "unit" (a fixed slice of one block: TPB lanes cover a
-block, consecutive lanes read consecutive 16-byte pieces, so a warp's loads are coalesced)
+block, consecutive lanes read consecutive pieces, so a warp's loads are coalesced)
 straight into registers with ld.global.nc.v4, reads the block's scales itself (the other
 lanes of the block hit the same L1 line), and multiplies with x read as float4 (x stays in
-L1/L2; the ROWS rows of a warp share every x load).
+L1/L2; the ROWS rows of a warp share every x load). Each lane runs `unroll` units per loop
+step, so 8-12 16-byte loads per lane are in flight.
 
-Decode cost is what bounds these kernels once loads are wide (Q4_K at 4 TB/s is ~32
-elements per SM clock against 128 issue slots), so each quant becomes a float with one
-logic op and one add: (word & mask) | 0x4B000000 read as float is 2**23 + (field << p)
-exactly, and subtracting 2**23 leaves field * 2**p. Fields at different bit positions p go
-to different accumulators, scaled by 2**-p once per unit; that also gives each lane
-several independent FMA chains.
+Once loads are wide, instruction issue is what bounds these kernels: Q4_K at 4 TB/s is
+~32 weights per SM clock against 128 issue slots. So each quant becomes a float with one
+logic op and one add: (word | M) & (mask | M), M = 0x4B000000, read as float is
+2**23 + (field << p) exactly, and subtracting 2**23 (plus Q6_K's 32 or Q8_0's 128, still
+exact) leaves the weight times 2**p. Fields at different bit positions p go to different
+accumulators, scaled by 2**-p once per unit; that also gives each lane several independent
+FMA chains. The floor is then 3 instructions per weight and row (logic, add, FMA); the
+SASS of the loops (sm_90, ptxas 13) has about 4.9 (Q4_K), 8 (Q6_K) and 8 (Q8_0), the rest
+being scales, ld16's selects and index math. Expect Q4_K near the memory ceiling and Q6_K
+/ Q8_0 issue-bound somewhat below it; bench_matvec_fast measures it.
 
-Q6_K (210-byte) and Q8_0 (34-byte) blocks sit at any even byte offset, so their 16-byte
-pieces come from two aligned 16-byte loads and a funnel shift (ld16); the second load is an
-L1 hit, DRAM traffic is unchanged. Arguments the fast path cannot take (a weight or x not
-16-byte aligned, a weight buffer whose size is not a multiple of 16 bytes) fall back to
-luce.kernels.matvec, which has the same semantics.
+Q4_K's mins need the sums of x over each 32 columns: row-independent, so every thread
+block sums them once into shared memory (up to 32 * SX_MAX columns). Q6_K (210-byte) and
+Q8_0 (34-byte) blocks sit at any even byte offset, so their 16-byte pieces come from two
+aligned 16-byte loads and a funnel shift (ld16); the second load hits L1 and DRAM traffic
+is unchanged. Arguments the fast path cannot take (a weight or x not 16-byte aligned, a
+weight buffer whose size is not a multiple of 16 bytes) go to luce.kernels.matvec, which
+has the same semantics.
+
+Float32 sums, like matvec: results agree with matvec_ref to ~1e-5 of sum |W| |x| (the tests'
+bound); the order of additions differs from matvec, so the two differ in the last bits.
 """
 from __future__ import annotations
 
