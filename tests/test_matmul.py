@@ -112,9 +112,9 @@ def test_pick_tile_defaults():
 # the 16- and 32-row tiles, on the FMA path the 16-row tile with an uneven split and the
 # 64-row tile (256 threads: too slow emulated, so its 32 x 32 warp tile runs in one warp).
 @pytest.mark.parametrize("qtype,m,n,k,splits,use_mma,tile,extra", [
-    ("Q4_K", 8, 64, 512, 3, True, SMALL[16], {}),                         # 2-stage, 1 + 1 + 2 steps
+    ("Q4_K", 8, 64, 256, 2, True, SMALL[16], {}),
     ("Q6_K", 23, 40, 256, 2, True, SMALL[32], dict(bias=True)),
-    ("Q8_0", 16, 64, 384, 2, False, SMALL[16], dict(residual=True)),
+    ("Q8_0", 16, 64, 384, 2, False, SMALL[16], dict(residual=True)),      # 2-stage, 1 + 2 steps
     ("Q4_0", 40, 96, 128, 2, False, SMALL[127], dict(x_dtype=np.float16)),
     ("Q8_0", 32, 24, 128, 2, True, (32, 32, 64, 32, 32, "ldsm", 1), {}),   # N tail inside the warp tile
 ])
