@@ -525,7 +525,7 @@ TILES_SMALL_M = (
     (32, (32, 64, 128, 32, 16, "ldsm", 1), 3),    # 130-190
     (127, (64, 128, 64, 32, 32, "ldsm", 1), 2),   # ~126, 8 warps
 )
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # beyond, the partial sums (splits x M x N x 8 bytes) cost more than the blocks win
 _SMS: dict = {}
 
 
@@ -771,7 +771,9 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         if flag[0] != nsplit - 1:
             return False
         cuda.threadfence()
-        # The constant-length loop innermost: unrolled, acc stays in registers.
+        # Plain (L1-cached) loads are safe: no block of this launch has read these words
+        # before, so no SM holds a stale copy. The constant-length loop innermost: it is
+        # unrolled and acc stays in registers.
         for e in range(NACC):
             acc[e] = 0.0
         for s in range(nsplit):
