@@ -147,31 +147,34 @@ def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
 
 
 @_dev
-def k4_scale(s1, s2, s3, j):
-    """(scale, min) of sub-block j of a Q4_K block whose scale bytes are the words s1..s3.
-    j differs between the lanes of a warp: both layouts are computed and one selected."""
-    sh = U(8 * (j & 3))
-    b1 = U(shr32(s1, sh) & U(255))
-    b2 = U(shr32(s2, sh) & U(255))
-    b3 = U(shr32(s3, sh) & U(255))
-    # a bit mask rather than `if`: numba's branches survive into the PTX
-    m = U(U(j >> 2) * U(0xFFFFFFFF))  # j < 8
-    sc0 = U(b1 & U(63))
-    mn0 = U(b2 & U(63))
-    sc = U(sc0 ^ U(U(sc0 ^ U(U(b3 & U(15)) | U(U(b1 >> U(6)) << U(4)))) & m))
-    mn = U(mn0 ^ U(U(mn0 ^ U(U(b3 >> U(4)) | U(U(b2 >> U(6)) << U(4)))) & m))
-    return fm(sc), fm(mn)
+def k4_scales(s1, s2, s3, t):
+    """Sub-blocks 2t and 2t + 1 of a Q4_K block whose scale bytes are the words s1..s3:
+    (scale 2t, 256 * scale 2t+1, min 2t, 256 * min 2t+1), both bytes at once (they are
+    adjacent in every word). t differs between the lanes of a warp: both layouts (t < 2,
+    t >= 2) are computed and one selected with a bit mask (an `if` would stay a branch)."""
+    sh = U(16 * (t & 1))
+    u1 = shr32(s1, sh)
+    u2 = shr32(s2, sh)
+    u3 = shr32(s3, sh)
+    m = U(U(t >> 1) * U(0xFFFFFFFF))  # t < 4
+    sc0 = U(u1 & U(0x3F3F))
+    mn0 = U(u2 & U(0x3F3F))
+    sc1 = U(U(u3 & U(0x0F0F)) | U(U(u1 >> U(2)) & U(0x3030)))
+    mn1 = U(U(U(u3 >> U(4)) & U(0x0F0F)) | U(U(u2 >> U(2)) & U(0x3030)))
+    scm = U(U(sc0 ^ U(U(sc0 ^ sc1) & m)) | MAGIC)
+    mnm = U(U(mn0 ^ U(U(mn0 ^ mn1) & m)) | MAGIC)
+    return (fmm(scm, 0xFF, F_MAGIC), fmm(scm, 0xFF00, F_MAGIC),
+            fmm(mnm, 0xFF, F_MAGIC), fmm(mnm, 0xFF00, F_MAGIC))
 
 
 @_dev
-def k4_row(s0, s1, s2, s3, g, l0, l8, h0, h8, sxl, sxh):
+def k4_row(s0, s1, s2, s3, t, l0, l8, h0, h8, sxl, sxh):
     d = f16_bits_to_f32(U(s0 & U(0xFFFF)))
     dm = f16_bits_to_f32(U(s0 >> B16))
-    scl, mnl = k4_scale(s1, s2, s3, 2 * g)
-    sch, mnh = k4_scale(s1, s2, s3, 2 * g + 1)
+    scl, sch, mnl, mnh = k4_scales(s1, s2, s3, t)
     lo = l0 + l8 * S8
-    hi = (h0 + h8 * S8) * np.float32(1.0 / 16)
-    return d * (scl * lo + sch * hi) - dm * (mnl * sxl + mnh * sxh)
+    hi = (h0 + h8 * S8) * np.float32(1.0 / 4096)  # 1/16 for the high nibble, 1/256 for sch
+    return d * (scl * lo + sch * hi) - dm * (mnl * sxl + mnh * (sxh * S8))
 
 
 @_dev
