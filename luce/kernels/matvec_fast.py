@@ -63,6 +63,10 @@ if SIM:
     @_dev
     def shr32(a, s):
         return U(U(a) >> U(s))
+
+    @_dev
+    def bitsel(a, b, c):
+        return U(U(a & c) | U(b & ~U(c)))
 else:
     from numba.cuda import types as _types
     from numba.cuda.extending import intrinsic
@@ -75,6 +79,19 @@ else:
 
         def codegen(context, builder, sig, args):
             return builder.lshr(args[0], args[1])
+        return sig, codegen
+
+    @intrinsic
+    def bitsel(typingctx, a, b, c):
+        """(a & c) | (b & ~c) as one lop3: written in numba, LLVM's canonical form with two
+        constant masks becomes two LOP3s (each takes one immediate)."""
+        sig = _types.uint32(_types.uint32, _types.uint32, _types.uint32)
+
+        def codegen(context, builder, sig, args):
+            from llvmlite import ir
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r")
+            return builder.call(asm, args)
         return sig, codegen
 
 
@@ -238,7 +255,7 @@ def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
         hi = U(qh >> U(2))
     # one bit-select: low nibbles from lo, the rest from hi; bits 6-7 of each byte are
     # left over, and the field masks below drop them
-    v = U(U(U(lo ^ hi) & U(0x0F0F0F0F)) ^ hi)
+    v = bitsel(lo, hi, U(0x0F0F0F0F))
     vm = U(v | MAGIC)
     v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 32)
