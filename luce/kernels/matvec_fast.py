@@ -117,13 +117,22 @@ def fms(v, bias):
 
 
 @_dev
-def ld16(w, h):
-    """16 bytes at uint16 index h of w (2-byte aligned) as four little-endian words."""
-    a = U(h & 7)  # 32-bit: the tests below would otherwise be 64-bit compares
-    base = h - a
-    a0, a1, a2, a3 = ldg_u16_u32x4(w, base)
+def pieces(h):
+    """For 16-byte pieces at uint16 indices h + 8k: (first aligned index, second aligned
+    index, offset a of the pieces in their aligned 16 bytes). Computed once per block row so
+    that every piece's two loads are a base register plus a constant."""
+    a = U(h & 7)  # 32-bit: ld16's tests would otherwise be 64-bit compares
+    b0 = h - a
     # When a == 0 the second piece is unused; re-reading the first keeps the load in bounds.
-    b0, b1, b2, b3 = ldg_u16_u32x4(w, base + (8 if a != U(0) else 0))
+    return b0, b0 + (8 if a != U(0) else 0), a
+
+
+@_dev
+def ld16(w, i0, i1, a):
+    """16 bytes at uint16 index i0 + a of w as four little-endian words, from the aligned
+    16 bytes at i0 and at i1 (see pieces)."""
+    a0, a1, a2, a3 = ldg_u16_u32x4(w, i0)
+    b0, b1, b2, b3 = ldg_u16_u32x4(w, i1)
     s2 = U(a & U(4)) != U(0)
     c0 = a2 if s2 else a0
     c1 = a3 if s2 else a1
@@ -302,12 +311,15 @@ def unit_q6_k(w, ha, hb, x, sxs, c, t):
     n = t >> 1
     hh = t & 1
     o = 32 * n + 8 * hh
-    la0 = ld16(w, ha + o)           # ql, groups 0 and 2
-    la1 = ld16(w, ha + o + 16)      # ql, groups 1 and 3
-    lha = ld16(w, ha + 64 + o // 2 + 4 * hh)
-    lb0 = ld16(w, hb + o)
-    lb1 = ld16(w, hb + o + 16)
-    lhb = ld16(w, hb + 64 + o // 2 + 4 * hh)
+    oh = 64 + 16 * n + 8 * hh
+    p0, p1, pa = pieces(ha)
+    la0 = ld16(w, p0 + o, p1 + o, pa)                    # ql, groups 0 and 2
+    la1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)          # ql, groups 1 and 3
+    lha = ld16(w, p0 + oh, p1 + oh, pa)                  # qh
+    p0, p1, pa = pieces(hb)
+    lb0 = ld16(w, p0 + o, p1 + o, pa)
+    lb1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)
+    lhb = ld16(w, p0 + oh, p1 + oh, pa)
     cc = c + 128 * n + 16 * hh
     k = 8 * n + hh
     ya, yb = q6_step(w, ha, hb, la0, lha, lb0, lhb, 0, x, cc, k, np.float32(0.0), np.float32(0.0))
@@ -350,8 +362,10 @@ def q8_acc(q, x0, x1, x2, x3, a0, a8):
 @_dev
 def unit_q8_0(w, ha, hb, x, sxs, c, t):
     # Q8_0: d qs[32]. Unit t (2 a block) holds qs bytes 16t .. 16t + 15 = columns 16t + 0..15.
-    qa = ld16(w, ha + 1 + 8 * t)
-    qb = ld16(w, hb + 1 + 8 * t)
+    p0, p1, pa = pieces(ha + 1 + 8 * t)
+    qa = ld16(w, p0, p1, pa)
+    p0, p1, pa = pieces(hb + 1 + 8 * t)
+    qb = ld16(w, p0, p1, pa)
     da = f16_bits_to_f32(U(w[ha]))
     db = f16_bits_to_f32(U(w[hb]))
     z = np.float32(0.0)
