@@ -53,6 +53,7 @@ NW = 4     # warps per thread block
 ROWS = 2   # rows per warp: each x load serves both (x is 4-8x the weight bytes per element)
 
 U = np.uint32
+U64 = np.uint64
 MAGIC = U(0x4B000000)
 F_MAGIC = np.float32(8388608.0)
 B16 = U(16)
@@ -321,28 +322,25 @@ def unit_q6_k(w, ha, hb, x, sxs, c, t):
     lb1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)
     lhb = ld16(w, p0 + oh, p1 + oh, pa)
     cc = c + 128 * n + 16 * hh
-    k = 8 * n + hh
-    ya, yb = q6_step(w, ha, hb, la0, lha, lb0, lhb, 0, x, cc, k, np.float32(0.0), np.float32(0.0))
-    ya, yb = q6_step(w, ha, hb, la1, lha, lb1, lhb, 1, x, cc + 32, k + 2, ya, yb)
-    ya, yb = q6_step(w, ha, hb, la0, lha, lb0, lhb, 2, x, cc + 64, k + 4, ya, yb)
-    ya, yb = q6_step(w, ha, hb, la1, lha, lb1, lhb, 3, x, cc + 96, k + 6, ya, yb)
+    # Scale 8n + 2g + hh is byte hh of uint16 96 + 4n + g: one base for all four groups,
+    # unsigned so that numba adds no negative-index wraparound.
+    sa = U64(ha + 96 + 4 * n)
+    sb = U64(hb + 96 + 4 * n)
+    ssh = U(8 * hh)
+    z = np.float32(0.0)
+    ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, x, cc, z, z)
+    ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
+    ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
+    ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 3, x, cc + 96, ya, yb)
     return (f16_bits_to_f32(U(w[ha + 104])) * ya, f16_bits_to_f32(U(w[hb + 104])) * yb)
 
 
 @_dev
-def q6_step(w, ha, hb, pa, qa, pb, qb, g, x, c, k, ya, yb):
-    sa, sb = q6_group(pa, qa, pb, qb, g, x, c)
-    ya = cuda.fma(q6_scale_at(w, ha, k), sa, ya)
-    yb = cuda.fma(q6_scale_at(w, hb, k), sb, yb)
+def q6_step(w, sa, sb, ssh, pa, qa, pb, qb, g, x, c, ya, yb):
+    da, db = q6_group(pa, qa, pb, qb, g, x, c)
+    ya = cuda.fma(i8f(shr32(U(w[sa + U64(g)]), ssh)), da, ya)
+    yb = cuda.fma(i8f(shr32(U(w[sb + U64(g)]), ssh)), db, yb)
     return ya, yb
-
-
-@_dev
-def q6_scale_at(w, h, k):
-    """int8 scale k of the Q6_K block at uint16 index h: one 2-byte load (an L1 hit: the
-    block's other lanes read the same line)."""
-    v = U(w[h + 96 + (k >> 1)])
-    return i8f(shr32(v, U(8 * (k & 1))))
 
 
 @_dev
