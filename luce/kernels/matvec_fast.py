@@ -332,7 +332,7 @@ def unit_q6_k(w, ha, hb, x, sxs, c, t):
     ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
     ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
     ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 3, x, cc + 96, ya, yb)
-    return (f16_bits_to_f32(U(w[ha + 104])) * ya, f16_bits_to_f32(U(w[hb + 104])) * yb)
+    return (f16_bits_to_f32(U(w[U64(ha + 104)])) * ya, f16_bits_to_f32(U(w[U64(hb + 104)])) * yb)
 
 
 @_dev
@@ -364,8 +364,8 @@ def unit_q8_0(w, ha, hb, x, sxs, c, t):
     qa = ld16(w, p0, p1, pa)
     p0, p1, pa = pieces(hb + 1 + 8 * t)
     qb = ld16(w, p0, p1, pa)
-    da = f16_bits_to_f32(U(w[ha]))
-    db = f16_bits_to_f32(U(w[hb]))
+    da = f16_bits_to_f32(U(w[U64(ha)]))
+    db = f16_bits_to_f32(U(w[U64(hb)]))
     z = np.float32(0.0)
     acc = q8_word(qa[0], qb[0], x, c + 16 * t, (z, z, z, z))
     acc = q8_word(qa[1], qb[1], x, c + 16 * t + 4, acc)
@@ -422,14 +422,16 @@ else:
 def _make_rows(qtype):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.unit
+    SH = TPB.bit_length() - 1
+    assert TPB == 1 << SH
 
     @_dev
     def at(w, ha, hb, x, sxs, n_units, u):
         # Units past the row's end are clamped to its last unit, so every load stays in
         # bounds and can issue before any branch; the caller drops their sums.
         u = min(u, n_units - 1)
-        b = u // TPB
-        t = u - b * TPB
+        b = u >> SH  # u >= 0: a shift, not numba's floor division
+        t = u & (TPB - 1)
         return unit(w, ha + b * BH, hb + b * BH, x, sxs, b * QK, t)
 
     if UN == 1:
