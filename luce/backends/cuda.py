@@ -18,6 +18,9 @@ import numpy as np
 from ..kv.paged import PagedKVCache
 
 MAX_MATVEC_ROWS = 64
+# from this many rows the small-M tensor-core matmul beats the batched matvec, which is
+# arithmetic-bound (16 rows cost ~10x one row on the H200)
+MATMUL_MIN_ROWS = 8
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 ALIGN = 256
 
@@ -92,15 +95,18 @@ class CudaOps:
         return rms_norm_cuda(x, w, eps, out=self._out(x.shape), stream=self.stream)
 
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
+        from ..kernels.matmul import MATMUL_TYPES, matmul
+        from ..kernels.matvec import matvec
+        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
-        from ..kernels.matmul import MATMUL_TYPES, matmul
-        from ..kernels.matvec import matvec
-        if n > MAX_MATVEC_ROWS and w.qtype in MATMUL_TYPES:
+        if n == 1 and w.qtype in FAST_TYPES:
+            return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
+        if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
                           stream=self.stream)
-        # decode and verification widths; also long prefill of types the matmul lacks, 64 rows at a time
+        # a few rows; also long prefill of types the matmul lacks, 64 rows at a time
         for s in range(0, n, MAX_MATVEC_ROWS):
             e = min(n, s + MAX_MATVEC_ROWS)
             matvec(w.raw, w.qtype, x[s:e], out=out[s:e], bias=bias,
@@ -108,11 +114,18 @@ class CudaOps:
         return out
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
+        from ..kernels.matmul import MATMUL_TYPES
+        from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
         n = x.shape[0]
-        if n <= MAX_MATVEC_ROWS and w_gate.qtype == w_up.qtype:
-            from ..kernels.matvec import swiglu
-            return swiglu(w_gate.raw, w_up.raw, w_gate.qtype, x, out=self._out((n, w_gate.shape[0])),
-                          stream=self.stream)
+        if w_gate.qtype == w_up.qtype:
+            qt = w_gate.qtype
+            if n == 1 and qt in FAST_TYPES:
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
+                                   stream=self.stream)
+            if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
+                from ..kernels.matvec import swiglu
+                return swiglu(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
+                              stream=self.stream)
         from ..kernels.activation import swiglu_cuda
         g, u = self.linear(x, w_gate), self.linear(x, w_up)
         return swiglu_cuda(g, u, out=g, stream=self.stream)
