@@ -9,7 +9,8 @@ MATVEC_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (25600, 5120), (512
 def run(record: bool = True) -> dict:
     from .ceilings import copy_bandwidth_gbs
     from .kernels_attention import bench_attention
-    from .kernels_matmul import bench_matmul
+    from .kernels_matmul import SMALL_M_SHAPES, bench_matmul
+    from ..kernels.matvec_fast import bench_matvec_fast
     from .report import append_to_docs, print_table
     from ..kernels.matvec import bench_matvec
 
@@ -24,10 +25,11 @@ def run(record: bool = True) -> dict:
         print_table(title, rows, cols)
         sections.append((title, rows, cols))
 
-    add("matvec, 1 row (decode)", bench_matvec(MATVEC_SHAPES, ("Q4_K", "Q6_K", "Q8_0")), "GB/s")
-    add("matvec, 16 rows (verification)", bench_matvec(MATVEC_SHAPES[:3], ("Q4_K", "Q6_K"), batch=16), "GB/s")
-    add("fused gate/up SwiGLU matvec", bench_matvec(((12288, 4096), (25600, 5120)), ("Q4_K",), glu=True), "GB/s")
-    add("prefill matmul", bench_matmul())
+    add("fast matvec, 1 row (decode; weights rotated past L2)", bench_matvec_fast(MATVEC_SHAPES), "GB/s")
+    add("generic matvec, 1 row", bench_matvec(MATVEC_SHAPES[:3], ("Q4_K", "Q6_K", "Q8_0")), "GB/s")
+    add("verification widths: small-M tensor-core matmul vs 1-row matvec", bench_matmul(SMALL_M_SHAPES, baseline=True),
+        "GB/s")
+    add("prefill matmul, 512 rows", bench_matmul())
     add("attention over 8K context (Qwen3-8B heads)", bench_attention())
     print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
     if record:
