@@ -97,12 +97,6 @@ else:
 
 
 @_dev
-def fm(v):
-    """v (< 2**23, already masked) as float32, exactly."""
-    return u32_bits_to_f32(U(v | MAGIC)) - F_MAGIC
-
-
-@_dev
 def fmm(vm, mask, bias):
     """Field `mask` of vm = v | 0x4B000000 as float32, less bias - 2**23: (v & mask) | M
     equals (v | M) & (mask | M) when mask and M share no bits, and the latter needs one
@@ -154,9 +148,10 @@ def ld16(w, i0, i1, a):
 
 
 # ---------------------------------------------------------------------------------------
-# Per-type units. unit(w, ha, hb, x, c, t) -> (ya, yb): the dot products with x of unit t
-# of the block starting at uint16 index ha (row a) and hb (row b); c = the block's first
-# column.
+# Per-type units. unit(w, ha, hb, x, sxs, c, t) -> (ya, yb): the dot products with x of
+# unit t of the block starting at uint16 index ha (row a) and hb (row b); c = the block's
+# first column; sxs = the sums of x over each 32 columns (filled only for types whose spec
+# asks for them).
 # ---------------------------------------------------------------------------------------
 @_dev
 def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
