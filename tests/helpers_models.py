@@ -30,6 +30,10 @@ XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</para
             "</tool_call>")
 JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Nice", "days": 5}}'
 BAD_CALL = 'Checking.\n<tool_call>\n{"name": get_weather, oops}\n</tool_call>'
+# the two calls are spelled differently: with six tokens of context, "</tool_call>" must
+# be told apart by what precedes it
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+             '<tool_call>{"arguments": {"zone": "CET"}, "name": "get_time"}</tool_call>')
 ANSWER = "It is sunny in Paris today."
 THINK = "<think>\nThe user greets me. I should greet back.\n</think> Hi there, friend!"
 TEXT = "Hello from the tiny model."
@@ -39,7 +43,7 @@ TICK_LOOP = " tick tock"  # repeats until max_tokens, a timeout or a cancel
 
 SCRIPTS = {
     "answer": ANSWER, "think": THINK, "xml": XML_CALL, "json": JSON_CALL, "bad": BAD_CALL,
-    "tool": TOOL_CALL, "text": TEXT,
+    "tool": TOOL_CALL, "text": TEXT, "two": TWO_CALLS,
 }
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -75,6 +79,7 @@ TEMPLATE = """\
 {%- elif tools and '[xml]' in text %}{{- M.xml }}
 {%- elif tools and '[json]' in text %}{{- M.json }}
 {%- elif tools and '[bad]' in text %}{{- M.bad }}
+{%- elif tools and '[two]' in text %}{{- M.two }}
 {%- elif tools %}{{- M.tool }}
 {%- else %}{{- M.text }}
 {%- endif %}
@@ -89,7 +94,7 @@ ROPE_DIM = 32  # the rest of each head is not rotated: the marker heads match th
 QK_GAIN = 8.0  # q/k norm weights: ~60 logits between the wanted offset and its neighbours
 GATE = 12.0  # feed-forward gate slope: silu(6) when a unit matches, ~0 otherwise (and no exp overflow)
 LOGIT = 30.0  # the successor's logit; every other token gets 0
-ORDER = 5  # the next token is a function of the script and this many last tokens
+ORDER = 6  # the next token is a function of the script and this many last tokens
 
 
 def _rules(tok, markers: dict[str, str]) -> dict[tuple[int, tuple[int, ...]], int]:
@@ -114,8 +119,8 @@ def _rules(tok, markers: dict[str, str]) -> dict[tuple[int, tuple[int, ...]], in
     loop = enc(PONDER_LOOP)
     chain(m, [m] + enc(PONDER_OPEN) + loop * 3 + loop[:ORDER])
     # The engine closes an over-budget <think> with this text; the plain answer follows.
-    close = enc("\n</think>\n\n")
-    chain(m, close[-ORDER:] + enc(TEXT) + [eos], anchor=ORDER)
+    close = enc("\n</think>\n\n")[-ORDER:]
+    chain(m, close + enc(TEXT) + [eos], anchor=len(close))
     m = tok.token_to_id(markers["tick"])
     loop = enc(TICK_LOOP)
     chain(m, [m] + loop * 3 + loop[:ORDER])

@@ -29,7 +29,7 @@ def server(smollm2_path):
     from luce.server.app import create_app
 
     model = luce.load(script_model_path(smollm2_path), backend="cpu", n_ctx=2048)
-    app = create_app(model, model_name=MODEL, max_queue=2, request_timeout=4.0)
+    app = create_app(model, model_name=MODEL, max_queue=2, request_timeout=60.0)
     with LiveServer(app) as srv:
         yield srv
 
@@ -286,7 +286,7 @@ def test_queue_limit_429_then_everything_completes(server, oai, ant):
             assert e.value.body["error"]["type"] == "rate_limit_error"
         # leaving the stream disconnects: the running generation stops, the queued ones run
         for t in waiters:
-            t.join(timeout=20)
+            t.join(timeout=90)
     assert [r.choices[0].message.content for r in results] == [TEXT, TEXT]
     _wait(lambda: _metric(server, "luce_generations_total", api="openai", finish_reason="cancelled") >= 1)
 
@@ -301,21 +301,27 @@ def test_client_disconnect_cancels_non_streaming(server):
     assert not _health(server)["busy"]
 
 
-def test_request_timeout_ends_generation(oai):
-    # the server's timeout is 4 s, waiting included: the running request stops at it,
-    # and the one queued behind it is served next, in what is left of its own 4 s
-    out = {}
+def test_request_timeout_ends_generation(server):
+    # a second server on the same model, with a 3 s timeout (waiting included): the
+    # running request stops at it, and the one queued behind it is served next, in what
+    # is left of its own 3 s
+    from luce.server.app import create_app
 
-    def run():
-        out["r"] = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[tick]"}],
-                                               max_tokens=2000, temperature=0)
-    t0 = time.time()
-    first = threading.Thread(target=run)
-    first.start()
-    time.sleep(1.0)
-    after = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    with LiveServer(create_app(server.state.model, model_name=MODEL, request_timeout=3.0)) as short:
+        api = openai.OpenAI(base_url=short.url + "/v1", api_key="none", max_retries=0)
+        out = {}
+
+        def run():
+            out["r"] = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[tick]"}],
+                                                   max_tokens=2000, temperature=0)
+        t0 = time.time()
+        first = threading.Thread(target=run)
+        first.start()
+        time.sleep(1.0)
+        after = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            temperature=0)
+        first.join()
     assert after.choices[0].message.content and TEXT.startswith(after.choices[0].message.content)
-    first.join()
     assert time.time() - t0 < 15
     r = out["r"]
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 2000
@@ -403,7 +409,7 @@ def test_keepalive_while_a_stream_waits(server, oai, monkeypatch):
     for t in waiters:
         t.start()
     for t in [busy, *waiters]:
-        t.join(timeout=30)
+        t.join(timeout=90)
     assert ": keep-alive" in lines["/v1/chat/completions"] and lines["/v1/chat/completions"][-1] == "data: [DONE]"
     assert "event: ping" in lines["/v1/messages"] and lines["/v1/messages"][-2] == "event: message_stop"
 
@@ -436,3 +442,24 @@ def test_forced_tool_choice(oai, ant):
     assert "nope" in e.value.message
     with pytest.raises(anthropic.BadRequestError):
         ant.messages.create(model=MODEL, max_tokens=10, messages=msgs, tool_choice={"type": "any"})
+
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                              "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+def test_parallel_tool_calls(oai, ant):
+    msgs = [{"role": "user", "content": "[two] weather and time"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL], temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].function.arguments) == {"zone": "CET"}
+    # a client that cannot take two calls gets the first, and generation stops there
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL], temperature=0,
+                                    parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    assert r.choices[0].finish_reason == "tool_calls"
+    time_tool = {"name": "get_time", "input_schema": TIME_TOOL["function"]["parameters"]}
+    m = ant.messages.create(model=MODEL, max_tokens=100, messages=msgs, tools=[ANTHROPIC_TOOL, time_tool],
+                            extra_body=GREEDY, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.name for b in m.content] == ["get_weather"] and m.stop_reason == "tool_use"

@@ -191,6 +191,8 @@ class Engine:
                 elif isinstance(ev, (TextDelta, ToolCall)):
                     in_reasoning = reasoning_open = False
                     if isinstance(ev, ToolCall):
+                        if req.single_tool_call and n_calls:
+                            continue  # a second call the client said it cannot take
                         n_calls += 1
                 elif isinstance(ev, InvalidToolCall):
                     log.warning("dropped a tool call that does not parse (%s): %.200r", ev.error, ev.text)
@@ -260,6 +262,9 @@ class Engine:
                         break
                     if budget is not None and in_reasoning and usage.reasoning_tokens >= budget:
                         phase_finish = "budget"
+                        break
+                    if req.single_tool_call and n_calls:
+                        phase_finish = "stop"
                         break
             finally:
                 gen.close()

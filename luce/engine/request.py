@@ -28,6 +28,7 @@ class Request:
     reasoning_budget: int | None = None  # tokens of reasoning before </think> is forced
     raw: bool = False  # /v1/completions: text out as generated, no parsing
     prefill: str = ""  # the start of the answer, already in prompt_ids (a forced tool call's opening)
+    single_tool_call: bool = False  # parallel tool calls not wanted: stop after the first call
     stream: bool = False
     timeout_s: float | None = None
     api: str = ""

@@ -174,7 +174,8 @@ def parse(body: dict, state, count_only: bool = False) -> Request:
     if force is not None and enable:
         raise APIError(400, "thinking cannot be enabled when tool_choice forces a tool call", param="thinking")
     return schema.build_chat_request(state, "anthropic", messages, tools, samp, stream=stream,
-                                     reasoning_budget=budget, enable_thinking=enable, force_tool=force)
+                                     reasoning_budget=budget, enable_thinking=enable, force_tool=force,
+                                     parallel_tool_calls=not choice.get("disable_parallel_tool_use"))
 
 
 def _tool_id(call: ToolCall) -> str:

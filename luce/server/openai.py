@@ -134,12 +134,13 @@ def parse_chat(body: dict, state) -> Request:
     samp = schema.sampling(body, ("max_tokens", "max_completion_tokens"))
     stream = schema.get(body, "stream", "bool", False)
     schema.get(body, "stream_options", "dict")
-    schema.get(body, "parallel_tool_calls", "bool")
+    parallel = schema.get(body, "parallel_tool_calls", "bool", True)
     effort = schema.get(body, "reasoning_effort", "str")
     budget, enable = schema.effort_budget(effort, "reasoning_effort")
     tkw = schema.get(body, "chat_template_kwargs", "dict")
     return schema.build_chat_request(state, "openai", messages, tools, samp, stream=stream, reasoning_budget=budget,
-                                     enable_thinking=enable, template_kwargs=tkw, force_tool=force)
+                                     enable_thinking=enable, template_kwargs=tkw, force_tool=force,
+                                     parallel_tool_calls=parallel)
 
 
 async def chat_completions(request, state):

@@ -169,8 +169,10 @@ def parse(body: dict, state) -> Request:
     reasoning = schema.get(body, "reasoning", "dict") or {}
     budget, enable = schema.effort_budget(schema.get(reasoning, "effort", "str", where="reasoning."),
                                           "reasoning.effort")
+    parallel = schema.get(body, "parallel_tool_calls", "bool", True)
     req = schema.build_chat_request(state, "responses", messages, tools, samp, stream=stream,
-                                    reasoning_budget=budget, enable_thinking=enable, force_tool=force)
+                                    reasoning_budget=budget, enable_thinking=enable, force_tool=force,
+                                    parallel_tool_calls=parallel)
     return req, custom
 
 

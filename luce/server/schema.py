@@ -210,7 +210,8 @@ def tool_call_opening(state, name: str) -> str:
 
 def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] | None, samp: dict, *,
                        stream: bool, reasoning_budget: int | None = None, enable_thinking: bool | None = None,
-                       template_kwargs: dict | None = None, force_tool: str | None = None) -> Request:
+                       template_kwargs: dict | None = None, force_tool: str | None = None,
+                       parallel_tool_calls: bool = True) -> Request:
     """Render the conversation with the model's chat template, tokenize, check the context.
     `force_tool` (see forced_tool) makes the answer start with a tool call."""
     from ..text.chat_template import TemplateError
@@ -239,6 +240,7 @@ def build_chat_request(state, api: str, messages: list[dict], tools: list[dict] 
     if enable_thinking is False and reasoning_budget is None:
         reasoning_budget = 0
     return Request(prompt_ids=ids, sampling=samp, tools=tools, parse_reasoning=reasoning, prefill=prefill,
+                   single_tool_call=not parallel_tool_calls,
                    starts_in_reasoning=starts, reasoning_budget=reasoning_budget if reasoning else None,
                    stream=stream, api=api, model=state.model_name, timeout_s=state.request_timeout)
 
