@@ -643,3 +643,10 @@ def _time_one(kernel, nw, ws, qtype, x, out, stream, iters):
     us = start.elapsed_time(end) * 1e3 / iters
     return {"kernel": kernel, "warps": nw, "time_us": round(us, 2), "timing": timing,
             "compile_s": round(compile_s, 2)}
+
+
+if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline]: JSON lines
+    import json
+    import sys
+    for r in bench_matvec_fast(warps=(4, 8), baseline="--baseline" in sys.argv):
+        print(json.dumps(r), flush=True)

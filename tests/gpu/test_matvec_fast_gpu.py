@@ -107,8 +107,10 @@ def test_swiglu_fast_gpu(qtype):
 
 
 def test_bench_matvec_fast_gpu():
-    """Prints the timings (-s); asserts only that they are plausible."""
-    rows = bench_matvec_fast(iters=50, warps=(4, 8), baseline=True)
+    """Prints the timings (-s) of the target shapes, both block sizes and the general kernel;
+    asserts only that they are plausible. All default shapes: python -m luce.kernels.matvec_fast."""
+    rows = bench_matvec_fast(shapes=((4096, 12288), (12288, 4096), (4096, 4096)), iters=50, warps=(4, 8),
+                             baseline=True)
     for r in rows:
         print(json.dumps(r))
     assert all(r["time_us"] > 0 and r["timing"] == "graph" for r in rows)
