@@ -17,9 +17,10 @@ logic op and one add: (word | M) & (mask | M), M = 0x4B000000, read as float is
 exact) leaves the weight times 2**p. Fields at different bit positions p go to different
 accumulators, scaled by 2**-p once per unit; that also gives each lane several independent
 FMA chains. The floor is then 3 instructions per weight and row (logic, add, FMA); the
-SASS of the loops (sm_90, ptxas 13) has about 4.9 (Q4_K), 8 (Q6_K) and 8 (Q8_0), the rest
-being scales, ld16's selects and index math. Expect Q4_K near the memory ceiling and Q6_K
-/ Q8_0 issue-bound somewhat below it; bench_matvec_fast measures it.
+SASS of the loops (sm_90, ptxas 13) has about 4.6 (Q4_K), 6.4 (Q6_K) and 7.4 (Q8_0), the
+rest being scales, ld16's selects and index math. Per SM clock at 4 TB/s that is ~70%
+(Q4_K), ~95% (Q6_K) and ~85% (Q8_0) of the 128 issue slots: expect Q4_K near the memory
+ceiling and Q6_K / Q8_0 close to issue-bound; bench_matvec_fast measures it.
 
 Q4_K's mins need the sums of x over each 32 columns: row-independent, so every thread
 block sums them once into shared memory (up to 32 * SX_MAX columns). Q6_K (210-byte) and
