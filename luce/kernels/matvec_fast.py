@@ -18,9 +18,12 @@ exact) leaves the weight times 2**p. Fields at different bit positions p go to d
 accumulators, scaled by 2**-p once per unit; that also gives each lane several independent
 FMA chains. The floor is then 3 instructions per weight and row (logic, add, FMA); the
 SASS of the loops (sm_90, ptxas 13) has about 4.6 (Q4_K), 6.4 (Q6_K) and 7.4 (Q8_0), the
-rest being scales, ld16's selects and index math. Per SM clock at 4 TB/s that is ~70%
-(Q4_K), ~95% (Q6_K) and ~85% (Q8_0) of the 128 issue slots: expect Q4_K near the memory
-ceiling and Q6_K / Q8_0 close to issue-bound; bench_matvec_fast measures it.
+rest being scales, ld16's selects and index math. At copy bandwidth (~15.7 bytes per SM
+clock on the H200) that is ~100% (Q4_K), ~95% (Q6_K) and ~85% (Q8_0) of the SM's 128
+issue slots a clock: all three are issue-bound at about the memory ceiling, so expect
+roughly 70-85% of copy bandwidth; bench_matvec_fast measures it. Going clearly past that
+needs fewer instructions a weight: tensor-core mma on f16-decoded weights (exact small
+integers) with x split into two f16 halves, or int8 x with dp4a (inexact).
 
 Q4_K's mins need the sums of x over each 32 columns: row-independent, so every thread
 block sums them once into shared memory (up to 32 * SX_MAX columns). Q6_K (210-byte) and
