@@ -1,5 +1,8 @@
 """The Starlette application: routes, API keys, the engine's lifetime, and the plumbing
-every API shares (JSON bodies, submitting to the queue, streaming with cancellation)."""
+every API shares (JSON bodies, submitting to the queue, streaming with cancellation).
+
+Handlers render the chat template and tokenize in a worker thread, so a long prompt does
+not stall every other client's stream; the tokenizer is safe to share between threads."""
 from __future__ import annotations
 
 import asyncio
@@ -17,19 +20,17 @@ from starlette.routing import Route
 
 from ..engine.engine import Engine, Job, QueueFull
 from ..engine.request import Error, Request
+from ..text.chat_format import detect_chat_format
 from .errors import APIError, error_response
 from .metrics import Metrics
+from .schema import template_renders_tools
 
 log = logging.getLogger("luce.server")
 
 
-# Handlers render the chat template and tokenize in a worker thread, so a long prompt does
-# not stall every other client's stream; the tokenizer is safe to share between threads.
-
-
 class ServerState:
     def __init__(self, model, *, model_name: str | None = None, api_key: str | None = None,
-                 max_queue: int = 64, request_timeout: float | None = 600.0, draft: str | None = None,
+                 max_queue: int = 64, request_timeout: float | None = 600.0, draft: dict | None = None,
                  stepper_factory=None, accept_any_model: bool = False, settings: dict | None = None,
                  kv_slots: int = 1):
         self.model = model
@@ -43,12 +44,10 @@ class ServerState:
         self.metrics = Metrics()
         self.engine = Engine(model, max_queue=max_queue, request_timeout=request_timeout,
                              stepper_factory=stepper_factory, metrics=self.metrics, kv_slots=kv_slots)
-        from ..text.chat_format import detect_chat_format
         self.template_source = getattr(model.chat_template, "source", "") or ""
         # the family may say so, or the model's own template (it knows the <think> markers)
         self.supports_reasoning = bool(model.family.chat_format.reasoning
                                        or detect_chat_format(self.template_source).reasoning)
-        from .schema import template_renders_tools
         self.template_renders_tools = template_renders_tools(model)
         self.started = time.time()
 
