@@ -23,6 +23,9 @@ def server(smollm2):
     app = create_app(smollm2, model_name=MODEL, max_queue=32)
     with LiveServer(app) as srv:
         yield srv
+    # the model is shared with other test files: leave its cache as we found it, empty
+    smollm2.session.cache.truncate(0)
+    smollm2.session.tokens.clear()
 
 
 @pytest.fixture(scope="module")
