@@ -10,7 +10,7 @@ import luce.spec as spec
 from luce.spec import DraftModel, PromptLookup, SpecOptions
 
 N_CTX = 256
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
@@ -52,7 +52,7 @@ def test_perfect_draft(smollm2, prompt_ids, plain, mode):
     out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=6), DraftModel(smollm2, n_ctx=N_CTX))
     assert out == plain
     # a draft identical to the target is accepted all the way: 1 + draft_max per forward
-    assert stats.acceptance_length > 5
+    assert stats.acceptance_length > 4
     assert stats.draft_s > 0 and stats.verify_s > 0
 
 
