@@ -13,6 +13,7 @@ from .errors import ModelFileError
 from .gguf_file import GGUFFile
 from .models.bundled import resolve_model
 from .plugins import family_for
+from .text.chat_template import TemplateError
 
 DEFAULT_CTX = 4096
 
@@ -21,7 +22,7 @@ class Model:
     def __init__(self, path, backend="auto", n_ctx: int | None = None, progress: bool = False,
                  chat_template: str | None = None):
         from .kernels.dequant import SUPPORTED_TYPES
-        from .text.chat_template import ChatTemplate, TemplateError
+        from .text.chat_template import ChatTemplate
         from .text.tokenizer import Tokenizer
 
         t0 = time.perf_counter()

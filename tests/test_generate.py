@@ -1,6 +1,4 @@
 """Generation through the public Python API on the real SmolLM2-135M."""
-import numpy as np
-
 
 def test_capital_of_france_greedy(smollm2):
     out = smollm2.generate("The capital of France is", max_tokens=8, temperature=0)

@@ -1,5 +1,4 @@
 """Opening model files: metadata, memory mapping, and one-line errors for bad files."""
-import shutil
 import subprocess
 import sys
 

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,7 +231,6 @@ class CUDABackend:
         per_tok = 4 * (6 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
         plan = attention_plan(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx)
         attn = 4 * plan["n_splits"] * n * cfg.n_heads * (cfg.head_dim + 2) if plan["n_splits"] > 1 else 0
-        row_bytes = 0
         logits = 4 * n * cfg.vocab_size
         size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
         st["ops"].arena = Arena(size)

@@ -126,7 +126,6 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     type (default Q4_K_M-like); `tokenizer_from` copies the tokenizer.* metadata of another
     GGUF so the model can tokenize; `tensors` overrides individual tensors with given arrays."""
     import gguf
-    from gguf import GGUFValueType
 
     path = Path(path)
     types = types or q4_k_m_type

@@ -5,7 +5,7 @@ speculative sampling can accept or reject draft tokens against it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
