@@ -49,7 +49,7 @@ class Model:
         self.weights = self._load_weights(progress)
         if hasattr(self.backend, "warmup"):  # compile kernels now, not on the first request
             self.backend.warmup(self.family, self.config, self.weights)
-        self.n_ctx = min(n_ctx or DEFAULT_CTX, self.config.n_ctx_train) if n_ctx is None else n_ctx
+        self.n_ctx = n_ctx or min(DEFAULT_CTX, self.config.n_ctx_train)
         self._session: Session | None = None
         self.load_s = time.perf_counter() - t0
 
