@@ -228,9 +228,25 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--long-ctx", type=int, default=8192, show_default=True, help="0 to skip the long-context decode")
 @click.option("--kernels", "kernels", is_flag=True, help="benchmark the kernels at Qwen3-8B/32B shapes instead")
+@click.option("--spec", "spec", is_flag=True,
+              help="speculative decoding on the fixed prompt set: acceptance and tok/s per mode "
+                   "(MODEL and --draft default to the Qwen2.5-Coder 1.5B/0.5B pair)")
+@click.option("--draft", default=None, help="draft model for --spec")
+@click.option("--categories", default=None, help="--spec: code,math,chat (default all)")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
-def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, no_record):
-    """Benchmark a model (or --synthetic NAME) end to end, or the kernels (--kernels)."""
+def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
+          no_record):
+    """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
+    speculative decoding (--spec)."""
+    if spec:
+        from .bench.report import append_to_docs
+        from .bench.spec import run as run_spec, summary
+        results = run_spec(model, draft, categories=tuple(categories.split(",")) if categories else None,
+                           max_tokens=gen_tokens, backend=backend)
+        if not no_record:
+            append_to_docs("luce bench --spec", [("acceptance length (tokens per target forward) and tok/s",
+                                                  summary(results), None)])
+        return
     if kernels:
         from .bench.kernels import run as run_kernels
         run_kernels(record=not no_record)

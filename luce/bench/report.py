@@ -73,8 +73,8 @@ def append_to_docs(title: str, sections: list[tuple[str, list[dict], list[str]]]
              f"- command: `{cmd}`"]
     if notes:
         parts.append(f"- notes: {notes}")
-    for heading, rows, cols in sections:
-        parts += ["", f"**{heading}**", "", markdown_table(rows, cols)]
+    for heading, rows, cols in sections:  # rows: dicts, or a table already in markdown
+        parts += ["", f"**{heading}**", "", rows if isinstance(rows, str) else markdown_table(rows, cols)]
     if not path.exists():
         path.write_text("# Benchmarks\n\nEvery entry is appended by a `luce bench` run; figures are as measured.\n")
     with open(path, "a") as fh:
