@@ -32,8 +32,8 @@ def assert_close(got, want, raw, qtype, x):
     """Float32 sums against a float64 reference: error bounded by K eps |W| |x|."""
     assert np.isfinite(got).all()
     w = np.abs(dequantize(raw, qtype, (raw.shape[0], x.shape[-1]))).astype(np.float64)
-    bound = np.abs(x).astype(np.float64) @ w.T
-    np.testing.assert_array_less(np.abs(got - want), 1e-5 * bound + 1e-6)
+    bound = np.abs(x).astype(np.float64).reshape(-1, x.shape[-1]) @ w.T
+    np.testing.assert_array_less(np.abs(got - want).reshape(bound.shape), 1e-5 * bound + 1e-6)
 
 
 def run_matvec(qtype, n_rows, n_cols, nr=None, bias=False, residual=False, tile_blocks=None, seed=0,

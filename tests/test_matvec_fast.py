@@ -12,28 +12,13 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from numba import cuda
 
-from luce.kernels.dequant import dequantize
 from luce.kernels.matvec import matvec_ref, swiglu_ref
 from luce.kernels.matvec_fast import FAST_TYPES, matvec_fast, swiglu_fast
-from test_dequant import random_tensor
+from test_matvec import assert_close, nan_device, weights  # one tolerance for both matvecs
 
 ID = lambda v: getattr(v, "name", str(v))  # noqa: E731
 
 
-def weights(rng, qtype, n_rows, n_cols):
-    return random_tensor(rng, qtype, (n_rows, n_cols)).reshape(n_rows, -1)
-
-
-def nan_device(shape):
-    return cuda.to_device(np.full(shape, np.nan, np.float32))
-
-
-def assert_close(got, want, raw, qtype, x):
-    """Float32 sums against a float64 reference: error bounded by K eps |W| |x|."""
-    assert np.isfinite(got).all()
-    w = np.abs(dequantize(raw, qtype, (raw.shape[0], x.shape[-1]))).astype(np.float64)
-    bound = np.abs(x).astype(np.float64).reshape(-1) @ w.T
-    np.testing.assert_array_less(np.abs(got - want).reshape(-1), 1e-5 * bound + 1e-6)
 
 
 def run(qtype, n_rows, n_cols, bias=False, residual=False, x2d=False, seed=None):

@@ -186,3 +186,30 @@ else:
 
 __all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div", "stride_grid",
            "block_sum", "block_max", "block_argmax"]
+
+
+# ---------------------------------------------------------------- one warp's sum
+# warp_sum(v, red, wid, lane): the sum of v over warp `wid`, in lane 0 at least. `red` is
+# shared scratch of WARP_RED_SLOTS floats per warp: the simulator path needs them, the
+# shuffle path none (size the array max(1, warps * WARP_RED_SLOTS)).
+if SIM:
+    WARP_RED_SLOTS = 32
+
+    @cuda.jit(device=True)
+    def warp_sum(v, red, wid, lane):
+        red[wid * 32 + lane] = v
+        cuda.syncthreads()
+        s = np.float32(0.0)
+        if lane == 0:
+            for i in range(32):
+                s += red[wid * 32 + i]
+        cuda.syncthreads()
+        return s
+else:
+    WARP_RED_SLOTS = 0
+
+    @cuda.jit(device=True)
+    def warp_sum(v, red, wid, lane):
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(_FULL, v, off)
+        return v

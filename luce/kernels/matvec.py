@@ -26,6 +26,7 @@ from .dequant import (
     DEVICE_SPECS, SIM, as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
     warp_barrier, weight_u16,
 )
+from ._reduce import WARP_RED_SLOTS, warp_sum
 from .vector_load import ldg_f32x4
 
 __all__ = ["MATVEC_TYPES", "MAX_BATCH", "matvec", "swiglu", "matvec_ref", "swiglu_ref", "bench_matvec",
@@ -40,28 +41,7 @@ ROWS_PER_WARP = 2
 
 _dev = cuda.jit(device=True)
 
-if SIM:
-    # No warp shuffles in the simulator: reduce through shared memory (lane 0 gets the sum).
-    RED_SIZE = MV_WARPS * 32
-
-    @_dev
-    def warp_sum(v, red, wid, lane):
-        red[wid * 32 + lane] = v
-        cuda.syncthreads()
-        t = np.float32(0.0)
-        if lane == 0:
-            for i in range(32):
-                t += red[wid * 32 + i]
-        cuda.syncthreads()
-        return t
-else:
-    RED_SIZE = 1
-
-    @_dev
-    def warp_sum(v, red, wid, lane):
-        for off in (16, 8, 4, 2, 1):
-            v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
-        return v
+RED_SIZE = max(1, MV_WARPS * WARP_RED_SLOTS)
 
 
 @_dev

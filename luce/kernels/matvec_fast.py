@@ -47,6 +47,7 @@ from numba import cuda
 
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
+from ._reduce import WARP_RED_SLOTS, warp_sum
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
@@ -394,28 +395,7 @@ FAST_SPECS = {
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 
-if SIM:
-    # No warp shuffles in the simulator: reduce through shared memory (lane 0 gets the sum).
-    RED_PER_WARP = 32
-
-    @_dev
-    def warp_sum(v, red, wid, lane):
-        red[wid * 32 + lane] = v
-        cuda.syncthreads()
-        s = np.float32(0.0)
-        if lane == 0:
-            for i in range(32):
-                s += red[wid * 32 + i]
-        cuda.syncthreads()
-        return s
-else:
-    RED_PER_WARP = 0
-
-    @_dev
-    def warp_sum(v, red, wid, lane):
-        for off in (16, 8, 4, 2, 1):
-            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-        return v
+RED_PER_WARP = WARP_RED_SLOTS
 
 
 def _make_rows(qtype):
