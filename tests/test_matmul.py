@@ -114,7 +114,10 @@ def test_pick_tile_defaults():
 @pytest.mark.parametrize("qtype,m,n,k,splits,use_mma,tile,extra", [
     ("Q4_K", 8, 64, 256, 2, True, SMALL[16], {}),
     ("Q6_K", 23, 40, 256, 2, True, SMALL[32], dict(bias=True)),
-    ("Q8_0", 16, 64, 384, 2, False, SMALL[16], dict(residual=True)),      # 2-stage, 1 + 2 steps
+    # 2-stage, 1 + 2 steps. Minutes of simulated FMA (its 128 threads decode every element
+    # through device calls), and a timed-out run leaves them running to starve the next
+    # tests: marked slow, so CI deselects it.
+    pytest.param("Q8_0", 16, 64, 384, 2, False, SMALL[16], dict(residual=True), marks=pytest.mark.slow),
     ("Q4_0", 40, 96, 128, 2, False, SMALL[127], dict(x_dtype=np.float16)),
     ("Q8_0", 32, 24, 128, 2, True, (32, 32, 64, 32, 32, "ldsm", 1), {}),   # N tail inside the warp tile
 ])
