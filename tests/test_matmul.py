@@ -165,12 +165,17 @@ print("PTX OK", "ptxas" if ptxas else "(no ptxas)")
 def ptx_check():
     """The PTX check in the background from the module's first test on: the simulator tests
     keep one core busy, the compiles take the other one meanwhile."""
+    import tempfile
     from luce.kernels.ptx import run_check
-    proc = run_check(PTX_CHECK, background=True)
+    # temp files, not pipes: nobody reads a pipe until the last test, and a full one stalls the compile
+    out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = run_check(PTX_CHECK, background=(out_f, err_f))
 
     def result():
-        out, err = proc.communicate(timeout=600)
-        return proc.returncode, out, err
+        proc.wait(timeout=600)
+        out_f.seek(0)
+        err_f.seek(0)
+        return proc.returncode, out_f.read(), err_f.read()
     yield result
     if proc.poll() is None:  # its test was deselected
         proc.kill()

@@ -61,6 +61,7 @@ def run_check(body: str, timeout: int = 600, background: bool = False):
     script = "from luce.kernels.ptx import offline_target\noffline_target()\n" + body
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     args = [sys.executable, "-c", script]
-    if background:
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if background:  # a (stdout, stderr) pair of files, or True for pipes
+        out, err = background if isinstance(background, tuple) else (subprocess.PIPE, subprocess.PIPE)
+        return subprocess.Popen(args, stdout=out, stderr=err, text=True, env=env)
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
