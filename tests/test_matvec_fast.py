@@ -92,6 +92,18 @@ def test_matvec_fast_warps():
     assert_close(out.copy_to_host(), matvec_ref(raw, T.Q8_0, x), raw, T.Q8_0, x)
 
 
+@pytest.mark.parametrize("inline_sums", [True, False], ids=["inline-sums", "shared-sums"])
+def test_matvec_fast_capped_grid(inline_sums):
+    """A grid capped at 2 blocks (one per simulated SM) loops: 20 rows are 3 row blocks of
+    8, so block 0 runs two of them; Q4_K's sums of x inline or from shared memory."""
+    rng = np.random.default_rng(11)
+    raw = weights(rng, T.Q4_K, 20, 512)
+    x = rng.standard_normal(512).astype(np.float32)
+    out = nan_device(20)
+    matvec_fast(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), out=out, inline_sums=inline_sums, blocks_per_sm=1)
+    assert_close(out.copy_to_host(), matvec_ref(raw, T.Q4_K, x), raw, T.Q4_K, x)
+
+
 def test_matvec_fast_rejects():
     rng = np.random.default_rng(0)
     raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))
@@ -121,15 +133,16 @@ u16, f32 = types.uint16[::1], types.float32[::1]
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
-    for glu, br, nw in [(False, False, F.NW), (False, True, F.NW), (True, False, F.NW), (False, False, 8)]:
-        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw).py_func, sig, cc=(9, 0))
-        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}"
+    for glu, br, nw, inl in [(False, False, F.NW, True), (False, True, F.NW, True), (True, False, F.NW, True),
+                             (False, False, 8, True), (False, False, F.NW, False)]:
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl).py_func, sig, cc=(9, 0))
+        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}_inline{int(inl)}"
         if out_dir:
             open(os.path.join(out_dir, name + ".ptx"), "w").write(ptx)
         assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name
         assert "shfl.sync" in ptx, name
         assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
-        if not F.FAST_SPECS[q].sums:  # weights never go through shared memory
+        if not (F.FAST_SPECS[q].sums and not inl):  # weights never go through shared memory
             assert "ld.shared" not in ptx and "st.shared" not in ptx, name
 print("PTX OK")
 '''

@@ -25,8 +25,10 @@ roughly 70-85% of copy bandwidth; bench_matvec_fast measures it. Going clearly p
 needs fewer instructions a weight: tensor-core mma on f16-decoded weights (exact small
 integers) with x split into two f16 halves, or int8 x with dp4a (inexact).
 
-Q4_K's mins need the sums of x over each 32 columns: row-independent, so every thread
-block sums them once into shared memory (up to 32 * SX_MAX columns). Q6_K (210-byte) and
+Q4_K's mins need the sums of x over each 32 columns. Each unit adds up the 64 x it
+loads anyway (INLINE_SUMS); the alternative, every thread block summing all of x into
+shared memory before its first weight load, reads x once per block and puts a barrier
+in front of the loads (H200: Q4_K at 18-19% of copy bandwidth that way). Q6_K (210-byte) and
 Q8_0 (34-byte) blocks sit at any even byte offset, so their 16-byte pieces come from two
 aligned 16-byte loads and a funnel shift (ld16); the second load hits L1 and DRAM traffic
 is unchanged. Arguments the fast path cannot take (a weight or x not 16-byte aligned, a
@@ -206,47 +208,53 @@ def k4_row(s0, s1, s2, s3, t, l0, l8, h0, h8, sxl, sxh):
 
 @_dev
 def k4_word(qa, qb, x, c, acc):
-    """One quant word (8 nibbles: 4 columns of each sub-block) of rows a and b."""
-    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8 = acc
+    """One quant word (8 nibbles: 4 columns of each sub-block) of rows a and b, and the
+    sums of x over those columns (for the mins; unused, and dropped by LLVM, when the
+    kernel takes them from shared memory)."""
+    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sl, sh = acc
     x0, x1, x2, x3 = ldg_f32x4(x, c)
     y0, y1, y2, y3 = ldg_f32x4(x, c + 32)
     al0, al8 = nib_acc(qa, x0, x1, x2, x3, 0, al0, al8)
     ah0, ah8 = nib_acc(qa, y0, y1, y2, y3, 4, ah0, ah8)
     bl0, bl8 = nib_acc(qb, x0, x1, x2, x3, 0, bl0, bl8)
     bh0, bh8 = nib_acc(qb, y0, y1, y2, y3, 4, bh0, bh8)
-    return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8
+    sl += (x0 + x1) + (x2 + x3)
+    sh += (y0 + y1) + (y2 + y3)
+    return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sl, sh
 
 
-@_dev
-def unit_q4_k(w, ha, hb, x, sxs, c, t):
-    # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31:
-    # low nibbles are columns 64t + 0..31 (sub-block 2t), high ones 64t + 32..63 (sub-block
-    # 2t + 1), so a unit decodes two scales for 64 columns. Every piece is 16-byte aligned
-    # (144 = 9 * 16). Tuple elements are taken with literal indices only: a variable index
-    # becomes a branchy switch in numba.
-    qa0 = ldg_u16_u32x4(w, ha + 8 + 16 * t)
-    qa1 = ldg_u16_u32x4(w, ha + 16 + 16 * t)
-    qb0 = ldg_u16_u32x4(w, hb + 8 + 16 * t)
-    qb1 = ldg_u16_u32x4(w, hb + 16 + 16 * t)
-    sa = ldg_u16_u32x4(w, ha)
-    sb = ldg_u16_u32x4(w, hb)
-    cl = c + 64 * t
-    z = np.float32(0.0)
-    acc = (z, z, z, z, z, z, z, z)
-    acc = k4_word(qa0[0], qb0[0], x, cl, acc)
-    acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
-    acc = k4_word(qa0[2], qb0[2], x, cl + 8, acc)
-    acc = k4_word(qa0[3], qb0[3], x, cl + 12, acc)
-    acc = k4_word(qa1[0], qb1[0], x, cl + 16, acc)
-    acc = k4_word(qa1[1], qb1[1], x, cl + 20, acc)
-    acc = k4_word(qa1[2], qb1[2], x, cl + 24, acc)
-    acc = k4_word(qa1[3], qb1[3], x, cl + 28, acc)
-    al0, al8, ah0, ah8, bl0, bl8, bh0, bh8 = acc
-    # sums of x over the two sub-blocks, for the mins (computed once per thread block)
-    sxl = sxs[(c >> 5) + 2 * t]
-    sxh = sxs[(c >> 5) + 2 * t + 1]
-    return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
-            k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
+def _make_unit_q4_k(inline_sums: bool):
+    @_dev
+    def unit_q4_k(w, ha, hb, x, sxs, c, t):
+        # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31:
+        # low nibbles are columns 64t + 0..31 (sub-block 2t), high ones 64t + 32..63
+        # (sub-block 2t + 1), so a unit decodes two scales for 64 columns. Every piece is
+        # 16-byte aligned (144 = 9 * 16). Tuple elements are taken with literal indices
+        # only: a variable index becomes a branchy switch in numba.
+        qa0 = ldg_u16_u32x4(w, ha + 8 + 16 * t)
+        qa1 = ldg_u16_u32x4(w, ha + 16 + 16 * t)
+        qb0 = ldg_u16_u32x4(w, hb + 8 + 16 * t)
+        qb1 = ldg_u16_u32x4(w, hb + 16 + 16 * t)
+        sa = ldg_u16_u32x4(w, ha)
+        sb = ldg_u16_u32x4(w, hb)
+        cl = c + 64 * t
+        z = np.float32(0.0)
+        acc = (z, z, z, z, z, z, z, z, z, z)
+        acc = k4_word(qa0[0], qb0[0], x, cl, acc)
+        acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
+        acc = k4_word(qa0[2], qb0[2], x, cl + 8, acc)
+        acc = k4_word(qa0[3], qb0[3], x, cl + 12, acc)
+        acc = k4_word(qa1[0], qb1[0], x, cl + 16, acc)
+        acc = k4_word(qa1[1], qb1[1], x, cl + 20, acc)
+        acc = k4_word(qa1[2], qb1[2], x, cl + 24, acc)
+        acc = k4_word(qa1[3], qb1[3], x, cl + 28, acc)
+        al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
+        if not inline_sums:  # the sums of x over the two sub-blocks, made once per thread block
+            sxl = sxs[(c >> 5) + 2 * t]
+            sxh = sxs[(c >> 5) + 2 * t + 1]
+        return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
+                k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
+    return unit_q4_k
 
 
 @_dev
@@ -384,13 +392,22 @@ def q8_word(qa, qb, x, c, acc):
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
-# flight), unit function, whether units read the sums of x over 32 columns (sxs).
-FastSpec = namedtuple("FastSpec", "qk bs tpb unroll unit sums")
+# flight), unit factory (inline_sums -> unit function), whether units need the sums of x
+# over 32 columns (from shared memory, or summed inline by each unit).
+FastSpec = namedtuple("FastSpec", "qk bs tpb unroll make_unit sums")
 FAST_SPECS = {
-    T.Q4_K: FastSpec(256, 144, 4, 2, unit_q4_k, True),
-    T.Q6_K: FastSpec(256, 210, 4, 1, unit_q6_k, False),
-    T.Q8_0: FastSpec(32, 34, 2, 2, unit_q8_0, False),
+    T.Q4_K: FastSpec(256, 144, 4, 2, _make_unit_q4_k, True),
+    T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: unit_q6_k, False),
+    T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: unit_q8_0, False),
 }
+# Q4_K's sums of x per 32 columns: summed by each unit from the x it loads anyway (~0.5
+# add per weight and row) rather than by every thread block into shared memory first
+# (a prologue that reads all of x per block and puts a barrier before the first weight
+# load). Both stay selectable for the benchmark.
+INLINE_SUMS = True
+# Thread blocks per SM when the grid is capped (each block then loops over row blocks):
+# None launches one block per row block.
+BLOCKS_PER_SM = None
 # Shared memory for the sums of x: columns up to 32 * SX_MAX (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
@@ -398,9 +415,9 @@ FAST_TYPES = frozenset(FAST_SPECS)
 RED_PER_WARP = WARP_RED_SLOTS
 
 
-def _make_rows(qtype):
+def _make_rows(qtype, inline_sums):
     spec = FAST_SPECS[qtype]
-    TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.unit
+    TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.make_unit(inline_sums)
     SH = TPB.bit_length() - 1
     assert TPB == 1 << SH
 
@@ -441,10 +458,10 @@ def _make_rows(qtype):
     return rows_dot
 
 
-def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW):
-    rows_dot = _make_rows(qtype)
+def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True):
+    rows_dot = _make_rows(qtype, inline_sums)
     RED = max(1, nw * RED_PER_WARP)
-    SUMS = FAST_SPECS[qtype].sums
+    SUMS = FAST_SPECS[qtype].sums and not inline_sums
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
 
@@ -464,30 +481,33 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW):
                     s += (x0 + x1) + (x2 + x3)
                 sxs[gi] = s
             cuda.syncthreads()
-        row0 = (cuda.blockIdx.x * nw + wid) * ROWS
-        # Rows past the end repeat the last row and are not stored: every warp runs the
-        # same loop, as the simulator's block-wide barriers need.
-        ra = min(row0, n_rows - 1)
-        rb = min(row0 + 1, n_rows - 1)
-        ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, lane)
-        ya = warp_sum(ya, red, wid, lane)
-        yb = warp_sum(yb, red, wid, lane)
-        if glu:
-            ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, lane)
-            ua = warp_sum(ua, red, wid, lane)
-            ub = warp_sum(ub, red, wid, lane)
-            ya = _mv.silu(ya) * ua
-            yb = _mv.silu(yb) * ub
-        if lane == 0:
-            for i in range(ROWS):
-                row = row0 + i
-                if row < n_rows:
-                    y = ya if i == 0 else yb
-                    if has_bias:
-                        y += bias[row]
-                    if has_res:
-                        y += res[row]
-                    out[row] = y
+        # A capped grid loops over row blocks (the sums above are then made once per
+        # block, not once per row block); all warps of a block run the same iterations.
+        for rblk in range(cuda.blockIdx.x, -(-n_rows // (nw * ROWS)), cuda.gridDim.x):
+            row0 = (rblk * nw + wid) * ROWS
+            # Rows past the end repeat the last row and are not stored: every warp runs the
+            # same loop, as the simulator's block-wide barriers need.
+            ra = min(row0, n_rows - 1)
+            rb = min(row0 + 1, n_rows - 1)
+            ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, lane)
+            ya = warp_sum(ya, red, wid, lane)
+            yb = warp_sum(yb, red, wid, lane)
+            if glu:
+                ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, lane)
+                ua = warp_sum(ua, red, wid, lane)
+                ub = warp_sum(ub, red, wid, lane)
+                ya = _mv.silu(ya) * ua
+                yb = _mv.silu(yb) * ub
+            if lane == 0:
+                for i in range(ROWS):
+                    row = row0 + i
+                    if row < n_rows:
+                        y = ya if i == 0 else yb
+                        if has_bias:
+                            y += bias[row]
+                        if has_res:
+                            y += res[row]
+                        out[row] = y
     return kernel
 
 
@@ -504,7 +524,17 @@ def _addr(a) -> int:
     return 0 if SIM else a.__cuda_array_interface__["data"][0]
 
 
-def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None):
+def _sm_count() -> int:
+    global _SMS
+    if _SMS is None:
+        _SMS = 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return _SMS
+
+
+_SMS = None
+
+
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0):
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -516,7 +546,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None):
     n_cols = xshape[-1]
     if n_cols % spec.qk:
         raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk}")
-    if spec.sums and n_cols > 32 * SX_MAX:
+    inline = INLINE_SUMS if inline_sums is None else bool(inline_sums)
+    if spec.sums and not inline and n_cols > 32 * SX_MAX:
         raise ValueError(f"matvec_fast: {qtype.name} rows of more than {32 * SX_MAX} columns")
     ws = [weight_u16(w, qtype, n_cols) for w in w_list]
     n_rows = ws[0][1]
@@ -537,24 +568,30 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None):
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
     nw = warps or NW
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw)
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline)
     grid = -(-n_rows // (nw * ROWS))
+    per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
+    if per_sm:
+        grid = min(grid, per_sm * _sm_count())
     w0 = ws[0][0]
     w1 = ws[1][0] if len(ws) == 2 else w0
     kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb)
     return out
 
 
-def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None):
+def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
+                inline_sums=None, blocks_per_sm=0):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
-    out itself. warps: warps per thread block (default NW), for tuning."""
-    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps)
+    out itself. For tuning: warps per thread block (default NW), inline_sums (default
+    INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid)."""
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm)
 
 
-def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None):
+def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
+                blocks_per_sm=0):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
-    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps)
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm)
 
 
 # ---------------------------------------------------------------------------------------
@@ -566,14 +603,18 @@ ROTATE_BYTES = 256 << 20  # 5x the H200's 50 MB L2: each launch reads its weight
 
 
 def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100, seed: int = 0,
-                      rotate_bytes: int = ROTATE_BYTES, warps=(NW,), baseline: bool = False) -> list[dict]:
-    """Time matvec_fast for each (rows, cols), qtype and warps-per-block in `warps`: cuda
-    events around a replayed CUDA graph of `iters` launches, launch i reading weight copy
-    i % n_copies, with enough copies (>= rotate_bytes together) that the L2 cannot hold the
-    weights between launches. "GB/s" = weight bytes of one launch / time of one launch.
-    baseline=True also times luce.kernels.matvec.matvec the same way (kernel "matvec")."""
+                      rotate_bytes: int = ROTATE_BYTES, warps=(NW,), baseline: bool = False,
+                      variants=None) -> list[dict]:
+    """Time matvec_fast for each (rows, cols), qtype and variant: cuda events around a
+    replayed CUDA graph of `iters` launches, launch i reading weight copy i % n_copies,
+    with enough copies (>= rotate_bytes together) that the L2 cannot hold the weights
+    between launches. "GB/s" = weight bytes of one launch / time of one launch.
+    variants: dicts of matvec_fast tuning arguments (warps, inline_sums, blocks_per_sm);
+    default one per entry of `warps`. baseline=True also times luce.kernels.matvec.matvec
+    the same way (kernel "matvec")."""
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
+    variants = list(variants) if variants is not None else [{"warps": w_} for w_ in warps]
     rows = []
     for n_rows, n_cols in shapes:
         x = cuda.to_device(rng.standard_normal(n_cols).astype(np.float32))
@@ -585,9 +626,9 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             host = rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)
             copies = max(1, min(iters, math.ceil(rotate_bytes / nbytes))) if not SIM else 1
             ws = [cuda.to_device(host) for _ in range(copies)]
-            variants = [("matvec_fast", w_) for w_ in warps] + ([("matvec", None)] if baseline else [])
-            for kernel, nw in variants:
-                rows.append(_time_one(kernel, nw, ws, qtype, x, out, stream, iters) | {
+            todo = [("matvec_fast", v) for v in variants] + ([("matvec", {})] if baseline else [])
+            for kernel, v in todo:
+                rows.append(_time_one(kernel, v, ws, qtype, x, out, stream, iters) | {
                     "qtype": qtype.name, "rows": n_rows, "cols": n_cols, "weight_bytes": nbytes,
                     "copies": copies})
                 rows[-1]["GB/s"] = round(nbytes / (rows[-1]["time_us"] * 1e-6) / 1e9, 1)
@@ -595,7 +636,7 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     return rows
 
 
-def _time_one(kernel, nw, ws, qtype, x, out, stream, iters):
+def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
     copies = len(ws)
     state = {"i": 0}
 
@@ -604,7 +645,7 @@ def _time_one(kernel, nw, ws, qtype, x, out, stream, iters):
         if kernel == "matvec":
             _mv.matvec(w, qtype, x, out=out, stream=stream)
         else:
-            matvec_fast(w, qtype, x, out=out, stream=stream, warps=nw)
+            matvec_fast(w, qtype, x, out=out, stream=stream, **variant)
         state["i"] += 1
     t0 = time.perf_counter()
     launch()  # compiles
@@ -625,8 +666,9 @@ def _time_one(kernel, nw, ws, qtype, x, out, stream, iters):
     end.record(stream)
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / iters
-    return {"kernel": kernel, "warps": nw, "time_us": round(us, 2), "timing": timing,
-            "compile_s": round(compile_s, 2)}
+    label = ",".join(f"{k}={v}" for k, v in variant.items())
+    return {"kernel": kernel, "variant": label, "warps": None if kernel == "matvec" else variant.get("warps", NW), "time_us": round(us, 2),
+            "timing": timing, "compile_s": round(compile_s, 2)}
 
 
 if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline]: JSON lines
