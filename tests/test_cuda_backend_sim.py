@@ -8,12 +8,20 @@ from luce.kernels.attention import tree_mask
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny_model(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return _tiny("llama", tmp_path_factory)
+
+
+def _tiny(arch, tmp_path_factory):
     import gguf
     from luce.bench.synthetic import tiny, write_gguf
     from luce.gguf_file import GGUFFile
     from luce.plugins import family_for
     Q = gguf.GGMLQuantizationType
-    arch = request.param
     shape = tiny(arch, 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
     types = (lambda n: Q.F32 if "norm" in n else Q.Q8_0) if arch == "llama" else \
         (lambda n: Q.F32 if "norm" in n else Q.F16)
@@ -48,3 +56,34 @@ def test_cuda_backend_matches_cpu_in_simulator(tiny_model):
     both([5, 6, 7], 4 + np.array([0, 1, 0]), mask=tree_mask(parents), accept=[2])
     both([11], [5])
     assert kv_gpu.n_past == kv_cpu.n_past == 6
+
+
+def test_profile_forward_covers_every_op(tiny_llama):
+    """luce bench's per-op breakdown records each kernel-launching op of a decode forward
+    once per call site, labels projections by weight type and shape, and leaves the cache
+    as it was."""
+    from luce.backends.cuda import CUDABackend
+    from luce.bench.profile import profile_forward
+    from luce.models.transformer import build_weights
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    gpu.forward(fam, cfg, w, kv, [3, 17, 42], np.arange(3), logits_rows=[2])
+    kv.commit()
+    before = gpu.forward(fam, cfg, w, kv, [9], [3])
+    kv.commit([])
+    prof = profile_forward(gpu, fam, cfg, w, kv, reps=1)
+    assert kv.n_past == 3
+    calls = {}
+    for r in prof["rows"]:
+        op = r["op"].split()[0]
+        calls[op] = calls.get(op, 0) + r["calls"]
+        assert r["us per forward"] > 0
+    L = cfg.n_layers
+    assert calls["linear"] == 5 * L + 1 and calls["gated_linear"] == L and calls["attention"] == L
+    assert calls["embed"] == 1 and calls["rope"] == 2 * L and calls["rms_norm"] >= 2 * L + 1
+    labels = [r["op"] for r in prof["rows"]]
+    assert any(lab.startswith("linear ") and "x" in lab for lab in labels), labels
+    # the decode step itself is unchanged by the profiling runs
+    np.testing.assert_allclose(gpu.forward(fam, cfg, w, kv, [9], [3]), before, rtol=1e-5, atol=1e-5)

@@ -78,6 +78,15 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
+    breakdown = None
+    if be.name == "cuda":
+        from .profile import profile_forward
+        prof = profile_forward(be, fam, cfg, w, kv)
+        step_us = decode_s / n_gen * 1e6
+        breakdown = prof["rows"] + [
+            {"op": "sum of ops", "us per forward": prof["sum_us"]},
+            {"op": "decode graph (whole forward)", "us per forward": prof["graph_us"]},
+            {"op": "decode step measured (with host work)", "us per forward": step_us}]
 
     long_tok_s = None
     if long_ctx and n_ctx >= long_ctx + n_long:
@@ -133,10 +142,15 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     table = [{"metric": k, "value": v} for k, v in summary[0].items()]
     print_table(f"luce bench: {label}", table)
     print_table(f"tree verification cost ({n_prompt} tokens in context)", verify)
+    cols = ["op", "calls", "us per forward", "us per call", "% of ops"]
+    if breakdown:
+        print_table(f"decode step by op ({n_prompt + n_gen} tokens in context)", breakdown, cols)
     if record:
         append_to_docs(f"luce bench {label} [{be.name}]",
                        [("end to end", table, ["metric", "value"]),
-                        ("verification width", verify, ["nodes", "ms", "x decode step"])],
+                        ("verification width", verify, ["nodes", "ms", "x decode step"])]
+                       + ([("decode step by op (GPU time of each op, graph-replayed)", breakdown, cols)]
+                          if breakdown else []),
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
                              f"{wbytes / 2**30:.2f} GiB")
-    return summary, verify
+    return summary, verify, breakdown
