@@ -276,9 +276,16 @@ class CUDABackend:
                 from .cuda_graph import Graph
                 graph = Graph(self.stream, run)  # records only: this step already ran
                 st["graphs"][key] = (graph, st["logits"])
-        out = st["logits"].copy_to_host(stream=self.stream)
+        # Through a pinned buffer kept per logits shape: a pageable destination makes the
+        # driver stage the copy, and a fresh numpy array each step adds an allocation.
+        logits = st["logits"]
+        host = st.setdefault("host_logits", {})
+        buf = host.get(logits.shape)
+        if buf is None:
+            buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
+        logits.copy_to_host(buf, stream=self.stream)
         self.stream.synchronize()
-        return out
+        return buf.copy()  # callers keep logits across steps; the buffer is reused
 
 
 def _is_causal(mask) -> bool:

@@ -78,9 +78,14 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
-    breakdown = None
+    breakdown = host = verify_ops = None
     if be.name == "cuda":
-        from .profile import profile_forward
+        from .profile import host_profile, profile_forward
+        state = {"tok": first}
+
+        def step():
+            state["tok"] = decode(1, state["tok"])
+        host = host_profile(step)
         prof = profile_forward(be, fam, cfg, w, kv)
         step_us = decode_s / n_gen * 1e6
         breakdown = prof["rows"] + [
@@ -120,6 +125,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         verify.append({"nodes": n, "ms": (time.perf_counter() - t0) / reps * 1e3})
     for r in verify:
         r["x decode step"] = r["ms"] / verify[0]["ms"]
+    if be.name == "cuda" and 23 in verify_widths:
+        from .profile import profile_forward
+        vp = profile_forward(be, fam, cfg, w, kv, n_tokens=23)
+        verify_ops = vp["rows"] + [{"op": "sum of ops", "us per forward": vp["sum_us"]},
+                                   {"op": "graph (whole forward)", "us per forward": vp["graph_us"]}]
 
     bw = mem = None
     if be.name == "cuda":
@@ -143,14 +153,20 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     print_table(f"luce bench: {label}", table)
     print_table(f"tree verification cost ({n_prompt} tokens in context)", verify)
     cols = ["op", "calls", "us per forward", "us per call", "% of ops"]
+    host_cols = ["function", "calls per step", "own us per step", "cum us per step"]
     if breakdown:
         print_table(f"decode step by op ({n_prompt + n_gen} tokens in context)", breakdown, cols)
+        print_table("host time of a decode step (cProfile, top functions by own time)", host, host_cols)
+    if verify_ops:
+        print_table(f"23-token verification forward by op ({n_prompt} tokens in context)", verify_ops, cols)
     if record:
         append_to_docs(f"luce bench {label} [{be.name}]",
                        [("end to end", table, ["metric", "value"]),
                         ("verification width", verify, ["nodes", "ms", "x decode step"])]
-                       + ([("decode step by op (GPU time of each op, graph-replayed)", breakdown, cols)]
-                          if breakdown else []),
+                       + ([("decode step by op (GPU time of each op, graph-replayed)", breakdown, cols),
+                           ("host time of a decode step (cProfile; own time includes waits on the GPU)", host,
+                            host_cols)] if breakdown else [])
+                       + ([("23-token verification forward by op", verify_ops, cols)] if verify_ops else []),
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
                              f"{wbytes / 2**30:.2f} GiB")
     return summary, verify, breakdown

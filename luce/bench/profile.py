@@ -111,3 +111,23 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
     rows = sorted(({"op": k, "calls": v["calls"], "us per forward": v["us"], "us per call": v["us"] / v["calls"],
                     "% of ops": 100 * v["us"] / total} for k, v in per.items()), key=lambda r: -r["us per forward"])
     return {"rows": rows, "sum_us": total, "graph_us": graph_us}
+
+
+def host_profile(step, n_steps: int = 16, top: int = 12) -> list[dict]:
+    """The host functions that take the time of `step()` (one decode step), by own time
+    per step: what the decode graph's replay leaves to Python."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n_steps):
+        step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append({"function": f"{fn} ({file.rsplit('/', 2)[-1] if '/' in file else file}:{line})",
+                     "calls per step": nc / n_steps, "own us per step": tt / n_steps * 1e6,
+                     "cum us per step": ct / n_steps * 1e6})
+    rows.sort(key=lambda r: -r["own us per step"])
+    return rows[:top]
