@@ -112,7 +112,7 @@ def test_pick_tile_defaults():
 # the 16- and 32-row tiles, on the FMA path the 16-row tile with an uneven split and the
 # 64-row tile (256 threads: too slow emulated, so its 32 x 32 warp tile runs in one warp).
 @pytest.mark.parametrize("qtype,m,n,k,splits,use_mma,tile,extra", [
-    ("Q4_K", 8, 64, 256, 2, True, SMALL[16], {}),
+    ("Q4_K", 3, 64, 256, 2, True, SMALL[16], {}),  # fewer rows than MATMUL_MIN_ROWS used to allow
     ("Q6_K", 23, 40, 256, 2, True, SMALL[32], dict(bias=True)),
     # 2-stage, 1 + 2 steps. Minutes of simulated FMA (its 128 threads decode every element
     # through device calls), and a timed-out run leaves them running to starve the next

@@ -18,8 +18,10 @@ from ..kv.paged import PagedKVCache
 
 MAX_MATVEC_ROWS = 64
 # from this many rows the small-M tensor-core matmul beats the batched matvec, which is
-# arithmetic-bound (16 rows cost ~10x one row on the H200)
-MATMUL_MIN_ROWS = 8
+# arithmetic-bound (16 rows cost ~10x one row on the H200; a 2- or 4-token verification
+# forward through it cost 4x a decode step on the Qwen3-8B shape, 8-32 tokens through the
+# matmul 2.8-3.4x)
+MATMUL_MIN_ROWS = 2
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 ALIGN = 256
 

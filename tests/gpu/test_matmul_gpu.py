@@ -128,7 +128,7 @@ def check_small(qtype, m, n, k, x_dtype=np.float32, bias=None, residual=None, **
 
 @pytest.mark.parametrize("k,n", [(4096, 12288), (12288, 4096)])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("m", [8, 16, 23, 64])
+@pytest.mark.parametrize("m", [2, 8, 16, 23, 64])
 def test_small_m_real_shapes(m, qtype, k, n):
     tile, splits = pick_tile(m, n, k, qtype)
     assert tile in [t for _, t, _ in TILES_SMALL_M] and tile[0] >= m
