@@ -231,8 +231,10 @@ class CUDABackend:
         from ..kernels.attention import attention_plan
         n = max(n_tokens, 1)
         per_tok = 4 * (6 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
-        plan = attention_plan(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx)
-        attn = 4 * plan["n_splits"] * n * cfg.n_heads * (cfg.head_dim + 2) if plan["n_splits"] > 1 else 0
+        # the widest forward's split scratch, or decode's (its own kernel, more splits)
+        attn = max(4 * p["n_splits"] * m * cfg.n_heads * (cfg.head_dim + 2) if p["n_splits"] > 1 else 0
+                   for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx))
+                                for m in (1, n)))
         logits = 4 * n * cfg.vocab_size
         size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
         st["ops"].arena = Arena(size)

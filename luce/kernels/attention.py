@@ -368,6 +368,138 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     return kernel
 
 
+# ------------------------------------------------------------------ decode: one query
+#
+# The tiled kernel above serves one query (decode) with a 4-row tile and four barriers a
+# page: on the H200 that cost ~38 us a layer at any context length (Qwen3-8B shape:
+# 1.4 ms of a 10 ms step), latency of a chain that has little work to hide behind. Here
+# a block is one warp on (split, kv head); its keys go 32 at a time, one key a lane:
+#   scores: each lane reads its key's row with 16-byte loads and dots it with the GQA
+#     group's queries (shared memory, read as broadcasts);
+#   softmax: the chunk's max and sum through shared memory (no shuffles: the same code
+#     runs in the simulator);
+#   values: lanes switch to owning dim/32 output dims each and walk the chunk's keys, so
+#     each V row is one coalesced read by the warp.
+# Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
+DECODE_CHUNK = 32  # keys per step: one per lane
+DECODE_TARGET_WARPS = 1024  # splits x kv heads for a long context: ~8 warps an H200 SM
+
+
+def decode_plan(n_kv_heads: int, n_keys: int) -> int:
+    """Splits of the decode kernel for a grid sized for n_keys keys."""
+    chunks = max(1, ceil_div(n_keys, DECODE_CHUNK))
+    return max(1, min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads)))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_kernel(dim: int, group: int):
+    from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
+    CH = DECODE_CHUNK
+    G = group
+    DL = dim // 32  # output dims a lane owns in the value pass
+    DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
+    NACC = G * DL  # array shapes must be plain constants, not expressions
+    U = np.uint32
+
+    @cuda.jit
+    def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, window, scale, direct, out, part_o,
+               part_ml):
+        split = cuda.blockIdx.x
+        hkv = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n_kvh = cuda.gridDim.y
+        n_keys = meta[0] + meta[1]
+        qs = cuda.shared.array((G, dim), np.float32)
+        ps = cuda.shared.array((G, CH), np.float32)
+        s = cuda.local.array(G, np.float32)
+        m = cuda.local.array(G, np.float32)
+        lsum = cuda.local.array(G, np.float32)
+        acc = cuda.local.array(NACC, np.float32)
+        for e in range(lane, G * dim, CH):
+            qs[e // dim, e % dim] = q[0, hkv * G + e // dim, e % dim] * scale
+        for g in range(G):
+            m[g] = -math.inf
+            lsum[g] = 0.0
+        for e in range(G * DL):
+            acc[e] = 0.0
+        lo = q_pos[0] - window  # keys at positions <= lo fall outside a sliding window
+        n_chunks = (n_keys + CH - 1) // CH
+        cps = (n_chunks + cuda.gridDim.x - 1) // cuda.gridDim.x
+        c_lo = split * cps
+        c_hi = min(c_lo + cps, n_chunks)
+        cuda.syncthreads()
+        for c in range(c_lo, c_hi):
+            j = c * CH + lane
+            ok = j < n_keys
+            if ok and window > 0:
+                ok = kv_pos[j] > lo
+            for g in range(G):
+                s[g] = -math.inf
+            if ok:
+                for g in range(G):
+                    s[g] = 0.0
+                # uint16 index of key j's row in the flat pool [slot, layer, kv head, 64, dim]
+                base = (((table[j // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j % BLOCK) * dim
+                for w8 in range(dim // 8):
+                    a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * w8)
+                    for h in range(8):
+                        word = a0 if h < 2 else (a1 if h < 4 else (a2 if h < 6 else a3))
+                        kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
+                        for g in range(G):
+                            s[g] += qs[g, 8 * w8 + h] * kx
+            for g in range(G):
+                ps[g, lane] = s[g]
+            cuda.syncthreads()
+            for g in range(G):
+                cm = m[g]
+                for x in range(CH):
+                    cm = max(cm, ps[g, x])
+                s[g] = np.float32(0.0) if s[g] == -math.inf else math.exp(s[g] - cm)
+                al = np.float32(1.0) if cm == -math.inf else math.exp(m[g] - cm)
+                m[g] = cm
+                lsum[g] *= al
+                for d in range(DL):
+                    acc[g * DL + d] *= al
+            cuda.syncthreads()
+            for g in range(G):
+                ps[g, lane] = s[g]
+            cuda.syncthreads()
+            for g in range(G):
+                t = np.float32(0.0)
+                for x in range(CH):
+                    t += ps[g, x]
+                lsum[g] += t
+            for x in range(min(CH, n_keys - c * CH)):
+                jj = c * CH + x
+                vbase = (((table[jj // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + jj % BLOCK) * dim
+                for wd in range(DW):
+                    word = ldg_u16_u32(vf, vbase + (lane * DW + wd) * 2) if DL >= 2 else \
+                        U(vf[vbase + lane])
+                    for hh in range(min(2, DL)):
+                        vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
+                        for g in range(G):
+                            pg = ps[g, x]
+                            if pg != 0.0:  # keys outside the window: their rows are never read into acc
+                                acc[g * DL + wd * 2 + hh] += pg * vx
+            cuda.syncthreads()
+        for g in range(G):
+            hq = hkv * G + g
+            for d in range(DL):
+                if direct:
+                    out[0, hq, lane * DL + d] = acc[g * DL + d] / lsum[g]
+                else:
+                    part_o[split, 0, hq, lane * DL + d] = acc[g * DL + d]
+            if not direct and lane == 0:
+                part_ml[split, 0, hq, 0] = m[g]
+                part_ml[split, 0, hq, 1] = lsum[g]
+
+    return kernel
+
+
+def _decode_applies(n_q: int, dim: int, q8: bool) -> bool:
+    return n_q == 1 and not q8 and dim % 32 == 0
+
+
 @cuda.jit
 def _combine_kernel(part_o, part_ml, n_splits, meta, out):
     # one block per (query, q head); splits that saw no key (l == 0) are skipped, so
@@ -394,12 +526,17 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
-                   max_splits: int | None = None) -> dict:
+                   max_splits: int | None = None, q8: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
     whole context). pages_per_split is what each split reads at n_keys; the kernel
     re-divides the pages actually present among the n_splits at run time."""
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
+    if _decode_applies(n_q, head_dim, q8):
+        ns = decode_plan(n_kv_heads, n_keys)
+        if max_splits is not None:
+            ns = max(1, min(ns, max_splits))
+        return dict(qt=1, nt=DECODE_CHUNK, n_tiles=1, n_splits=ns, pages_per_split=None)
     group = n_heads // n_kv_heads
     nt = block_threads(128)
     rows = n_q * group
@@ -429,8 +566,11 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     (luce.kernels.paging), dequantized to f16 as each tile is loaded.
     """
     n_q, n_heads, dim = q.shape
-    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits)
     q8 = k_scale is not None
+    if _decode_applies(n_q, dim, q8):
+        return _decode_attention(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, window, n_keys, out, scratch,
+                                 max_splits, stream)
+    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits)
     kernel = _attn_kernel(dim, plan["qt"], plan["nt"], q8)
     if out is None:
         out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)
@@ -455,6 +595,33 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
                                      out, part_o, part_ml)
     if not direct:
         _combine_kernel[(n_q, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
+    return out
+
+
+def _decode_attention(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, window, n_keys, out, scratch,
+                      max_splits, stream):
+    _, n_heads, dim = q.shape
+    n_kvh = k_pool.shape[2]
+    ns = decode_plan(n_kvh, n_keys)
+    if max_splits is not None:
+        ns = max(1, min(ns, max_splits))
+    if out is None:
+        out = cuda.device_array((1, n_heads, dim), dtype=np.float32, stream=stream)
+    direct = 1 if ns == 1 else 0
+    if direct:
+        part_o = part_ml = out.reshape((1,) + tuple(out.shape))
+    else:
+        if scratch is None:
+            scratch = (cuda.device_array((ns, 1, n_heads, dim), np.float32, stream=stream),
+                       cuda.device_array((ns, 1, n_heads, 2), np.float32, stream=stream))
+        part_o, part_ml = scratch
+    flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
+    kernel = _decode_kernel(dim, n_heads // n_kvh)
+    kernel[(ns, n_kvh), DECODE_CHUNK, stream](q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta,
+                                              kv_pos, q_pos, window, np.float32(1.0 / math.sqrt(dim)), direct, out,
+                                              part_o, part_ml)
+    if not direct:
+        _combine_kernel[(1, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
     return out
 
 

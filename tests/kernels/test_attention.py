@@ -16,26 +16,26 @@ rng = np.random.default_rng()
 D = 16
 
 
-def setup(n_ctx_rows, n_new, hq=4, hkv=2, ctx_pos=None, new_pos=None):
+def setup(n_ctx_rows, n_new, hq=4, hkv=2, ctx_pos=None, new_pos=None, d=D):
     """A device paged cache with n_ctx_rows committed rows and n_new pending ones written
     (layer 1 of 2); returns the cache, the queries and what attention_ref needs."""
-    cache = PagedKVCache(2, 256, hkv, D, device=True)
+    cache = PagedKVCache(2, 256, hkv, d, device=True)
     nan = np.full(cache.k_pool.shape, np.nan, np.float16)  # unwritten rows must never reach the output
     cache.k_pool.copy_to_device(nan)
     cache.v_pool.copy_to_device(nan)
-    kc = rng.standard_normal((n_ctx_rows, hkv, D)).astype(np.float16)
-    vc = rng.standard_normal((n_ctx_rows, hkv, D)).astype(np.float16)
+    kc = rng.standard_normal((n_ctx_rows, hkv, d)).astype(np.float16)
+    vc = rng.standard_normal((n_ctx_rows, hkv, d)).astype(np.float16)
     cpos = np.arange(n_ctx_rows) if ctx_pos is None else ctx_pos
     if n_ctx_rows:
         cache.reserve(n_ctx_rows)
         cache.write(1, kc, vc, cpos)
         cache.commit()
-    kn = rng.standard_normal((n_new, hkv, D)).astype(np.float16)
-    vn = rng.standard_normal((n_new, hkv, D)).astype(np.float16)
+    kn = rng.standard_normal((n_new, hkv, d)).astype(np.float16)
+    vn = rng.standard_normal((n_new, hkv, d)).astype(np.float16)
     npos = np.arange(n_ctx_rows, n_ctx_rows + n_new) if new_pos is None else new_pos
     cache.reserve(n_new)
     cache.write(1, kn, vn, npos)
-    q = (2 * rng.standard_normal((n_new, hq, D))).astype(np.float32)
+    q = (2 * rng.standard_normal((n_new, hq, d))).astype(np.float32)
     return cache, q, (kc, vc, kn, vn), cpos, npos
 
 
@@ -64,6 +64,33 @@ def test_decode(max_splits):
     cache, q, kv, cpos, npos = setup(150, 1)
     got = run(cache, q, npos, np.ones((1, 1), bool), max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, np.ones((1, 1), bool)), rtol=2e-4, atol=2e-5)
+
+
+# The one-query kernel (head_dim a multiple of 32): one warp per (split, kv head), a key
+# per lane. 150 context rows: chunks of 32 keys, the last partial; split over several
+# warps + combine, or direct; GQA groups of 1, 2 and 4; a sliding window that masks keys
+# inside a chunk; a grid planned for the whole context (a captured graph's).
+@pytest.mark.parametrize("d,hq,hkv,max_splits", [(32, 4, 2, None), (32, 4, 2, 1), (64, 4, 1, None),
+                                                 (32, 2, 2, 3)])
+def test_decode_one_query_kernel(d, hq, hkv, max_splits):
+    cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
+    assert A._decode_applies(1, d, False)
+    one = np.ones((1, 1), bool)
+    got = run(cache, q, npos, one, max_splits=max_splits)
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
+
+
+def test_decode_one_query_window_and_graph_grid():
+    cache, q, kv, cpos, npos = setup(150, 1, d=32)
+    one = np.ones((1, 1), bool)
+    got = run(cache, q, npos, None, window=40)
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one, window=40), rtol=2e-4, atol=2e-5)
+    ns = A.attention_plan(1, 4, 2, 32, cache.n_ctx)["n_splits"]
+    assert ns == A.decode_plan(2, cache.n_ctx) == 8  # 256 keys: 8 chunks, each its own split
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           cuda.to_device(npos.astype(np.int32)), n_keys=cache.n_ctx, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
 def test_tree():
@@ -196,6 +223,11 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
            f"uint64[::1], int64, int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._attn_kernel(dim, qt, 128, q8), sig)
     assert ".local" not in code or qt == 64, (dim, qt, q8)  # accumulators stay in registers
+for dim, group in [(128, 4), (128, 8), (64, 3), (256, 2)]:
+    sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, int64, float32, int64, "
+           f"{F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
+    code = ptx(attention._decode_kernel(dim, group), sig)
+    assert "ld.global.nc.v4.u32" in code and ".local" not in code, (dim, group)
 print("PTX OK")
 '''
 
