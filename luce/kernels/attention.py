@@ -382,13 +382,13 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 #     each V row is one coalesced read by the warp.
 # Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
 DECODE_CHUNK = 32  # keys per step: one per lane
-DECODE_TARGET_WARPS = 1024  # splits x kv heads for a long context: ~8 warps an H200 SM
+DECODE_TARGET_WARPS = 512  # splits x kv heads for a long context: ~4 warps an H200 SM
 
 
 def decode_plan(n_kv_heads: int, n_keys: int) -> int:
     """Splits of the decode kernel for a grid sized for n_keys keys."""
     chunks = max(1, ceil_div(n_keys, DECODE_CHUNK))
-    return max(1, min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads)))
+    return max(1, min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads), COMBINE_MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,29 +500,47 @@ def _decode_applies(n_q: int, dim: int, q8: bool) -> bool:
     return n_q == 1 and not q8 and dim % 32 == 0
 
 
+COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
+
+
 @cuda.jit
 def _combine_kernel(part_o, part_ml, n_splits, meta, out):
-    # one block per (query, q head); splits that saw no key (l == 0) are skipped, so
-    # their never-written accumulators are never read
+    # One block per (query, q head). The splits' (m, l) go to shared memory first, read by
+    # all threads at once: walking them from global memory, each load behind the test of
+    # the previous one, made this kernel cost ~20-40 us on the H200 (most of a decode
+    # layer's attention). Splits that saw no key (l == 0) get weight 0, and their
+    # never-written accumulators are never read.
     i = cuda.blockIdx.x
     hq = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     if i >= meta[1]:
         return
+    ms = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
+    wt = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
+    for s in range(t, n_splits, nt):
+        ls = part_ml[s, i, hq, 1]
+        ms[s] = part_ml[s, i, hq, 0] if ls > 0 else -math.inf
+        wt[s] = ls
+    cuda.syncthreads()
     big_m = -math.inf
     for s in range(n_splits):
-        if part_ml[s, i, hq, 1] > 0:
-            big_m = max(big_m, part_ml[s, i, hq, 0])
+        big_m = max(big_m, ms[s])
     den = np.float32(0.0)
     for s in range(n_splits):
-        ls = part_ml[s, i, hq, 1]
-        if ls > 0:
-            den += ls * math.exp(part_ml[s, i, hq, 0] - big_m)
-    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        if wt[s] > 0:
+            den += wt[s] * math.exp(ms[s] - big_m)
+    cuda.syncthreads()  # every thread has read wt before it becomes the weights
+    for s in range(t, n_splits, nt):
+        wt[s] = math.exp(ms[s] - big_m) / den if wt[s] > 0 else np.float32(0.0)
+    cuda.syncthreads()
+    for d in range(t, out.shape[2], nt):
         o = np.float32(0.0)
         for s in range(n_splits):
-            if part_ml[s, i, hq, 1] > 0:
-                o += part_o[s, i, hq, d] * math.exp(part_ml[s, i, hq, 0] - big_m)
-        out[i, hq, d] = o / den
+            w = wt[s]
+            if w != 0:
+                o += part_o[s, i, hq, d] * w
+        out[i, hq, d] = o
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
@@ -544,7 +562,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     qt = max(2, nt // head_dim, min(_qt_cap(head_dim), 1 << max(0, rows - 1).bit_length()))
     n_tiles = ceil_div(rows, qt)
     n_pages = max(1, ceil_div(n_keys, BLOCK))
-    n_splits = max(1, min(n_pages, ceil_div(_TARGET_BLOCKS, n_kv_heads * n_tiles)))
+    n_splits = max(1, min(n_pages, ceil_div(_TARGET_BLOCKS, n_kv_heads * n_tiles), COMBINE_MAX_SPLITS))
     if max_splits is not None:
         n_splits = min(n_splits, max_splits)
     pps = ceil_div(n_pages, n_splits)
@@ -570,7 +588,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     if _decode_applies(n_q, dim, q8):
         return _decode_attention(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, window, n_keys, out, scratch,
                                  max_splits, stream)
-    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits)
+    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits, q8=q8)
     kernel = _attn_kernel(dim, plan["qt"], plan["nt"], q8)
     if out is None:
         out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)

@@ -120,22 +120,23 @@ def test_chunked_prefill_window_skips_pages():
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, causal_mask(4), 30), rtol=2e-4, atol=2e-5)
 
 
-def test_q8_0_kv():
+@pytest.mark.parametrize("n_new", [5, 1])  # a tree; one query (the tiled kernel, not decode's f16 one)
+def test_q8_0_kv(n_new):
     """q8_0 pools are dequantized tile by tile (to f16) inside the kernel: compared with
     attention_ref over the rows the cache itself returns (quantized, dequantized)."""
     from luce.kernels.paging import dequantize_q8_0_ref, quantize_q8_0_ref
     d8, hkv, hq = 32, 1, 2
     cache = PagedKVCache(1, 256, hkv, d8, dtype="q8_0", device=True)
-    k, v = rng.standard_normal((2, 75, hkv, d8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 70 + n_new, hkv, d8)).astype(np.float32)
     cache.reserve(70)
     cache.write(0, k[:70], v[:70], np.arange(70))
     cache.commit()
-    cache.reserve(5)
-    cache.write(0, k[70:], v[70:], np.arange(70, 75))
-    q = rng.standard_normal((5, hq, d8)).astype(np.float32)
-    mask = tree_mask(np.array([-1, 0, 0, 1, -1]))
+    cache.reserve(n_new)
+    cache.write(0, k[70:], v[70:], np.arange(70, 70 + n_new))
+    q = rng.standard_normal((n_new, hq, d8)).astype(np.float32)
+    mask = tree_mask(np.array([-1, 0, 0, 1, -1][:n_new]))
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(np.arange(70, 75, dtype=np.int32)),
+    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(np.arange(70, 70 + n_new, dtype=np.int32)),
                          cuda.to_device(tree_mask_bits(mask)), out=out)
     kc, vc, _ = cache.committed(0)
     qd = lambda a: dequantize_q8_0_ref(*quantize_q8_0_ref(a))
