@@ -125,11 +125,18 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         verify.append({"nodes": n, "ms": (time.perf_counter() - t0) / reps * 1e3})
     for r in verify:
         r["x decode step"] = r["ms"] / verify[0]["ms"]
-    if be.name == "cuda" and 23 in verify_widths:
+    prefill_ops = None
+    if be.name == "cuda":
         from .profile import profile_forward
-        vp = profile_forward(be, fam, cfg, w, kv, n_tokens=23)
-        verify_ops = vp["rows"] + [{"op": "sum of ops", "us per forward": vp["sum_us"]},
-                                   {"op": "graph (whole forward)", "us per forward": vp["graph_us"]}]
+
+        def by_op(n_tokens, reps):
+            p = profile_forward(be, fam, cfg, w, kv, n_tokens=n_tokens, reps=reps)
+            return p["rows"] + [{"op": "sum of ops", "us per forward": p["sum_us"]},
+                                {"op": "graph (whole forward)", "us per forward": p["graph_us"]}]
+        if 23 in verify_widths:
+            verify_ops = by_op(23, 20)
+        kv.truncate(0)
+        prefill_ops = by_op(n_prompt, 4)
 
     bw = mem = None
     if be.name == "cuda":
@@ -159,6 +166,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         print_table("host time of a decode step (cProfile, top functions by own time)", host, host_cols)
     if verify_ops:
         print_table(f"23-token verification forward by op ({n_prompt} tokens in context)", verify_ops, cols)
+    if prefill_ops:
+        print_table(f"{n_prompt}-token prefill forward by op", prefill_ops, cols)
     if record:
         append_to_docs(f"luce bench {label} [{be.name}]",
                        [("end to end", table, ["metric", "value"]),
@@ -166,7 +175,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                        + ([("decode step by op (GPU time of each op, graph-replayed)", breakdown, cols),
                            ("host time of a decode step (cProfile; own time includes waits on the GPU)", host,
                             host_cols)] if breakdown else [])
-                       + ([("23-token verification forward by op", verify_ops, cols)] if verify_ops else []),
+                       + ([("23-token verification forward by op", verify_ops, cols)] if verify_ops else [])
+                       + ([(f"{n_prompt}-token prefill forward by op", prefill_ops, cols)] if prefill_ops else []),
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
                              f"{wbytes / 2**30:.2f} GiB")
     return summary, verify, breakdown

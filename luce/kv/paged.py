@@ -76,11 +76,13 @@ class PagedKVCache:
     # ------------------------------------------------------------------ bookkeeping
     def _sync_meta(self) -> None:
         if self.device:
-            self.meta.copy_to_device(np.array([self.n_past, self.n_pending, 0, 0], np.int32), stream=self.stream)
+            from ..backends.cuda_copy import h2d  # twice a decode step: one driver call, not numba's copy
+            h2d(self.meta, np.array([self.n_past, self.n_pending, 0, 0], np.int32), self.stream)
 
     def _sync_table(self) -> None:
         if self.device:
-            self.table_d.copy_to_device(self.table, stream=self.stream)
+            from ..backends.cuda_copy import h2d
+            h2d(self.table_d, self.table, self.stream)
 
     def _alloc(self) -> int:
         if not self.free and self.device and self._dirty_slots:
@@ -104,14 +106,12 @@ class PagedKVCache:
 
     def _unmap_from(self, n_rows: int) -> None:
         keep = -(-n_rows // BLOCK)
-        changed = False
-        for b in range(keep, self.max_blocks):
-            self.host.pop(b, None)
-            if self.table[b] >= 0:
-                self.free.append(int(self.table[b]))
-                self.table[b] = -1
-                changed = True
-        if changed:
+        for b in [b for b in self.host if b >= keep]:
+            del self.host[b]
+        mapped = np.flatnonzero(self.table[keep:] >= 0) + keep  # every commit: no Python loop over the table
+        if len(mapped):
+            self.free.extend(int(s) for s in self.table[mapped])
+            self.table[mapped] = -1
             self._sync_table()
 
     @property
