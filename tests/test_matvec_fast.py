@@ -92,6 +92,18 @@ def test_matvec_fast_warps():
     assert_close(out.copy_to_host(), matvec_ref(raw, T.Q8_0, x), raw, T.Q8_0, x)
 
 
+@pytest.mark.parametrize("qtype,unroll,n_cols", [(T.Q4_K, 1, 768), (T.Q4_K, 4, 2304), (T.Q6_K, 2, 2048),
+                                                (T.Q8_0, 4, 1056)], ids=ID)
+def test_matvec_fast_unroll(qtype, unroll, n_cols):
+    """Units a lane loads before computing: full and partial steps of 1, 2 and 4 units."""
+    rng = np.random.default_rng(int(qtype) + unroll)
+    raw = weights(rng, qtype, 5, n_cols)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    out = nan_device(5)
+    matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, unroll=unroll)
+    assert_close(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
+
+
 @pytest.mark.parametrize("inline_sums", [True, False], ids=["inline-sums", "shared-sums"])
 def test_matvec_fast_capped_grid(inline_sums):
     """A grid capped at 2 blocks (one per simulated SM) loops: 20 rows are 3 row blocks of
@@ -133,10 +145,11 @@ u16, f32 = types.uint16[::1], types.float32[::1]
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
-    for glu, br, nw, inl in [(False, False, F.NW, True), (False, True, F.NW, True), (True, False, F.NW, True),
-                             (False, False, 8, True), (False, False, F.NW, False)]:
-        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl).py_func, sig, cc=(9, 0))
-        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}_inline{int(inl)}"
+    for glu, br, nw, inl, un in [(False, False, F.NW, True, None), (False, True, F.NW, True, None),
+                                 (True, False, F.NW, True, None), (False, False, 8, True, None),
+                                 (False, False, F.NW, False, None), (False, False, F.NW, True, 4)]:
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl, un).py_func, sig, cc=(9, 0))
+        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}_inline{int(inl)}_unroll{un}"
         if out_dir:
             open(os.path.join(out_dir, name + ".ptx"), "w").write(ptx)
         assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name

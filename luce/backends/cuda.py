@@ -200,7 +200,7 @@ class CUDABackend:
         cuda.synchronize()
         return DeviceWeight(dst, qtype, (rows, cols))
 
-    def warmup(self, family, cfg, weights, widths=(1, 2, 8, 23, 64, 96)) -> None:
+    def warmup(self, family, cfg, weights, widths=(1, 2, 4, 8, 16, 23, 64, 96)) -> None:
         """Compile every kernel specialization the first requests will meet (decode, the
         verification widths, a prefill chunk) at load time, on a throwaway cache."""
         kv = self.new_cache(cfg, 2 * max(widths) + 8)

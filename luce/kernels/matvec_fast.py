@@ -155,10 +155,12 @@ def ld16(w, i0, i1, a):
 
 
 # ---------------------------------------------------------------------------------------
-# Per-type units. unit(w, ha, hb, x, sxs, c, t) -> (ya, yb): the dot products with x of
-# unit t of the block starting at uint16 index ha (row a) and hb (row b); c = the block's
-# first column; sxs = the sums of x over each 32 columns (filled only for types whose spec
-# asks for them).
+# Per-type units, in two halves: load(w, ha, hb, t) -> raw: the weight words of unit t of
+# the blocks starting at uint16 index ha (row a) and hb (row b); dot(raw, z, w, ha, hb, x,
+# sxs, c, t) -> (ya, yb): their dot products with x, accumulators starting at z (0.0), c =
+# the block's first column; sxs = the sums of x over each 32 columns (filled only for
+# types whose spec asks for them); touch(raw) -> uint32: every load's result, XORed (see
+# _make_rows).
 # ---------------------------------------------------------------------------------------
 @_dev
 def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
@@ -225,20 +227,21 @@ def k4_word(qa, qb, x, c, acc):
 
 def _make_unit_q4_k(inline_sums: bool):
     @_dev
-    def unit_q4_k(w, ha, hb, x, sxs, c, t):
-        # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31:
-        # low nibbles are columns 64t + 0..31 (sub-block 2t), high ones 64t + 32..63
-        # (sub-block 2t + 1), so a unit decodes two scales for 64 columns. Every piece is
-        # 16-byte aligned (144 = 9 * 16). Tuple elements are taken with literal indices
-        # only: a variable index becomes a branchy switch in numba.
-        qa0 = ldg_u16_u32x4(w, ha + 8 + 16 * t)
-        qa1 = ldg_u16_u32x4(w, ha + 16 + 16 * t)
-        qb0 = ldg_u16_u32x4(w, hb + 8 + 16 * t)
-        qb1 = ldg_u16_u32x4(w, hb + 16 + 16 * t)
-        sa = ldg_u16_u32x4(w, ha)
-        sb = ldg_u16_u32x4(w, hb)
+    def load(w, ha, hb, t):
+        # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31
+        # of rows a and b (low nibbles: columns 64t + 0..31, sub-block 2t; high nibbles:
+        # 64t + 32..63, sub-block 2t + 1) and reads each row's 16-byte header (d, dmin,
+        # scales). Every piece is 16-byte aligned (144 = 9 * 16).
+        return (ldg_u16_u32x4(w, ha + 8 + 16 * t), ldg_u16_u32x4(w, ha + 16 + 16 * t),
+                ldg_u16_u32x4(w, hb + 8 + 16 * t), ldg_u16_u32x4(w, hb + 16 + 16 * t),
+                ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
+
+    @_dev
+    def dot(raw, z, w, ha, hb, x, sxs, c, t):
+        # Tuple elements are taken with literal indices only: a variable index becomes a
+        # branchy switch in numba.
+        qa0, qa1, qb0, qb1, sa, sb = raw
         cl = c + 64 * t
-        z = np.float32(0.0)
         acc = (z, z, z, z, z, z, z, z, z, z)
         acc = k4_word(qa0[0], qb0[0], x, cl, acc)
         acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
@@ -254,7 +257,11 @@ def _make_unit_q4_k(inline_sums: bool):
             sxh = sxs[(c >> 5) + 2 * t + 1]
         return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
                 k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
-    return unit_q4_k
+
+    @_dev
+    def touch(raw):
+        return raw[0][0] ^ raw[1][0] ^ raw[2][0] ^ raw[3][0] ^ raw[4][0] ^ raw[5][0]
+    return load, dot, touch
 
 
 @_dev
@@ -312,7 +319,7 @@ def q6_group(pa, ha, pb, hb, g, x, c):
 
 
 @_dev
-def unit_q6_k(w, ha, hb, x, sxs, c, t):
+def load_q6_k(w, ha, hb, t):
     # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
     # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
     # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
@@ -326,16 +333,30 @@ def unit_q6_k(w, ha, hb, x, sxs, c, t):
     la1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)          # ql, groups 1 and 3
     lha = ld16(w, p0 + oh, p1 + oh, pa)                  # qh
     p0, p1, pa = pieces(hb)
-    lb0 = ld16(w, p0 + o, p1 + o, pa)
-    lb1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)
-    lhb = ld16(w, p0 + oh, p1 + oh, pa)
+    return la0, la1, lha, ld16(w, p0 + o, p1 + o, pa), ld16(w, p0 + o + 16, p1 + o + 16, pa), \
+        ld16(w, p0 + oh, p1 + oh, pa)
+
+
+@_dev
+def touch_q6_k(raw):
+    # every word: each ld16 piece may come from either of its two loads
+    h = U(0)
+    for v in raw:
+        h ^= v[0] ^ v[1] ^ v[2] ^ v[3]
+    return h
+
+
+@_dev
+def dot_q6_k(raw, z, w, ha, hb, x, sxs, c, t):
+    la0, la1, lha, lb0, lb1, lhb = raw
+    n = t >> 1
+    hh = t & 1
     cc = c + 128 * n + 16 * hh
     # Scale 8n + 2g + hh is byte hh of uint16 96 + 4n + g: one base for all four groups,
     # unsigned so that numba adds no negative-index wraparound.
     sa = U64(ha + 96 + 4 * n)
     sb = U64(hb + 96 + 4 * n)
     ssh = U(8 * hh)
-    z = np.float32(0.0)
     ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, x, cc, z, z)
     ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
     ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
@@ -366,15 +387,25 @@ def q8_acc(q, x0, x1, x2, x3, a0, a8):
 
 
 @_dev
-def unit_q8_0(w, ha, hb, x, sxs, c, t):
+def load_q8_0(w, ha, hb, t):
     # Q8_0: d qs[32]. Unit t (2 a block) holds qs bytes 16t .. 16t + 15 = columns 16t + 0..15.
     p0, p1, pa = pieces(ha + 1 + 8 * t)
     qa = ld16(w, p0, p1, pa)
     p0, p1, pa = pieces(hb + 1 + 8 * t)
-    qb = ld16(w, p0, p1, pa)
-    da = f16_bits_to_f32(U(w[U64(ha)]))
-    db = f16_bits_to_f32(U(w[U64(hb)]))
-    z = np.float32(0.0)
+    return qa, ld16(w, p0, p1, pa), w[U64(ha)], w[U64(hb)]
+
+
+@_dev
+def touch_q8_0(raw):
+    qa, qb, da, db = raw
+    return qa[0] ^ qa[1] ^ qa[2] ^ qa[3] ^ qb[0] ^ qb[1] ^ qb[2] ^ qb[3] ^ U(da) ^ U(db)
+
+
+@_dev
+def dot_q8_0(raw, z, w, ha, hb, x, sxs, c, t):
+    qa, qb, da_bits, db_bits = raw
+    da = f16_bits_to_f32(U(da_bits))
+    db = f16_bits_to_f32(U(db_bits))
     acc = q8_word(qa[0], qb[0], x, c + 16 * t, (z, z, z, z))
     acc = q8_word(qa[1], qb[1], x, c + 16 * t + 4, acc)
     acc = q8_word(qa[2], qb[2], x, c + 16 * t + 8, acc)
@@ -392,13 +423,14 @@ def q8_word(qa, qb, x, c, acc):
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
-# flight), unit factory (inline_sums -> unit function), whether units need the sums of x
-# over 32 columns (from shared memory, or summed inline by each unit).
+# flight), unit factory (inline_sums -> (load, dot, touch): a unit's weight loads, its dot
+# products from what they returned, and a hash of them), whether units need the sums of x over 32 columns
+# (from shared memory, or summed inline by each unit).
 FastSpec = namedtuple("FastSpec", "qk bs tpb unroll make_unit sums")
 FAST_SPECS = {
     T.Q4_K: FastSpec(256, 144, 4, 2, _make_unit_q4_k, True),
-    T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: unit_q6_k, False),
-    T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: unit_q8_0, False),
+    T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: (load_q6_k, dot_q6_k, touch_q6_k), False),
+    T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: (load_q8_0, dot_q8_0, touch_q8_0), False),
 }
 # Q4_K's sums of x per 32 columns: summed by each unit from the x it loads anyway (~0.5
 # add per weight and row) rather than by every thread block into shared memory first
@@ -415,20 +447,30 @@ FAST_TYPES = frozenset(FAST_SPECS)
 RED_PER_WARP = WARP_RED_SLOTS
 
 
-def _make_rows(qtype, inline_sums):
+def _make_rows(qtype, inline_sums, unroll=None):
     spec = FAST_SPECS[qtype]
-    TPB, QK, BH, UN, unit = spec.tpb, spec.qk, spec.bs // 2, spec.unroll, spec.make_unit(inline_sums)
+    TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
+    UN = unroll or spec.unroll
+    load, dot, touch = spec.make_unit(inline_sums)
     SH = TPB.bit_length() - 1
-    assert TPB == 1 << SH
+    assert TPB == 1 << SH and UN in (1, 2, 4)
 
     @_dev
-    def at(w, ha, hb, x, sxs, n_units, u):
+    def where(n_units, u):
         # Units past the row's end are clamped to its last unit, so every load stays in
         # bounds and can issue before any branch; the caller drops their sums.
         u = min(u, n_units - 1)
-        b = u >> SH  # u >= 0: a shift, not numba's floor division
-        t = u & (TPB - 1)
-        return unit(w, ha + b * BH, hb + b * BH, x, sxs, b * QK, t)
+        return u >> SH, u & (TPB - 1)  # u >= 0: a shift, not numba's floor division
+
+    # All weight loads of a step must be in flight together. Written load, load, compute,
+    # compute, ptxas (sm_90) still sank each unit's loads to just before its arithmetic,
+    # so a warp waited for DRAM once per unit. So every accumulator starts from
+    # z = float(hash of all the step's loads & 0): the first FMA needs every load, which
+    # makes ptxas issue them all first. The AND with a value it cannot prove zero (a
+    # shift of n_units, always 0 at real sizes) keeps z at 0.0 without being folded away.
+    @_dev
+    def opaque_zero(h, n_units):
+        return u32_bits_to_f32(U(h & U(n_units >> 40)))
 
     if UN == 1:
         @_dev
@@ -436,30 +478,69 @@ def _make_rows(qtype, inline_sums):
             """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 32):
-                pa, pb = at(w, ha, hb, x, sxs, n_units, u)
+                b0, t0 = where(n_units, u)
+                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
+                z = opaque_zero(touch(r0), n_units)
+                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
                 ya += pa
                 yb += pb
             return ya, yb
-    else:
+    elif UN == 2:
         @_dev
         def rows_dot(w, ha, hb, x, sxs, n_units, lane):
-            """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step so
-            that twice the loads are in flight."""
+            """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 64):
-                pa, pb = at(w, ha, hb, x, sxs, n_units, u)
-                qa, qb = at(w, ha, hb, x, sxs, n_units, u + 32)
+                b0, t0 = where(n_units, u)
+                b1, t1 = where(n_units, u + 32)
+                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
+                r1 = load(w, ha + b1 * BH, hb + b1 * BH, t1)
+                z = opaque_zero(touch(r0) ^ touch(r1), n_units)
+                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
+                qa, qb = dot(r1, z, w, ha + b1 * BH, hb + b1 * BH, x, sxs, b1 * QK, t1)
                 ya += pa
                 yb += pb
                 if u + 32 < n_units:
                     ya += qa
                     yb += qb
             return ya, yb
+    else:
+        @_dev
+        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
+            """Lane sums of rows a and b (uint16 starts ha, hb) with x; four units a step."""
+            ya = yb = np.float32(0.0)
+            for u in range(lane, n_units, 128):
+                b0, t0 = where(n_units, u)
+                b1, t1 = where(n_units, u + 32)
+                b2, t2 = where(n_units, u + 64)
+                b3, t3 = where(n_units, u + 96)
+                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
+                r1 = load(w, ha + b1 * BH, hb + b1 * BH, t1)
+                r2 = load(w, ha + b2 * BH, hb + b2 * BH, t2)
+                r3 = load(w, ha + b3 * BH, hb + b3 * BH, t3)
+                z = opaque_zero(touch(r0) ^ touch(r1) ^ touch(r2) ^ touch(r3), n_units)
+                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
+                ya += pa
+                yb += pb
+                pa, pb = dot(r1, z, w, ha + b1 * BH, hb + b1 * BH, x, sxs, b1 * QK, t1)
+                if u + 32 < n_units:
+                    ya += pa
+                    yb += pb
+                pa, pb = dot(r2, z, w, ha + b2 * BH, hb + b2 * BH, x, sxs, b2 * QK, t2)
+                if u + 64 < n_units:
+                    ya += pa
+                    yb += pb
+                pa, pb = dot(r3, z, w, ha + b3 * BH, hb + b3 * BH, x, sxs, b3 * QK, t3)
+                if u + 96 < n_units:
+                    ya += pa
+                    yb += pb
+            return ya, yb
     return rows_dot
 
 
-def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True):
-    rows_dot = _make_rows(qtype, inline_sums)
+def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
+                 unroll=None):
+    rows_dot = _make_rows(qtype, inline_sums, unroll)
     RED = max(1, nw * RED_PER_WARP)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums
     SXN = SX_MAX if SUMS else 1
@@ -534,7 +615,8 @@ def _sm_count() -> int:
 _SMS = None
 
 
-def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0):
+def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
+            unroll=None):
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -568,7 +650,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
     nw = warps or NW
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline)
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, unroll or spec.unroll)
     grid = -(-n_rows // (nw * ROWS))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
@@ -580,18 +662,20 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
-                inline_sums=None, blocks_per_sm=0):
+                inline_sums=None, blocks_per_sm=0, unroll=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
     out itself. For tuning: warps per thread block (default NW), inline_sums (default
-    INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid)."""
-    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm)
+    INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
+    lane loads before computing: 1, 2 or 4; default the type's FAST_SPECS entry)."""
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll)
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0):
+                blocks_per_sm=0, unroll=None):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
-    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm)
+    return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
+                   unroll)
 
 
 # ---------------------------------------------------------------------------------------
@@ -671,8 +755,21 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
             "timing": timing, "compile_s": round(compile_s, 2)}
 
 
-if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline]: JSON lines
+# the tuning variants of the 2026-11-30 H200 run (docs/benchmarks.md)
+TUNING_VARIANTS = ({"inline_sums": False, "blocks_per_sm": None}, {"inline_sums": True, "blocks_per_sm": None},
+                   {"inline_sums": True, "blocks_per_sm": 4}, {"inline_sums": True, "blocks_per_sm": 8},
+                   {"inline_sums": True, "blocks_per_sm": 16}, {"warps": 8, "inline_sums": True, "blocks_per_sm": None})
+
+if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline] [--variants] [--unroll]: JSON lines
     import json
     import sys
-    for r in bench_matvec_fast(warps=(4, 8), baseline="--baseline" in sys.argv):
+    if "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)
+        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288)), iters=50,
+                                 variants=({"unroll": 1}, {"unroll": 2}, {"unroll": 4}))
+    elif "--variants" in sys.argv:
+        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096), (25600, 5120)), iters=50,
+                                 variants=TUNING_VARIANTS)
+    else:
+        rows = bench_matvec_fast(warps=(4, 8), baseline="--baseline" in sys.argv)
+    for r in rows:
         print(json.dumps(r), flush=True)
