@@ -20,10 +20,13 @@ FMA chains. The floor is then 3 instructions per weight and row (logic, add, FMA
 SASS of the loops (sm_90, ptxas 13) has about 4.6 (Q4_K), 6.4 (Q6_K) and 7.4 (Q8_0), the
 rest being scales, ld16's selects and index math. At copy bandwidth (~15.7 bytes per SM
 clock on the H200) that is ~100% (Q4_K), ~95% (Q6_K) and ~85% (Q8_0) of the SM's 128
-issue slots a clock: all three are issue-bound at about the memory ceiling, so expect
-roughly 70-85% of copy bandwidth; bench_matvec_fast measures it. Going clearly past that
-needs fewer instructions a weight: tensor-core mma on f16-decoded weights (exact small
-integers) with x split into two f16 halves, or int8 x with dp4a (inexact).
+issue slots a clock: all three are issue-bound at about the memory ceiling. Measured on
+the H200 (docs/benchmarks.md) they reach far less: Q4_K 21-23%, Q6_K 34-40%, Q8_0 43-60%
+of copy bandwidth, about 2e12 weights a second for all three, i.e. about a quarter of the
+issue rate; the x-sum prologue (gone), grid shape, block size and the order of loads were
+each varied without closing the gap, so the bound is still unexplained. Fewer
+instructions a weight would be the next step: tensor-core mma on f16-decoded weights
+(exact small integers) with x split into two f16 halves, or int8 x with dp4a (inexact).
 
 Q4_K's mins need the sums of x over each 32 columns. Each unit adds up the 64 x it
 loads anyway (INLINE_SUMS); the alternative, every thread block summing all of x into
@@ -156,11 +159,9 @@ def ld16(w, i0, i1, a):
 
 # ---------------------------------------------------------------------------------------
 # Per-type units, in two halves: load(w, ha, hb, t) -> raw: the weight words of unit t of
-# the blocks starting at uint16 index ha (row a) and hb (row b); dot(raw, z, w, ha, hb, x,
-# sxs, c, t) -> (ya, yb): their dot products with x, accumulators starting at z (0.0), c =
-# the block's first column; sxs = the sums of x over each 32 columns (filled only for
-# types whose spec asks for them); touch(raw) -> uint32: every load's result, XORed (see
-# _make_rows).
+# the blocks starting at uint16 index ha (row a) and hb (row b); dot(raw, w, ha, hb, x, sxs,
+# c, t) -> (ya, yb): their dot products with x, c = the block's first column; sxs = the
+# sums of x over each 32 columns (filled only for types whose spec asks for them).
 # ---------------------------------------------------------------------------------------
 @_dev
 def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
@@ -237,11 +238,12 @@ def _make_unit_q4_k(inline_sums: bool):
                 ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
 
     @_dev
-    def dot(raw, z, w, ha, hb, x, sxs, c, t):
+    def dot(raw, w, ha, hb, x, sxs, c, t):
         # Tuple elements are taken with literal indices only: a variable index becomes a
         # branchy switch in numba.
         qa0, qa1, qb0, qb1, sa, sb = raw
         cl = c + 64 * t
+        z = np.float32(0.0)
         acc = (z, z, z, z, z, z, z, z, z, z)
         acc = k4_word(qa0[0], qb0[0], x, cl, acc)
         acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
@@ -258,10 +260,7 @@ def _make_unit_q4_k(inline_sums: bool):
         return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
                 k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
 
-    @_dev
-    def touch(raw):
-        return raw[0][0] ^ raw[1][0] ^ raw[2][0] ^ raw[3][0] ^ raw[4][0] ^ raw[5][0]
-    return load, dot, touch
+    return load, dot
 
 
 @_dev
@@ -338,16 +337,7 @@ def load_q6_k(w, ha, hb, t):
 
 
 @_dev
-def touch_q6_k(raw):
-    # every word: each ld16 piece may come from either of its two loads
-    h = U(0)
-    for v in raw:
-        h ^= v[0] ^ v[1] ^ v[2] ^ v[3]
-    return h
-
-
-@_dev
-def dot_q6_k(raw, z, w, ha, hb, x, sxs, c, t):
+def dot_q6_k(raw, w, ha, hb, x, sxs, c, t):
     la0, la1, lha, lb0, lb1, lhb = raw
     n = t >> 1
     hh = t & 1
@@ -357,6 +347,7 @@ def dot_q6_k(raw, z, w, ha, hb, x, sxs, c, t):
     sa = U64(ha + 96 + 4 * n)
     sb = U64(hb + 96 + 4 * n)
     ssh = U(8 * hh)
+    z = np.float32(0.0)
     ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, x, cc, z, z)
     ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
     ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
@@ -396,16 +387,11 @@ def load_q8_0(w, ha, hb, t):
 
 
 @_dev
-def touch_q8_0(raw):
-    qa, qb, da, db = raw
-    return qa[0] ^ qa[1] ^ qa[2] ^ qa[3] ^ qb[0] ^ qb[1] ^ qb[2] ^ qb[3] ^ U(da) ^ U(db)
-
-
-@_dev
-def dot_q8_0(raw, z, w, ha, hb, x, sxs, c, t):
+def dot_q8_0(raw, w, ha, hb, x, sxs, c, t):
     qa, qb, da_bits, db_bits = raw
     da = f16_bits_to_f32(U(da_bits))
     db = f16_bits_to_f32(U(db_bits))
+    z = np.float32(0.0)
     acc = q8_word(qa[0], qb[0], x, c + 16 * t, (z, z, z, z))
     acc = q8_word(qa[1], qb[1], x, c + 16 * t + 4, acc)
     acc = q8_word(qa[2], qb[2], x, c + 16 * t + 8, acc)
@@ -423,14 +409,14 @@ def q8_word(qa, qb, x, c, acc):
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
-# flight), unit factory (inline_sums -> (load, dot, touch): a unit's weight loads, its dot
-# products from what they returned, and a hash of them), whether units need the sums of x over 32 columns
+# flight), unit factory (inline_sums -> (load, dot): a unit's weight loads, and its dot
+# products from what they returned), whether units need the sums of x over 32 columns
 # (from shared memory, or summed inline by each unit).
 FastSpec = namedtuple("FastSpec", "qk bs tpb unroll make_unit sums")
 FAST_SPECS = {
     T.Q4_K: FastSpec(256, 144, 4, 2, _make_unit_q4_k, True),
-    T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: (load_q6_k, dot_q6_k, touch_q6_k), False),
-    T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: (load_q8_0, dot_q8_0, touch_q8_0), False),
+    T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: (load_q6_k, dot_q6_k), False),
+    T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: (load_q8_0, dot_q8_0), False),
 }
 # Q4_K's sums of x per 32 columns: summed by each unit from the x it loads anyway (~0.5
 # add per weight and row) rather than by every thread block into shared memory first
@@ -451,9 +437,9 @@ def _make_rows(qtype, inline_sums, unroll=None):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
     UN = unroll or spec.unroll
-    load, dot, touch = spec.make_unit(inline_sums)
+    load, dot = spec.make_unit(inline_sums)
     SH = TPB.bit_length() - 1
-    assert TPB == 1 << SH and UN in (1, 2, 4)
+    assert TPB == 1 << SH and UN in (1, 2)  # 4 was slower for all three types (H200)
 
     @_dev
     def where(n_units, u):
@@ -462,15 +448,18 @@ def _make_rows(qtype, inline_sums, unroll=None):
         u = min(u, n_units - 1)
         return u >> SH, u & (TPB - 1)  # u >= 0: a shift, not numba's floor division
 
-    # All weight loads of a step must be in flight together. Written load, load, compute,
-    # compute, ptxas (sm_90) still sank each unit's loads to just before its arithmetic,
-    # so a warp waited for DRAM once per unit. So every accumulator starts from
-    # z = float(hash of all the step's loads & 0): the first FMA needs every load, which
-    # makes ptxas issue them all first. The AND with a value it cannot prove zero (a
-    # shift of n_units, always 0 at real sizes) keeps z at 0.0 without being folded away.
+    # A step's loads are written before its arithmetic, but ptxas (sm_90) sinks each unit's
+    # loads to just before its use. Forcing them all up front (23c5ef6: the accumulators
+    # seeded from a hash of every load) took Q4_K from 75 to 123 registers and changed
+    # nothing measurable on the H200 (docs/benchmarks.md), so the compiler's order stays.
     @_dev
-    def opaque_zero(h, n_units):
-        return u32_bits_to_f32(U(h & U(n_units >> 40)))
+    def load_at(w, ha, hb, n_units, u):
+        b, t = where(n_units, u)
+        return load(w, ha + b * BH, hb + b * BH, t), b, t
+
+    @_dev
+    def dot_at(raw, w, ha, hb, x, sxs, b, t):
+        return dot(raw, w, ha + b * BH, hb + b * BH, x, sxs, b * QK, t)
 
     if UN == 1:
         @_dev
@@ -478,62 +467,26 @@ def _make_rows(qtype, inline_sums, unroll=None):
             """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 32):
-                b0, t0 = where(n_units, u)
-                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
-                z = opaque_zero(touch(r0), n_units)
-                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
+                r0, b0, t0 = load_at(w, ha, hb, n_units, u)
+                pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
                 ya += pa
                 yb += pb
             return ya, yb
-    elif UN == 2:
+    else:
         @_dev
         def rows_dot(w, ha, hb, x, sxs, n_units, lane):
             """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step."""
             ya = yb = np.float32(0.0)
             for u in range(lane, n_units, 64):
-                b0, t0 = where(n_units, u)
-                b1, t1 = where(n_units, u + 32)
-                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
-                r1 = load(w, ha + b1 * BH, hb + b1 * BH, t1)
-                z = opaque_zero(touch(r0) ^ touch(r1), n_units)
-                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
-                qa, qb = dot(r1, z, w, ha + b1 * BH, hb + b1 * BH, x, sxs, b1 * QK, t1)
+                r0, b0, t0 = load_at(w, ha, hb, n_units, u)
+                r1, b1, t1 = load_at(w, ha, hb, n_units, u + 32)
+                pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
+                qa, qb = dot_at(r1, w, ha, hb, x, sxs, b1, t1)
                 ya += pa
                 yb += pb
                 if u + 32 < n_units:
                     ya += qa
                     yb += qb
-            return ya, yb
-    else:
-        @_dev
-        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
-            """Lane sums of rows a and b (uint16 starts ha, hb) with x; four units a step."""
-            ya = yb = np.float32(0.0)
-            for u in range(lane, n_units, 128):
-                b0, t0 = where(n_units, u)
-                b1, t1 = where(n_units, u + 32)
-                b2, t2 = where(n_units, u + 64)
-                b3, t3 = where(n_units, u + 96)
-                r0 = load(w, ha + b0 * BH, hb + b0 * BH, t0)
-                r1 = load(w, ha + b1 * BH, hb + b1 * BH, t1)
-                r2 = load(w, ha + b2 * BH, hb + b2 * BH, t2)
-                r3 = load(w, ha + b3 * BH, hb + b3 * BH, t3)
-                z = opaque_zero(touch(r0) ^ touch(r1) ^ touch(r2) ^ touch(r3), n_units)
-                pa, pb = dot(r0, z, w, ha + b0 * BH, hb + b0 * BH, x, sxs, b0 * QK, t0)
-                ya += pa
-                yb += pb
-                pa, pb = dot(r1, z, w, ha + b1 * BH, hb + b1 * BH, x, sxs, b1 * QK, t1)
-                if u + 32 < n_units:
-                    ya += pa
-                    yb += pb
-                pa, pb = dot(r2, z, w, ha + b2 * BH, hb + b2 * BH, x, sxs, b2 * QK, t2)
-                if u + 64 < n_units:
-                    ya += pa
-                    yb += pb
-                pa, pb = dot(r3, z, w, ha + b3 * BH, hb + b3 * BH, x, sxs, b3 * QK, t3)
-                if u + 96 < n_units:
-                    ya += pa
-                    yb += pb
             return ya, yb
     return rows_dot
 
@@ -667,7 +620,7 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
     out itself. For tuning: warps per thread block (default NW), inline_sums (default
     INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
-    lane loads before computing: 1, 2 or 4; default the type's FAST_SPECS entry)."""
+    lane loads before computing: 1 or 2; default the type's FAST_SPECS entry)."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll)
 
 
@@ -765,7 +718,7 @@ if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline] [-
     import sys
     if "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288)), iters=50,
-                                 variants=({"unroll": 1}, {"unroll": 2}, {"unroll": 4}))
+                                 variants=({"unroll": 1}, {"unroll": 2}))
     elif "--variants" in sys.argv:
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096), (25600, 5120)), iters=50,
                                  variants=TUNING_VARIANTS)
