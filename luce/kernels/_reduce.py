@@ -15,6 +15,8 @@ import math
 import numpy as np
 from numba import cuda
 
+from .device import device
+
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 # Shared scratch a kernel allocates for these helpers: one slot per thread on the
@@ -43,7 +45,7 @@ def stride_grid(n_items: int, threads: int, gpu_max_blocks: int = 4096) -> int:
 
 # ---------------------------------------------------------------- simulator path
 
-@cuda.jit(device=True)
+@device
 def _smem_sum(v, buf):
     t = cuda.threadIdx.x
     buf[t] = v
@@ -59,7 +61,7 @@ def _smem_sum(v, buf):
     return r
 
 
-@cuda.jit(device=True)
+@device
 def _smem_max(v, buf):
     t = cuda.threadIdx.x
     buf[t] = v
@@ -75,7 +77,7 @@ def _smem_max(v, buf):
     return r
 
 
-@cuda.jit(device=True)
+@device
 def _smem_argmax(v, i, vbuf, ibuf):
     t = cuda.threadIdx.x
     vbuf[t] = v
@@ -99,7 +101,7 @@ def _smem_argmax(v, i, vbuf, ibuf):
 
 # ---------------------------------------------------------------- shuffle path (GPU only)
 
-@cuda.jit(device=True)
+@device
 def _warp_sum(v):
     off = 16
     while off > 0:
@@ -108,7 +110,7 @@ def _warp_sum(v):
     return v
 
 
-@cuda.jit(device=True)
+@device
 def _warp_max(v):
     off = 16
     while off > 0:
@@ -117,7 +119,7 @@ def _warp_max(v):
     return v
 
 
-@cuda.jit(device=True)
+@device
 def _warp_argmax(v, i):
     off = 16
     while off > 0:
@@ -130,7 +132,7 @@ def _warp_argmax(v, i):
     return v, i
 
 
-@cuda.jit(device=True)
+@device
 def _shfl_sum(v, buf):
     t = cuda.threadIdx.x
     lane = t & 31
@@ -145,7 +147,7 @@ def _shfl_sum(v, buf):
     return v
 
 
-@cuda.jit(device=True)
+@device
 def _shfl_max(v, buf):
     t = cuda.threadIdx.x
     lane = t & 31
@@ -159,7 +161,7 @@ def _shfl_max(v, buf):
     return v
 
 
-@cuda.jit(device=True)
+@device
 def _shfl_argmax(v, i, vbuf, ibuf):
     t = cuda.threadIdx.x
     lane = t & 31
@@ -195,7 +197,7 @@ __all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div", "stri
 if SIM:
     WARP_RED_SLOTS = 32
 
-    @cuda.jit(device=True)
+    @device
     def warp_sum(v, red, wid, lane):
         red[wid * 32 + lane] = v
         cuda.syncthreads()
@@ -208,7 +210,7 @@ if SIM:
 else:
     WARP_RED_SLOTS = 0
 
-    @cuda.jit(device=True)
+    @device
     def warp_sum(v, red, wid, lane):
         for off in (16, 8, 4, 2, 1):
             v += cuda.shfl_xor_sync(_FULL, v, off)

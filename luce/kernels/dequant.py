@@ -183,10 +183,12 @@ from collections import namedtuple  # noqa: E402
 
 from numba import cuda  # noqa: E402
 
+from .device import device  # noqa: E402
+
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32  # noqa: E402
 
 DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale quad")
-_dev = cuda.jit(device=True)
+_dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
 
 # Bit fiddling is written in uint32 with uint32 constants: numba widens integer arithmetic

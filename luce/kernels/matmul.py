@@ -47,6 +47,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from .device import device
+
 from .dequant import dequantize
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
@@ -54,7 +56,7 @@ from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_b
 __all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "auto_splits", "choose_splits", "matmul", "matmul_ref",
            "pick_tile", "to_f16"]
 
-_dev = cuda.jit(device=True)
+_dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
 # ----------------------------------------------------------------------------------------
 # 32-bit primitives. numba promotes uint32 arithmetic to 64 bits, which doubles the cost

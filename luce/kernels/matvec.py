@@ -22,6 +22,8 @@ import time
 import numpy as np
 from numba import cuda
 
+from .device import device, fma
+
 from .dequant import (
     DEVICE_SPECS, SIM, as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
     warp_barrier, weight_u16,
@@ -39,7 +41,7 @@ MV_WARPS = 4  # warps per thread block
 # which at one row per warp is 8x the weight bytes of Q4_K. Tune with bench_matvec.
 ROWS_PER_WARP = 2
 
-_dev = cuda.jit(device=True)
+_dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
 RED_SIZE = max(1, MV_WARPS * WARP_RED_SLOTS)
 
@@ -97,7 +99,7 @@ def _make_rows_dot(qtype, vw: int, tb: int, nr_slots: int, rpw: int):
                         for i in range(R):
                             q = quad(sh, bo + i * SWB, u, k, j)
                             for e in range(4):
-                                v[i, e] = cuda.fma(sc[i], q[e], of[i])
+                                v[i, e] = fma(sc[i], q[e], of[i])
                         for r in range(NR):
                             x0, x1, x2, x3 = ldg_f32x4(x, xo[r] + c + 4 * j)
                             for i in range(R):

@@ -50,6 +50,8 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
+from .device import device, fma
+
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from ._reduce import WARP_RED_SLOTS, warp_sum
@@ -57,7 +59,7 @@ from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_
 
 __all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
 
-_dev = cuda.jit(device=True)
+_dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
 NW = 4     # warps per thread block
 ROWS = 2   # rows per warp: each x load serves both (x is 4-8x the weight bytes per element)
@@ -171,10 +173,10 @@ def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
     q2m = U(U(q >> B16) | MAGIC)
     m0 = U(U(15) << U(sh))
     m8 = U(U(0xF00) << U(sh))
-    a0 = cuda.fma(fmm(qm, m0, F_MAGIC), x0, a0)
-    a8 = cuda.fma(fmm(qm, m8, F_MAGIC), x1, a8)
-    a0 = cuda.fma(fmm(q2m, m0, F_MAGIC), x2, a0)
-    a8 = cuda.fma(fmm(q2m, m8, F_MAGIC), x3, a8)
+    a0 = fma(fmm(qm, m0, F_MAGIC), x0, a0)
+    a8 = fma(fmm(qm, m8, F_MAGIC), x1, a8)
+    a0 = fma(fmm(q2m, m0, F_MAGIC), x2, a0)
+    a8 = fma(fmm(q2m, m8, F_MAGIC), x3, a8)
     return a0, a8
 
 
@@ -284,10 +286,10 @@ def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
     v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 32)
     b8 = np.float32(8388608.0 + 32 * 256)
-    a0 = cuda.fma(fmm(vm, 63, b0), x0, a0)
-    a8 = cuda.fma(fmm(vm, 0x3F00, b8), x1, a8)
-    a0 = cuda.fma(fmm(v2m, 63, b0), x2, a0)
-    a8 = cuda.fma(fmm(v2m, 0x3F00, b8), x3, a8)
+    a0 = fma(fmm(vm, 63, b0), x0, a0)
+    a8 = fma(fmm(vm, 0x3F00, b8), x1, a8)
+    a0 = fma(fmm(v2m, 63, b0), x2, a0)
+    a8 = fma(fmm(v2m, 0x3F00, b8), x3, a8)
     return a0, a8
 
 
@@ -358,8 +360,8 @@ def dot_q6_k(raw, w, ha, hb, x, sxs, c, t):
 @_dev
 def q6_step(w, sa, sb, ssh, pa, qa, pb, qb, g, x, c, ya, yb):
     da, db = q6_group(pa, qa, pb, qb, g, x, c)
-    ya = cuda.fma(i8f(shr32(U(w[sa + U64(g)]), ssh)), da, ya)
-    yb = cuda.fma(i8f(shr32(U(w[sb + U64(g)]), ssh)), db, yb)
+    ya = fma(i8f(shr32(U(w[sa + U64(g)]), ssh)), da, ya)
+    yb = fma(i8f(shr32(U(w[sb + U64(g)]), ssh)), db, yb)
     return ya, yb
 
 
@@ -370,10 +372,10 @@ def q8_acc(q, x0, x1, x2, x3, a0, a8):
     v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 128)
     b8 = np.float32(8388608.0 + 128 * 256)
-    a0 = cuda.fma(fmm(vm, 255, b0), x0, a0)
-    a8 = cuda.fma(fmm(vm, 0xFF00, b8), x1, a8)
-    a0 = cuda.fma(fmm(v2m, 255, b0), x2, a0)
-    a8 = cuda.fma(fmm(v2m, 0xFF00, b8), x3, a8)
+    a0 = fma(fmm(vm, 255, b0), x0, a0)
+    a8 = fma(fmm(vm, 0xFF00, b8), x1, a8)
+    a0 = fma(fmm(v2m, 255, b0), x2, a0)
+    a8 = fma(fmm(v2m, 0xFF00, b8), x3, a8)
     return a0, a8
 
 

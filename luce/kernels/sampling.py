@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import cuda
 
+from .device import device
+
 from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div
 
 MAX_TOP_K = 64
@@ -55,7 +57,7 @@ def topk_ref(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ------------------------------------------------------------------------------ CUDA
 
-@cuda.jit(device=True)
+@device
 def _better(v, i, bv, bi):
     return v > bv or (v == bv and i < bi)
 

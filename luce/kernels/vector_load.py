@@ -14,12 +14,14 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from .device import device
+
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def ldg_u16_u32x4(a, i):
         """Four little-endian uint32 words from a[i : i + 8] (uint16 array)."""
         return (np.uint32(a[i] | (np.uint32(a[i + 1]) << 16)),
@@ -27,20 +29,20 @@ if SIM:
                 np.uint32(a[i + 4] | (np.uint32(a[i + 5]) << 16)),
                 np.uint32(a[i + 6] | (np.uint32(a[i + 7]) << 16)))
 
-    @cuda.jit(device=True)
+    @device
     def ldg_u16_u32(a, i):
         """One uint32 word from a[i : i + 2] (uint16 array)."""
         return np.uint32(a[i] | (np.uint32(a[i + 1]) << 16))
 
-    @cuda.jit(device=True)
+    @device
     def ldg_f32x4(a, i):
         return (np.float32(a[i]), np.float32(a[i + 1]), np.float32(a[i + 2]), np.float32(a[i + 3]))
 
-    @cuda.jit(device=True)
+    @device
     def f16_bits_to_f32(h):
         return np.float32(np.uint16(h).view(np.float16))
 
-    @cuda.jit(device=True)
+    @device
     def u32_bits_to_f32(u):
         return np.uint32(u).view(np.float32)
 
