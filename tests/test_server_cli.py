@@ -93,6 +93,14 @@ def test_serves_with_key_name_template_and_context(served):
     metrics = httpx.get(url + "/metrics").text.splitlines()
     (gauge,) = [line for line in metrics if line.startswith("luce_speculative_acceptance_length ")]
     assert float(gauge.split()[1]) > 0
+    for name in ("luce_speculative_draft_seconds_total ", "luce_speculative_verify_seconds_total "):
+        (line,) = [m for m in metrics if m.startswith(name)]
+        assert float(line.split()[1]) > 0, line
+    # and each response's timings carry them (llama.cpp-style field names beside acceptance)
+    raw = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                     json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    t = raw.json()["timings"]
+    assert t["acceptance_length"] > 0 and t["verify_ms"] > 0 and t["draft_ms"] >= 0
 
 
 def test_kv_slots_keep_two_conversations_cached(served):

@@ -268,6 +268,9 @@ class Engine:
                         break
             finally:
                 gen.close()
+            if stepper is not None:  # speculative decoding: this phase's draft and verify time
+                timings.draft_ms += stepper.counters.draft_s * 1000
+                timings.verify_ms += stepper.counters.verify_s * 1000
             if not phase_stats:
                 # stopped early: the generator's own stats never came, so measure the wall time
                 elapsed = (time.perf_counter() - phase_t0) * 1000

@@ -58,6 +58,8 @@ class Timings:
     predicted_ms: float = 0.0
     ttft_ms: float = 0.0
     acceptance_length: float = 0.0
+    draft_ms: float = 0.0  # speculative decoding: time in the drafter, and in target verification
+    verify_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         # llama.cpp's field names, which Open WebUI and other clients already display
@@ -69,7 +71,8 @@ class Timings:
             "predicted_per_second": round(self.predicted_n / self.predicted_ms * 1000, 3)
             if self.predicted_ms > 0 else 0.0,
             "ttft_ms": round(self.ttft_ms, 3),
-            **({"acceptance_length": round(self.acceptance_length, 3)} if self.acceptance_length else {}),
+            **({"acceptance_length": round(self.acceptance_length, 3), "draft_ms": round(self.draft_ms, 3),
+                "verify_ms": round(self.verify_ms, 3)} if self.acceptance_length else {}),
         }
 
 

@@ -31,6 +31,9 @@ class Metrics:
         self.running = Gauge("luce_requests_running", "Requests generating now (0 or 1)", registry=r)
         self.acceptance = Gauge("luce_speculative_acceptance_length",
                                 "Tokens per target forward in the last speculative generation", registry=r)
+        self.draft_seconds = Counter("luce_speculative_draft_seconds", "Time spent drafting", registry=r)
+        self.verify_seconds = Counter("luce_speculative_verify_seconds", "Time spent in target verification",
+                                      registry=r)
 
     def request(self, api: str, path: str, status: int):
         self.requests.labels(api, path, str(status)).inc()
@@ -55,6 +58,8 @@ class Metrics:
             self.prefill_rate.observe(timings.prompt_n / timings.prompt_ms * 1000)
         if timings.acceptance_length:
             self.acceptance.set(timings.acceptance_length)
+        self.draft_seconds.inc(timings.draft_ms / 1000)
+        self.verify_seconds.inc(timings.verify_ms / 1000)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
