@@ -81,20 +81,16 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
-    breakdown = host = verify_ops = None
+    breakdown = host = verify_ops = prefill_ops = None
     if be.name == "cuda":
-        from .profile import host_profile, profile_forward
+        from .profile import host_profile
         state = {"tok": first}
 
         def step():
             state["tok"] = decode(1, state["tok"])
         host = host_profile(step)
-        prof = profile_forward(be, fam, cfg, w, kv)
-        step_us = decode_s / n_gen * 1e6
-        breakdown = prof["rows"] + [
-            {"op": "sum of ops", "us per forward": prof["sum_us"]},
-            {"op": "decode graph (whole forward)", "us per forward": prof["graph_us"]},
-            {"op": "decode step measured (with host work)", "us per forward": step_us}]
+        breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
+            {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
 
     long_tok_s = None
     if long_ctx and n_ctx >= long_ctx + n_long:
@@ -128,18 +124,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         verify.append({"nodes": n, "ms": (time.perf_counter() - t0) / reps * 1e3})
     for r in verify:
         r["x decode step"] = r["ms"] / verify[0]["ms"]
-    prefill_ops = None
     if be.name == "cuda":
-        from .profile import profile_forward
-
-        def by_op(n_tokens, reps):
-            p = profile_forward(be, fam, cfg, w, kv, n_tokens=n_tokens, reps=reps)
-            return p["rows"] + [{"op": "sum of ops", "us per forward": p["sum_us"]},
-                                {"op": "graph (whole forward)", "us per forward": p["graph_us"]}]
         if 23 in verify_widths:
-            verify_ops = by_op(23, 20)
+            verify_ops = _by_op(be, fam, cfg, w, kv, 23, 20)
         kv.truncate(0)
-        prefill_ops = by_op(n_prompt, 4)
+        prefill_ops = _by_op(be, fam, cfg, w, kv, n_prompt, 4)
 
     bw = mem = None
     if be.name == "cuda":
@@ -183,3 +172,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
                              f"{wbytes / 2**30:.2f} GiB")
     return summary, verify, breakdown
+
+
+def _by_op(be, fam, cfg, w, kv, n_tokens: int, reps: int) -> list[dict]:
+    """profile_forward's rows for a forward of n_tokens, then its sum and whole-graph time."""
+    from .profile import profile_forward
+    p = profile_forward(be, fam, cfg, w, kv, n_tokens=n_tokens, reps=reps)
+    return p["rows"] + [{"op": "sum of ops", "us per forward": p["sum_us"]},
+                        {"op": "graph (whole forward)", "us per forward": p["graph_us"]}]

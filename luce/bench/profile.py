@@ -85,8 +85,7 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
     be.forward(fam, cfg, weights, kv, tokens, positions)  # the arena and inputs for this width
     st = be._model_state(fam, cfg, weights, kv)
     ops = st["ops"]
-    inp = st["inputs"]
-    tok_d, pos_d = inp["tokens"][:n_tokens], inp["positions"][:n_tokens]
+    tok_d, pos_d, _ = st["inputs"]["views"][n_tokens]  # the input buffers that forward just filled
     rows_out = [n_tokens - 1]
 
     calls: list = []

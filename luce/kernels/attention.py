@@ -584,17 +584,11 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     (luce.kernels.paging), dequantized to f16 as each tile is loaded.
     """
     n_q, n_heads, dim = q.shape
+    n_kvh = k_pool.shape[2]
     q8 = k_scale is not None
-    if _decode_applies(n_q, dim, q8):
-        return _decode_attention(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, window, n_keys, out, scratch,
-                                 max_splits, stream)
-    plan = attention_plan(n_q, n_heads, k_pool.shape[2], dim, n_keys, max_splits, q8=q8)
-    kernel = _attn_kernel(dim, plan["qt"], plan["nt"], q8)
+    plan = attention_plan(n_q, n_heads, n_kvh, dim, n_keys, max_splits, q8=q8)
     if out is None:
         out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)
-    causal = 1 if mask_bits is None else 0
-    if mask_bits is None:
-        mask_bits = kv_pos  # never read when causal (numba needs an array here)
     ns = plan["n_splits"]
     direct = 1 if ns == 1 else 0
     if direct:
@@ -605,41 +599,23 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             scratch = (cuda.device_array((ns, n_q, n_heads, dim), np.float32, stream=stream),
                        cuda.device_array((ns, n_q, n_heads, 2), np.float32, stream=stream))
         part_o, part_ml = scratch
-    grid = (ns, k_pool.shape[2], plan["n_tiles"])
-    k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
-    kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read
-    kernel[grid, plan["nt"], stream](q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal,
-                                     window, np.float32(1.0 / math.sqrt(dim)), direct,
-                                     out, part_o, part_ml)
+    scale = np.float32(1.0 / math.sqrt(dim))
+    if _decode_applies(n_q, dim, q8):
+        flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
+        _decode_kernel(dim, n_heads // n_kvh)[(ns, n_kvh), plan["nt"], stream](
+            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, window, scale, direct,
+            out, part_o, part_ml)
+    else:
+        causal = 1 if mask_bits is None else 0
+        if mask_bits is None:
+            mask_bits = kv_pos  # never read when causal (numba needs an array here)
+        k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
+        kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read
+        _attn_kernel(dim, plan["qt"], plan["nt"], q8)[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+            q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
+            out, part_o, part_ml)
     if not direct:
         _combine_kernel[(n_q, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
-    return out
-
-
-def _decode_attention(q, k_pool, v_pool, table, layer, meta, kv_pos, q_pos, window, n_keys, out, scratch,
-                      max_splits, stream):
-    _, n_heads, dim = q.shape
-    n_kvh = k_pool.shape[2]
-    ns = decode_plan(n_kvh, n_keys)
-    if max_splits is not None:
-        ns = max(1, min(ns, max_splits))
-    if out is None:
-        out = cuda.device_array((1, n_heads, dim), dtype=np.float32, stream=stream)
-    direct = 1 if ns == 1 else 0
-    if direct:
-        part_o = part_ml = out.reshape((1,) + tuple(out.shape))
-    else:
-        if scratch is None:
-            scratch = (cuda.device_array((ns, 1, n_heads, dim), np.float32, stream=stream),
-                       cuda.device_array((ns, 1, n_heads, 2), np.float32, stream=stream))
-        part_o, part_ml = scratch
-    flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
-    kernel = _decode_kernel(dim, n_heads // n_kvh)
-    kernel[(ns, n_kvh), DECODE_CHUNK, stream](q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta,
-                                              kv_pos, q_pos, window, np.float32(1.0 / math.sqrt(dim)), direct, out,
-                                              part_o, part_ml)
-    if not direct:
-        _combine_kernel[(1, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
     return out
 
 

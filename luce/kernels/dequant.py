@@ -184,7 +184,6 @@ from collections import namedtuple  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from .device import device  # noqa: E402
-
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32  # noqa: E402
 
 DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale quad")

@@ -48,7 +48,6 @@ import numpy as np
 from numba import cuda
 
 from .device import device
-
 from .dequant import dequantize
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32

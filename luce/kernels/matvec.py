@@ -23,7 +23,6 @@ import numpy as np
 from numba import cuda
 
 from .device import device, fma
-
 from .dequant import (
     DEVICE_SPECS, SIM, as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
     warp_barrier, weight_u16,

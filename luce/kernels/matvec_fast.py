@@ -43,6 +43,7 @@ bound); the order of additions differs from matvec, so the two differ in the las
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import namedtuple
@@ -51,7 +52,6 @@ import numpy as np
 from numba import cuda
 
 from .device import device, fma
-
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from ._reduce import WARP_RED_SLOTS, warp_sum
@@ -560,14 +560,9 @@ def _addr(a) -> int:
     return 0 if SIM else a.__cuda_array_interface__["data"][0]
 
 
+@functools.lru_cache(maxsize=1)
 def _sm_count() -> int:
-    global _SMS
-    if _SMS is None:
-        _SMS = 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return _SMS
-
-
-_SMS = None
+    return 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,

@@ -12,7 +12,6 @@ import numpy as np
 from numba import cuda
 
 from .device import device
-
 from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div
 
 MAX_TOP_K = 64
