@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kv.paged import PagedKVCache
+from .cuda_copy import d2h_sync, h2d
 
 MAX_MATVEC_ROWS = 64
 # from this many rows the small-M tensor-core matmul beats the batched matvec, which is
@@ -250,7 +251,6 @@ class CUDABackend:
         st = self._model_state(family, cfg, weights, kv)
         self._ensure_arena(st, cfg, max(n, min(64, kv.n_ctx)), kv)
         kv.reserve(n)
-        from .cuda_copy import h2d
         inp = st["inputs"]
         views = inp.setdefault("views", {})  # numba slicing costs ~50 us: once per width
         if n not in views:
@@ -291,7 +291,6 @@ class CUDABackend:
         buf = host.get(logits.shape)
         if buf is None:
             buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
-        from .cuda_copy import d2h_sync
         d2h_sync(buf, logits, self.stream)
         return buf.copy()  # callers keep logits across steps; the buffer is reused
 
