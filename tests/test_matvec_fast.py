@@ -146,19 +146,21 @@ u16, f32 = types.uint16[::1], types.float32[::1]
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
-    for glu, br, nw, inl, un in [(False, False, F.NW, True, None), (False, True, F.NW, True, None),
-                                 (True, False, F.NW, True, None), (False, False, 8, True, None),
-                                 (False, False, F.NW, False, None),
-                                 (False, False, F.NW, True, 3 - F.FAST_SPECS[q].unroll)]:
-        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl, un).py_func, sig, cc=(9, 0))
-        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}_inline{int(inl)}_unroll{un}"
+    for glu, br, nw, inl, un, g in [(False, False, F.NW, True, None, 8), (False, True, F.NW, True, None, 4),
+                                    (True, False, F.NW, True, None, 8), (False, False, 8, True, None, 1),
+                                    (False, False, F.NW, False, None, 16),
+                                    (False, False, F.NW, True, 3 - F.FAST_SPECS[q].unroll, 2)]:
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl, un, g).py_func, sig, cc=(9, 0))
+        name = f"{q.name}_glu{int(glu)}_br{int(br)}_nw{nw}_inline{int(inl)}_unroll{un}_groups{g}"
         if out_dir:
             open(os.path.join(out_dir, name + ".ptx"), "w").write(ptx)
         assert "ld.global.nc.v4.u32" in ptx and "ld.global.nc.v4.f32" in ptx, name
-        assert "shfl.sync" in ptx, name
+        assert ("shfl.sync" in ptx) == (g < 32), name  # groups of 32 / g lanes add up by shuffles
         assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
-        if not (F.FAST_SPECS[q].sums and not inl):  # weights never go through shared memory
-            assert "ld.shared" not in ptx and "st.shared" not in ptx, name
+        # weights never go through shared memory: it holds the lanes' sums (and x's sums)
+        smem = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+        sums = 4 * (F.SX_MAX if F.FAST_SPECS[q].sums and not inl else 1)
+        assert smem == 4 * 32 * nw * F.ROWS * (2 if glu else 1) + sums, (name, smem)
 print("PTX OK")
 '''
 

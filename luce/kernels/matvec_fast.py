@@ -54,7 +54,6 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
-from ._reduce import WARP_RED_SLOTS, warp_sum
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
@@ -428,11 +427,20 @@ INLINE_SUMS = True
 # Thread blocks per SM when the grid is capped (each block then loops over row blocks):
 # None launches one block per row block.
 BLOCKS_PER_SM = None
+# Row pairs a warp works on at once (its 32 lanes split into that many groups, each group
+# on its own two rows, all groups on the same columns): the lanes of a warp then read the
+# same x addresses, and an x load touches 32 / GROUPS cache lines instead of 32. With one
+# group (every lane on the same two rows, lanes 64-256 bytes of x apart) Q4_K's x loads
+# kept the H200's L1 92% busy at 19% of DRAM bandwidth (ncu). Each warp of a block covers
+# 1/NW of a row's units; shared memory adds up the warps.
+GROUPS = {T.Q4_K: 8, T.Q6_K: 8, T.Q8_0: 8}
+# ... but at least this many thread blocks (per SM) where the rows allow: fewer groups make
+# more, smaller blocks.
+MIN_BLOCKS_PER_SM = 1
 # Shared memory for the sums of x: columns up to 32 * SX_MAX (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 
-RED_PER_WARP = WARP_RED_SLOTS
 
 
 def _make_rows(qtype, inline_sums, unroll=None):
@@ -465,10 +473,11 @@ def _make_rows(qtype, inline_sums, unroll=None):
 
     if UN == 1:
         @_dev
-        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
-            """Lane sums of rows a and b (uint16 starts ha, hb) with x."""
+        def rows_dot(w, ha, hb, x, sxs, n_units, first, step):
+            """Sums of rows a and b (uint16 starts ha, hb) with x over units first, first +
+            step, ..."""
             ya = yb = np.float32(0.0)
-            for u in range(lane, n_units, 32):
+            for u in range(first, n_units, step):
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
                 ya += pa
@@ -476,41 +485,69 @@ def _make_rows(qtype, inline_sums, unroll=None):
             return ya, yb
     else:
         @_dev
-        def rows_dot(w, ha, hb, x, sxs, n_units, lane):
-            """Lane sums of rows a and b (uint16 starts ha, hb) with x; two units a step."""
+        def rows_dot(w, ha, hb, x, sxs, n_units, first, step):
+            """As above, two units (u and u + step) a loop step."""
             ya = yb = np.float32(0.0)
-            for u in range(lane, n_units, 64):
+            for u in range(first, n_units, 2 * step):
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
-                r1, b1, t1 = load_at(w, ha, hb, n_units, u + 32)
+                r1, b1, t1 = load_at(w, ha, hb, n_units, u + step)
                 pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
                 qa, qb = dot_at(r1, w, ha, hb, x, sxs, b1, t1)
                 ya += pa
                 yb += pb
-                if u + 32 < n_units:
+                if u + step < n_units:
                     ya += qa
                     yb += qb
             return ya, yb
     return rows_dot
 
 
+def _make_group_sum(lanes):
+    """The sum over each aligned group of `lanes` lanes, in every lane of the group (warp
+    shuffles). The simulator has no shuffles: there the value comes back unchanged and the
+    kernel's reader adds up the group's partials from shared memory instead."""
+    if SIM or lanes == 1:
+        return _dev(lambda v: v)
+
+    @cuda.jit(device=True)
+    def group_sum(v):
+        off = lanes >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+    return group_sum
+
+
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None):
+                 unroll=None, groups: int = 1):
     rows_dot = _make_rows(qtype, inline_sums, unroll)
-    RED = max(1, nw * RED_PER_WARP)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
+    G = groups                 # row pairs a warp works on at once
+    L = 32 // G                # lanes per row pair
+    GSH = L.bit_length() - 1
+    RPB = ROWS * G             # rows a thread block makes; every warp covers 1/nw of their units
+    NV = 2 if glu else 1       # sums per row and lane (gate, up)
+    LS = L if SIM else 1       # partials per row pair and warp that reach shared memory
+    RED = NT * ROWS * NV
+    group_sum = _make_group_sum(L)
+    assert G * L == 32
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
-        lane = cuda.threadIdx.x & 31
-        wid = cuda.threadIdx.x >> 5
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wid = tid >> 5
+        g = lane >> GSH
+        first = (lane & (L - 1)) + L * wid
         if SUMS:
             # Row-independent: summed once here rather than by every row's units (which
             # cost ~0.5 add per weight element and row).
-            for gi in range(cuda.threadIdx.x, x.size >> 5, NT):
+            for gi in range(tid, x.size >> 5, NT):
                 s = np.float32(0.0)
                 for j in range(8):
                     x0, x1, x2, x3 = ldg_f32x4(x, 32 * gi + 4 * j)
@@ -519,31 +556,42 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
             cuda.syncthreads()
         # A capped grid loops over row blocks (the sums above are then made once per
         # block, not once per row block); all warps of a block run the same iterations.
-        for rblk in range(cuda.blockIdx.x, -(-n_rows // (nw * ROWS)), cuda.gridDim.x):
-            row0 = (rblk * nw + wid) * ROWS
+        for rblk in range(cuda.blockIdx.x, -(-n_rows // RPB), cuda.gridDim.x):
+            row0 = rblk * RPB + ROWS * g
             # Rows past the end repeat the last row and are not stored: every warp runs the
-            # same loop, as the simulator's block-wide barriers need.
+            # same loop, as the block-wide barriers need.
             ra = min(row0, n_rows - 1)
             rb = min(row0 + 1, n_rows - 1)
-            ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, lane)
-            ya = warp_sum(ya, red, wid, lane)
-            yb = warp_sum(yb, red, wid, lane)
+            base = (wid * 32 + lane) * (ROWS * NV)
+            ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw)
+            red[base] = group_sum(ya)
+            red[base + NV] = group_sum(yb)
             if glu:
-                ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, lane)
-                ua = warp_sum(ua, red, wid, lane)
-                ub = warp_sum(ub, red, wid, lane)
-                ya = _mv.silu(ya) * ua
-                yb = _mv.silu(yb) * ub
-            if lane == 0:
-                for i in range(ROWS):
-                    row = row0 + i
-                    if row < n_rows:
-                        y = ya if i == 0 else yb
-                        if has_bias:
-                            y += bias[row]
-                        if has_res:
-                            y += res[row]
-                        out[row] = y
+                ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw)
+                red[base + 1] = group_sum(ua)
+                red[base + NV + 1] = group_sum(ub)
+            cuda.syncthreads()
+            if tid < RPB:  # thread r finishes row rblk * RPB + r: coalesced stores
+                row = rblk * RPB + tid
+                gi = tid >> 1  # ROWS == 2
+                i = tid & 1
+                y = np.float32(0.0)
+                u = np.float32(0.0)
+                for ww in range(nw):
+                    for j in range(LS):
+                        k = ((ww * 32 + gi * L + j) * ROWS + i) * NV
+                        y += red[k]
+                        if glu:
+                            u += red[k + 1]
+                if row < n_rows:
+                    if glu:
+                        y = _mv.silu(y) * u
+                    if has_bias:
+                        y += bias[row]
+                    if has_res:
+                        y += res[row]
+                    out[row] = y
+            cuda.syncthreads()
     return kernel
 
 
@@ -565,8 +613,15 @@ def _sm_count() -> int:
     return 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def _groups(qtype, n_rows: int) -> int:
+    g = GROUPS[qtype]
+    while g > 1 and -(-n_rows // (ROWS * g)) < MIN_BLOCKS_PER_SM * _sm_count():
+        g //= 2
+    return g
+
+
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None):
+            unroll=None, groups=None):
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -600,8 +655,9 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
     nw = warps or NW
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, unroll or spec.unroll)
-    grid = -(-n_rows // (nw * ROWS))
+    g = groups or _groups(qtype, n_rows)
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, unroll or spec.unroll, g)
+    grid = -(-n_rows // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
         grid = min(grid, per_sm * _sm_count())
@@ -612,20 +668,22 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
-                inline_sums=None, blocks_per_sm=0, unroll=None):
+                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
     out itself. For tuning: warps per thread block (default NW), inline_sums (default
     INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
-    lane loads before computing: 1 or 2; default the type's FAST_SPECS entry)."""
-    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll)
+    lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
+    pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count)."""
+    return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
+                   groups)
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0, unroll=None):
+                blocks_per_sm=0, unroll=None, groups=None):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
-                   unroll)
+                   unroll, groups)
 
 
 # ---------------------------------------------------------------------------------------

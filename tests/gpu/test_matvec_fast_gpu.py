@@ -114,3 +114,17 @@ def test_bench_matvec_fast_gpu():
     for r in rows:
         print(json.dumps(r))
     assert all(r["time_us"] > 0 and r["timing"] == "graph" for r in rows)
+
+
+@pytest.mark.parametrize("groups,warps", [(1, 4), (2, 8), (4, 4), (16, 4), (8, 2)])
+@pytest.mark.parametrize("qtype", TYPES, ids=ID)
+def test_matvec_fast_gpu_groups(qtype, groups, warps):
+    """Every row-group split of a warp, and of the units between warps, at a real shape
+    (1000 rows: the last block holds rows past the end)."""
+    n_rows, n_cols = 1000, 4096
+    raw = weights(qtype, n_rows, n_cols, seed=7)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    out = cuda.to_device(np.full(n_rows, np.nan, np.float32))
+    matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, groups=groups, warps=warps)
+    check(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
