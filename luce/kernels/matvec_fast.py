@@ -230,36 +230,45 @@ def k4_word(qa, qb, x, c, acc):
 def _make_unit_q4_k(inline_sums: bool):
     @_dev
     def load(w, ha, hb, t):
-        # Q4_K: d dmin scales[12] qs[128]. Unit t (4 a block) holds qs bytes 32t .. 32t + 31
-        # of rows a and b (low nibbles: columns 64t + 0..31, sub-block 2t; high nibbles:
-        # 64t + 32..63, sub-block 2t + 1) and reads each row's 16-byte header (d, dmin,
-        # scales). Every piece is 16-byte aligned (144 = 9 * 16).
-        return (ldg_u16_u32x4(w, ha + 8 + 16 * t), ldg_u16_u32x4(w, ha + 16 + 16 * t),
-                ldg_u16_u32x4(w, hb + 8 + 16 * t), ldg_u16_u32x4(w, hb + 16 + 16 * t),
+        # Q4_K: d dmin scales[12] qs[128]; qs byte 32j + l holds columns 64j + l (low
+        # nibble, sub-block 2j) and 64j + 32 + l (high nibble, sub-block 2j + 1). Unit t (4 a
+        # block) holds two 16-byte pieces of rows a and b, qs bytes 16t + 64k .. + 15 for k =
+        # 0, 1 (chunk j = 2k + (t >> 1)), and each row's 16-byte header (d, dmin, scales).
+        # The four units' first pieces are 64 contiguous bytes, and their x (columns
+        # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
+        # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
+        # 16-byte aligned (144 = 9 * 16).
+        return (ldg_u16_u32x4(w, ha + 8 + 8 * t), ldg_u16_u32x4(w, ha + 40 + 8 * t),
+                ldg_u16_u32x4(w, hb + 8 + 8 * t), ldg_u16_u32x4(w, hb + 40 + 8 * t),
                 ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
 
     @_dev
-    def dot(raw, w, ha, hb, x, sxs, c, t):
+    def piece(qa, qb, sa, sb, x, sxs, c, j, l):
+        """Rows a and b of one piece: chunk j, its 16 bytes from qs byte 32j + l."""
         # Tuple elements are taken with literal indices only: a variable index becomes a
         # branchy switch in numba.
-        qa0, qa1, qb0, qb1, sa, sb = raw
-        cl = c + 64 * t
+        cl = c + 64 * j + l
         z = np.float32(0.0)
         acc = (z, z, z, z, z, z, z, z, z, z)
-        acc = k4_word(qa0[0], qb0[0], x, cl, acc)
-        acc = k4_word(qa0[1], qb0[1], x, cl + 4, acc)
-        acc = k4_word(qa0[2], qb0[2], x, cl + 8, acc)
-        acc = k4_word(qa0[3], qb0[3], x, cl + 12, acc)
-        acc = k4_word(qa1[0], qb1[0], x, cl + 16, acc)
-        acc = k4_word(qa1[1], qb1[1], x, cl + 20, acc)
-        acc = k4_word(qa1[2], qb1[2], x, cl + 24, acc)
-        acc = k4_word(qa1[3], qb1[3], x, cl + 28, acc)
+        acc = k4_word(qa[0], qb[0], x, cl, acc)
+        acc = k4_word(qa[1], qb[1], x, cl + 4, acc)
+        acc = k4_word(qa[2], qb[2], x, cl + 8, acc)
+        acc = k4_word(qa[3], qb[3], x, cl + 12, acc)
         al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sxl, sxh = acc
-        if not inline_sums:  # the sums of x over the two sub-blocks, made once per thread block
-            sxl = sxs[(c >> 5) + 2 * t]
-            sxh = sxs[(c >> 5) + 2 * t + 1]
-        return (k4_row(sa[0], sa[1], sa[2], sa[3], t, al0, al8, ah0, ah8, sxl, sxh),
-                k4_row(sb[0], sb[1], sb[2], sb[3], t, bl0, bl8, bh0, bh8, sxl, sxh))
+        if not inline_sums:  # the sums of x over 16 columns of both sub-blocks, made once per block
+            sxl = sxs[((c + 64 * j + l) >> 4)]
+            sxh = sxs[((c + 64 * j + l) >> 4) + 2]
+        return (k4_row(sa[0], sa[1], sa[2], sa[3], j, al0, al8, ah0, ah8, sxl, sxh),
+                k4_row(sb[0], sb[1], sb[2], sb[3], j, bl0, bl8, bh0, bh8, sxl, sxh))
+
+    @_dev
+    def dot(raw, w, ha, hb, x, sxs, c, t):
+        qa0, qa1, qb0, qb1, sa, sb = raw
+        p = t >> 1
+        l = 16 * (t & 1)
+        ya, yb = piece(qa0, qb0, sa, sb, x, sxs, c, p, l)
+        za, zb = piece(qa1, qb1, sa, sb, x, sxs, c, p + 2, l)
+        return ya + za, yb + zb
 
     return load, dot
 
@@ -433,11 +442,15 @@ BLOCKS_PER_SM = None
 # group (every lane on the same two rows, lanes 64-256 bytes of x apart) Q4_K's x loads
 # kept the H200's L1 92% busy at 19% of DRAM bandwidth (ncu). Each warp of a block covers
 # 1/NW of a row's units; shared memory adds up the warps.
-GROUPS = {T.Q4_K: 8, T.Q6_K: 8, T.Q8_0: 8}
-# ... but at least this many thread blocks (per SM) where the rows allow: fewer groups make
-# more, smaller blocks.
-MIN_BLOCKS_PER_SM = 1
-# Shared memory for the sums of x: columns up to 32 * SX_MAX (8 KiB a block).
+GROUPS = {T.Q4_K: 8, T.Q6_K: 8, T.Q8_0: 1}
+# Q4_K takes 16 row pairs a warp where that grid still fills the GPU (H200, 25600 rows:
+# +30% over 8).
+WIDE_GROUPS = {T.Q4_K: 16}
+# Grid shape by the warps it puts on the GPU: measured best near one full wave of
+# resident warps (~24 a SM at these kernels' 66-80 registers). Below it a block gets 8
+# warps (each covering 1/8 of a row's units), and with still fewer rows, fewer groups.
+WAVE_WARPS_PER_SM = 24
+# Shared memory for the sums of x over each 16 columns: rows up to 16 * SX_MAX columns (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 
@@ -547,10 +560,10 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
         if SUMS:
             # Row-independent: summed once here rather than by every row's units (which
             # cost ~0.5 add per weight element and row).
-            for gi in range(tid, x.size >> 5, NT):
+            for gi in range(tid, x.size >> 4, NT):
                 s = np.float32(0.0)
-                for j in range(8):
-                    x0, x1, x2, x3 = ldg_f32x4(x, 32 * gi + 4 * j)
+                for j in range(4):
+                    x0, x1, x2, x3 = ldg_f32x4(x, 16 * gi + 4 * j)
                     s += (x0 + x1) + (x2 + x3)
                 sxs[gi] = s
             cuda.syncthreads()
@@ -613,11 +626,21 @@ def _sm_count() -> int:
     return 2 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-def _groups(qtype, n_rows: int) -> int:
+def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
+    """(row pairs a warp works on, warps a block) for a matrix of n_rows rows."""
+    wave = WAVE_WARPS_PER_SM * _sm_count()
+
+    def warps_for(g, nw):
+        return -(-n_rows // (ROWS * g)) * nw
+    wide = WIDE_GROUPS.get(qtype)
+    if wide and warps_for(wide, NW) >= wave:
+        return wide, NW
     g = GROUPS[qtype]
-    while g > 1 and -(-n_rows // (ROWS * g)) < MIN_BLOCKS_PER_SM * _sm_count():
+    if warps_for(g, NW) >= wave * 0.6:
+        return g, NW
+    while g > 1 and warps_for(g, 8) < wave // 2:
         g //= 2
-    return g
+    return g, 8
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
@@ -634,8 +657,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     if n_cols % spec.qk:
         raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk}")
     inline = INLINE_SUMS if inline_sums is None else bool(inline_sums)
-    if spec.sums and not inline and n_cols > 32 * SX_MAX:
-        raise ValueError(f"matvec_fast: {qtype.name} rows of more than {32 * SX_MAX} columns")
+    if spec.sums and not inline and n_cols > 16 * SX_MAX:
+        raise ValueError(f"matvec_fast: {qtype.name} rows of more than {16 * SX_MAX} columns")
     ws = [weight_u16(w, qtype, n_cols) for w in w_list]
     n_rows = ws[0][1]
     if any(r != n_rows for _, r in ws):
@@ -654,8 +677,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     out_flat = _mv._flat_f32(out, "out", n_rows)
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
-    nw = warps or NW
-    g = groups or _groups(qtype, n_rows)
+    g, nw = grid_shape(qtype, n_rows)
+    g, nw = groups or g, warps or nw
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, unroll or spec.unroll, g)
     grid = -(-n_rows // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
@@ -671,7 +694,7 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
                 inline_sums=None, blocks_per_sm=0, unroll=None, groups=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
-    out itself. For tuning: warps per thread block (default NW), inline_sums (default
+    out itself. For tuning: warps per thread block (default from grid_shape), inline_sums (default
     INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
     lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count)."""
@@ -695,7 +718,7 @@ ROTATE_BYTES = 256 << 20  # 5x the H200's 50 MB L2: each launch reads its weight
 
 
 def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100, seed: int = 0,
-                      rotate_bytes: int = ROTATE_BYTES, warps=(NW,), baseline: bool = False,
+                      rotate_bytes: int = ROTATE_BYTES, warps=None, baseline: bool = False,
                       variants=None) -> list[dict]:
     """Time matvec_fast for each (rows, cols), qtype and variant: cuda events around a
     replayed CUDA graph of `iters` launches, launch i reading weight copy i % n_copies,
@@ -706,7 +729,9 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     the same way (kernel "matvec")."""
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
-    variants = list(variants) if variants is not None else [{"warps": w_} for w_ in warps]
+    if variants is None:
+        variants = [{"warps": w_} for w_ in warps] if warps else [{}]  # {}: grid_shape's choice
+    variants = list(variants)
     rows = []
     for n_rows, n_cols in shapes:
         x = cuda.to_device(rng.standard_normal(n_cols).astype(np.float32))
@@ -758,8 +783,10 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
     end.record(stream)
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / iters
-    label = ",".join(f"{k}={v}" for k, v in variant.items())
-    return {"kernel": kernel, "variant": label, "warps": None if kernel == "matvec" else variant.get("warps", NW), "time_us": round(us, 2),
+    label = ",".join(f"{k}={v}" for k, v in variant.items()) or "auto"
+    g, nw = grid_shape(qtype, ws[0].shape[0]) if kernel != "matvec" else (None, None)
+    return {"kernel": kernel, "variant": label, "warps": variant.get("warps", nw), "groups": variant.get("groups", g),
+            "time_us": round(us, 2),
             "timing": timing, "compile_s": round(compile_s, 2)}
 
 
