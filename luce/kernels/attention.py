@@ -81,7 +81,7 @@ import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 
-from ._reduce import block_threads, ceil_div  # noqa: E402
+from ._reduce import MAX_THREADS, block_max, block_sum, block_threads, ceil_div  # noqa: E402
 from .paging import BLOCK  # noqa: E402
 
 _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
@@ -383,6 +383,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 512  # splits x kv heads for a long context: ~4 warps an H200 SM
+DECODE_VALUE_KEYS = 8  # V rows a lane loads before using any (divides BLOCK and DECODE_CHUNK)
 
 
 def decode_plan(n_kv_heads: int, n_keys: int) -> int:
@@ -399,6 +400,10 @@ def _decode_kernel(dim: int, group: int):
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
     NACC = G * DL  # array shapes must be plain constants, not expressions
+    VK = DECODE_VALUE_KEYS if NACC <= 32 else 4  # big accumulators leave fewer registers for loads
+    # K pieces in flight (divides dim // 8: head dims are multiples of 16 up to 256); fewer
+    # for big GQA groups, whose unrolled loops otherwise leave registers for local memory
+    KB = min(8 if G <= 4 else 2, dim // 8)
     U = np.uint32
 
     @cuda.jit
@@ -415,6 +420,8 @@ def _decode_kernel(dim: int, group: int):
         m = cuda.local.array(G, np.float32)
         lsum = cuda.local.array(G, np.float32)
         acc = cuda.local.array(NACC, np.float32)
+        vw = cuda.local.array((VK, DW), np.uint32)
+        kw = cuda.local.array((KB, 4), np.uint32)
         for e in range(lane, G * dim, CH):
             qs[e // dim, e % dim] = q[0, hkv * G + e // dim, e % dim] * scale
         for g in range(G):
@@ -440,13 +447,20 @@ def _decode_kernel(dim: int, group: int):
                     s[g] = 0.0
                 # uint16 index of key j's row in the flat pool [slot, layer, kv head, 64, dim]
                 base = (((table[j // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j % BLOCK) * dim
-                for w8 in range(dim // 8):
-                    a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * w8)
-                    for h in range(8):
-                        word = a0 if h < 2 else (a1 if h < 4 else (a2 if h < 6 else a3))
-                        kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
-                        for g in range(G):
-                            s[g] += qs[g, 8 * w8 + h] * kx
+                # KB 16-byte pieces of the row in flight at once (a loop of one load an
+                # iteration waited out each load's latency in turn)
+                for b0 in range(0, dim // 8, KB):
+                    for k in range(KB):
+                        a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * (b0 + k))
+                        kw[k, 0] = a0
+                        kw[k, 1] = a1
+                        kw[k, 2] = a2
+                        kw[k, 3] = a3
+                    for k in range(KB):
+                        for h in range(8):
+                            kx = f16_bits_to_f32(U(kw[k, h >> 1] >> U(16 * (h & 1))) & U(0xFFFF))
+                            for g in range(G):
+                                s[g] += qs[g, 8 * (b0 + k) + h] * kx
             for g in range(G):
                 ps[g, lane] = s[g]
             cuda.syncthreads()
@@ -469,18 +483,26 @@ def _decode_kernel(dim: int, group: int):
                 for x in range(CH):
                     t += ps[g, x]
                 lsum[g] += t
-            for x in range(min(CH, n_keys - c * CH)):
-                jj = c * CH + x
-                vbase = (((table[jj // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + jj % BLOCK) * dim
-                for wd in range(DW):
-                    word = ldg_u16_u32(vf, vbase + (lane * DW + wd) * 2) if DL >= 2 else \
-                        U(vf[vbase + lane])
-                    for hh in range(min(2, DL)):
-                        vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
-                        for g in range(G):
-                            pg = ps[g, x]
-                            if pg != 0.0:  # keys outside the window: their rows are never read into acc
-                                acc[g * DL + wd * 2 + hh] += pg * vx
+            # VK keys at a time (consecutive rows of one page), all their loads issued before
+            # the first is used: one key an iteration waited out a table lookup and a V
+            # load per key. Keys past the end or outside the window have p = 0 and are
+            # selected away (their rows are in bounds but may hold anything).
+            for x0 in range(0, min(CH, n_keys - c * CH), VK):
+                j0 = c * CH + x0
+                vb = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
+                for k in range(VK):
+                    for wd in range(DW):
+                        vw[k, wd] = ldg_u16_u32(vf, vb + k * dim + (lane * DW + wd) * 2) if DL >= 2 else \
+                            U(vf[vb + k * dim + lane])
+                for k in range(VK):
+                    for wd in range(DW):
+                        word = vw[k, wd]
+                        for hh in range(min(2, DL)):
+                            vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
+                            for g in range(G):
+                                pg = ps[g, x0 + k]
+                                pv = pg * vx
+                                acc[g * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
             cuda.syncthreads()
         for g in range(G):
             hq = hkv * G + g
@@ -503,44 +525,80 @@ def _decode_applies(n_q: int, dim: int, q8: bool) -> bool:
 COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
 
 
+COMBINE_GROUPS = 4  # threads an output dim (head dims <= 256: at most MAX_THREADS), each adding every 4th split
+
+
 @cuda.jit
 def _combine_kernel(part_o, part_ml, n_splits, meta, out):
-    # One block per (query, q head). The splits' (m, l) go to shared memory first, read by
-    # all threads at once: walking them from global memory, each load behind the test of
-    # the previous one, made this kernel cost ~20-40 us on the H200 (most of a decode
-    # layer's attention). Splits that saw no key (l == 0) get weight 0, and their
-    # never-written accumulators are never read.
+    # One block per (query, q head), COMBINE_GROUPS threads an output dim. The splits'
+    # (m, l) go to shared memory and their max and weighted sum are block reductions;
+    # each thread then adds up its splits four loads at a time, with no branch between a
+    # load and the next: walked one split at a time behind a test, the loads of a
+    # captured graph's 64 splits (most of them empty at short context) made this kernel
+    # most of a decode layer's attention time on the H200. Splits that saw no key (l == 0)
+    # get weight 0; their accumulators, never written, are read but selected away.
     i = cuda.blockIdx.x
     hq = cuda.blockIdx.y
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    if i >= meta[1]:
+    if i >= meta[1]:  # the same for the whole block: no thread skips a barrier alone
         return
     ms = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
     wt = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
+    buf = cuda.shared.array(MAX_THREADS, np.float32)
+    sums = cuda.shared.array(MAX_THREADS, np.float32)
+    mv = -math.inf
     for s in range(t, n_splits, nt):
         ls = part_ml[s, i, hq, 1]
-        ms[s] = part_ml[s, i, hq, 0] if ls > 0 else -math.inf
+        m = part_ml[s, i, hq, 0] if ls > 0 else -math.inf
+        ms[s] = m
         wt[s] = ls
-    cuda.syncthreads()
-    big_m = -math.inf
-    for s in range(n_splits):
-        big_m = max(big_m, ms[s])
-    den = np.float32(0.0)
-    for s in range(n_splits):
+        mv = max(mv, m)
+    big_m = block_max(mv, buf)
+    dv = np.float32(0.0)
+    for s in range(t, n_splits, nt):
         if wt[s] > 0:
-            den += wt[s] * math.exp(ms[s] - big_m)
-    cuda.syncthreads()  # every thread has read wt before it becomes the weights
+            dv += wt[s] * math.exp(ms[s] - big_m)
+    den = block_sum(dv, buf)
     for s in range(t, n_splits, nt):
         wt[s] = math.exp(ms[s] - big_m) / den if wt[s] > 0 else np.float32(0.0)
     cuda.syncthreads()
-    for d in range(t, out.shape[2], nt):
-        o = np.float32(0.0)
-        for s in range(n_splits):
-            w = wt[s]
-            if w != 0:
-                o += part_o[s, i, hq, d] * w
+    dim = out.shape[2]
+    z = np.float32(0.0)
+    step = COMBINE_GROUPS
+    for e in range(t, COMBINE_GROUPS * dim, nt):
+        s = e // dim
+        d = e - s * dim
+        o = z
+        while s + 3 * step < n_splits:
+            v0 = part_o[s, i, hq, d]
+            v1 = part_o[s + step, i, hq, d]
+            v2 = part_o[s + 2 * step, i, hq, d]
+            v3 = part_o[s + 3 * step, i, hq, d]
+            w0 = wt[s]
+            w1 = wt[s + step]
+            w2 = wt[s + 2 * step]
+            w3 = wt[s + 3 * step]
+            o += ((v0 * w0 if w0 != 0 else z) + (v1 * w1 if w1 != 0 else z)) + \
+                ((v2 * w2 if w2 != 0 else z) + (v3 * w3 if w3 != 0 else z))
+            s += 4 * step
+        while s < n_splits:
+            v0 = part_o[s, i, hq, d]
+            w0 = wt[s]
+            o += v0 * w0 if w0 != 0 else z
+            s += step
+        sums[e] = o
+    cuda.syncthreads()
+    for d in range(t, dim, nt):
+        o = sums[d]
+        for g in range(1, COMBINE_GROUPS):
+            o += sums[g * dim + d]
         out[i, hq, d] = o
+
+
+def combine_threads(dim: int) -> int:
+    """Threads of a combine block: COMBINE_GROUPS per output dim (the simulator: one warp)."""
+    return block_threads(COMBINE_GROUPS * dim)
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
@@ -615,7 +673,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
             out, part_o, part_ml)
     if not direct:
-        _combine_kernel[(n_q, n_heads), block_threads(128), stream](part_o, part_ml, ns, meta, out)
+        _combine_kernel[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, ns, meta, out)
     return out
 
 

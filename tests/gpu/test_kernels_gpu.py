@@ -246,3 +246,12 @@ def test_bench_attention_rows():
     rows = bench_attention(reps=5)
     assert [r["name"] for r in rows][:3] == ["attention_decode", "attention_decode_nosplit", "attention_tree23"]
     assert all(r["time_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("dim,hq,hkv,n_ctx,window", [(64, 16, 2, 3000, None), (256, 8, 4, 701, None),
+                                                     (128, 64, 8, 1000, 300), (128, 32, 8, 37, None)])
+def test_decode_one_query(dim, hq, hkv, n_ctx, window):
+    """The one-query kernel at other head dims and GQA groups, a sliding window, and
+    contexts ending mid-page: the pool is NaN outside the written rows, so a key past the
+    end or outside the window that leaked into a sum would show."""
+    _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
