@@ -2,33 +2,34 @@
 
 Why a second kernel: luce.kernels.matvec stages whole blocks in shared memory and decodes
 element by element through a generic interface; on the H200 that reaches 15-28% of copy
-bandwidth. Here (llama.cpp mmvq style) weights never go through shared memory: a warp owns
-ROWS rows, each lane takes one "unit" (a fixed slice of one block: TPB lanes cover a
-block, consecutive lanes read consecutive pieces, so a warp's loads are coalesced)
-straight into registers with ld.global.nc.v4, reads the block's scales itself (the other
-lanes of the block hit the same L1 line), and multiplies with x read as float4 (x stays in
-L1/L2; the ROWS rows of a warp share every x load). Each lane runs `unroll` units per loop
-step, so 8-12 16-byte loads per lane are in flight.
+bandwidth. Here (llama.cpp mmvq style) weights never go through shared memory: each lane
+takes one "unit" (a fixed slice of one block: TPB lanes cover a block) straight into
+registers with ld.global.nc.v4, reads the block's scales itself (the other lanes of the
+block hit the same L1 line), and multiplies with x read as float4 (x stays in L1/L2).
 
-Once loads are wide, instruction issue is what bounds these kernels: Q4_K at 4 TB/s is
-~32 weights per SM clock against 128 issue slots. So each quant becomes a float with one
-logic op and one add: (word | M) & (mask | M), M = 0x4B000000, read as float is
-2**23 + (field << p) exactly, and subtracting 2**23 (plus Q6_K's 32 or Q8_0's 128, still
-exact) leaves the weight times 2**p. Fields at different bit positions p go to different
-accumulators, scaled by 2**-p once per unit; that also gives each lane several independent
-FMA chains. The floor is then 3 instructions per weight and row (logic, add, FMA); the
-SASS of the loops (sm_90, ptxas 13) has about 4.6 (Q4_K), 6.4 (Q6_K) and 7.4 (Q8_0), the
-rest being scales, ld16's selects and index math. At copy bandwidth (~15.7 bytes per SM
-clock on the H200) that is ~100% (Q4_K), ~95% (Q6_K) and ~85% (Q8_0) of the SM's 128
-issue slots a clock: all three are issue-bound at about the memory ceiling. Measured on
-the H200 (docs/benchmarks.md) they reach far less: Q4_K 21-23%, Q6_K 34-40%, Q8_0 43-60%
-of copy bandwidth, about 2e12 weights a second for all three, i.e. about a quarter of the
-issue rate; the x-sum prologue (gone), grid shape, block size and the order of loads were
-each varied without closing the gap, so the bound is still unexplained. Fewer
-instructions a weight would be the next step: tensor-core mma on f16-decoded weights
-(exact small integers) with x split into two f16 halves, or int8 x with dp4a (inexact).
+Lanes and rows: a warp's 32 lanes form GROUPS groups of 32/GROUPS lanes; each group works
+on its own ROWS (2) rows and all groups walk the same columns, so an x load by the warp
+touches 32/GROUPS cache lines, and each x load serves both rows of a group. The warps of
+a block split a row's units between them and meet in shared memory. Why: with one group
+(every lane on the same two rows, lanes 64-256 bytes of x apart) each x load touched 32
+lines, and Nsight Compute on the H200 showed Q4_K bound by L1 wavefronts (L1 92% busy,
+DRAM 19%); with 8 groups Q4_K runs 2-2.7x faster (docs/benchmarks.md). grid_shape picks
+groups and warps a block from the row count (about one wave of resident warps).
 
-Q4_K's mins need the sums of x over each 32 columns. Each unit adds up the 64 x it
+Once loads are wide, instruction issue is the next bound: Q4_K at 4 TB/s is ~32 weights
+per SM clock against 128 issue slots. So each quant becomes a float with one logic op and
+one add: (word | M) & (mask | M), M = 0x4B000000, read as float is 2**23 + (field << p)
+exactly, and subtracting 2**23 (plus Q6_K's 32 or Q8_0's 128, still exact) leaves the
+weight times 2**p. Fields at different bit positions p go to different accumulators,
+scaled by 2**-p once per unit; that also gives each lane several independent FMA chains.
+The floor is then 3 instructions per weight and row (logic, add, FMA); the SASS of the
+loops (sm_90, ptxas 13) has about 4.6 (Q4_K), 6.4 (Q6_K) and 7.4 (Q8_0). Measured on the
+H200 with row groups: Q4_K 42-48%, Q6_K 39-48%, Q8_0 51-57% of copy bandwidth at the FFN
+shapes (ncu, Q4_K: L1 67%, DRAM 38%, SM 55% busy: no single unit saturated, latency
+next). Fewer instructions a weight would be the next step: int8 x with dp4a (inexact) or
+tensor-core mma on f16-decoded weights.
+
+Q4_K's mins need the sums of x over each sub-block. Each unit adds up the x it
 loads anyway (INLINE_SUMS); the alternative, every thread block summing all of x into
 shared memory before its first weight load, reads x once per block and puts a barrier
 in front of the loads (H200: Q4_K at 18-19% of copy bandwidth that way). Q6_K (210-byte) and
@@ -60,8 +61,8 @@ __all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
 
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
-NW = 4     # warps per thread block
-ROWS = 2   # rows per warp: each x load serves both (x is 4-8x the weight bytes per element)
+NW = 4     # warps per thread block (grid_shape doubles it for matrices of few rows)
+ROWS = 2   # rows per lane group: each x load serves both (x is 4-8x the weight bytes per element)
 
 U = np.uint32
 U64 = np.uint64
@@ -436,12 +437,8 @@ INLINE_SUMS = True
 # Thread blocks per SM when the grid is capped (each block then loops over row blocks):
 # None launches one block per row block.
 BLOCKS_PER_SM = None
-# Row pairs a warp works on at once (its 32 lanes split into that many groups, each group
-# on its own two rows, all groups on the same columns): the lanes of a warp then read the
-# same x addresses, and an x load touches 32 / GROUPS cache lines instead of 32. With one
-# group (every lane on the same two rows, lanes 64-256 bytes of x apart) Q4_K's x loads
-# kept the H200's L1 92% busy at 19% of DRAM bandwidth (ncu). Each warp of a block covers
-# 1/NW of a row's units; shared memory adds up the warps.
+# Row pairs a warp works on at once (see the module docstring): 8 for the K-quants; Q8_0
+# keeps one (its x is read 16 bytes per 4 weights already; more groups measured slower).
 GROUPS = {T.Q4_K: 8, T.Q6_K: 8, T.Q8_0: 1}
 # Q4_K takes 16 row pairs a warp where that grid still fills the GPU (H200, 25600 rows:
 # +30% over 8).
