@@ -380,6 +380,10 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 #     runs in the simulator);
 #   values: lanes switch to owning dim/32 output dims each and walk the chunk's keys, so
 #     each V row is one coalesced read by the warp.
+# A warp has nothing else to hide latency behind, so both loops issue their loads in
+# batches (8 K pieces, 8 V rows) before using any: written as one load a loop trip, the
+# sm_90 code waited out every load in turn (H200, 8B shape at 640 tokens: 30.6 -> 18.0 us a
+# layer with the combine change below).
 # Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 512  # splits x kv heads for a long context: ~4 warps an H200 SM
