@@ -81,7 +81,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
-    breakdown = host = verify_ops = prefill_ops = None
+    breakdown = host = prefill_host = verify_ops = prefill_ops = None
     if be.name == "cuda":
         from .profile import host_profile
         state = {"tok": first}
@@ -89,6 +89,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         def step():
             state["tok"] = decode(1, state["tok"])
         host = host_profile(step)
+
+        def eager_prefill():  # prompt lengths get no graph: every launch is a Python call
+            kv.truncate(0)
+            prefill(prompt)
+        prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
         breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
             {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
 
@@ -161,6 +166,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         print_table(f"23-token verification forward by op ({n_prompt} tokens in context)", verify_ops, cols)
     if prefill_ops:
         print_table(f"{n_prompt}-token prefill forward by op", prefill_ops, cols)
+    if prefill_host:
+        print_table(f"host time of an eager {n_prompt}-token prefill (cProfile)", prefill_host, host_cols)
     if record:
         append_to_docs(f"luce bench {label} [{be.name}]",
                        [("end to end", table, ["metric", "value"]),
@@ -169,7 +176,9 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                            ("host time of a decode step (cProfile; own time includes waits on the GPU)", host,
                             host_cols)] if breakdown else [])
                        + ([("23-token verification forward by op", verify_ops, cols)] if verify_ops else [])
-                       + ([(f"{n_prompt}-token prefill forward by op", prefill_ops, cols)] if prefill_ops else []),
+                       + ([(f"{n_prompt}-token prefill forward by op", prefill_ops, cols)] if prefill_ops else [])
+                       + ([(f"host time of an eager {n_prompt}-token prefill (cProfile; profiler overhead "
+                            "included)", prefill_host, host_cols)] if prefill_host else []),
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
                              f"{wbytes / 2**30:.2f} GiB")
     return summary, verify, breakdown

@@ -113,8 +113,8 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
 
 
 def host_profile(step, n_steps: int = 16, top: int = 12) -> list[dict]:
-    """The host functions that take the time of `step()` (one decode step), by own time
-    per step: what the decode graph's replay leaves to Python."""
+    """The host functions that take the time of `step()` (a decode step, or an eager
+    prefill), by own time per call of step: what Python does around the GPU's work."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
