@@ -89,13 +89,13 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         def step():
             state["tok"] = decode(1, state["tok"])
         host = host_profile(step)
+        breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
+            {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
 
         def eager_prefill():  # prompt lengths get no graph: every launch is a Python call
             kv.truncate(0)
             prefill(prompt)
         prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
-        breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
-            {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
 
     long_tok_s = None
     if long_ctx and n_ctx >= long_ctx + n_long:
