@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from numba import cuda
 
 from luce.kernels.matvec import matvec_ref, swiglu_ref
+from luce.kernels import matvec_fast as F
 from luce.kernels.matvec_fast import FAST_TYPES, matvec_fast, swiglu_fast
 from test_matvec import assert_close, nan_device, weights  # one tolerance for both matvecs
 
@@ -47,6 +48,28 @@ def run(qtype, n_rows, n_cols, bias=False, residual=False, x2d=False, seed=None)
 ], ids=ID)
 def test_matvec_fast(qtype, n_rows, n_cols):
     run(qtype, n_rows, n_cols)
+
+
+@pytest.mark.parametrize("qtype,n_x,n_rows,n_cols,groups", [
+    (T.Q4_K, 3, 5, 768, 2),    # unroll 1, a partial group past the end
+    (T.Q6_K, 8, 4, 512, 1),    # the most x rows a launch takes
+    (T.Q8_0, 2, 9, 1056, 4),   # rows at every offset
+], ids=ID)
+def test_matvec_fast_x_rows(qtype, n_x, n_rows, n_cols, groups):
+    """Several activation rows in one launch (each weight load serves all of them), with
+    bias and a per-row residual; and the gated form."""
+    rng = np.random.default_rng(int(qtype) + n_x)
+    raw, up = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((n_x, n_cols)).astype(np.float32)
+    b = rng.standard_normal(n_rows).astype(np.float32)
+    r = rng.standard_normal((n_x, n_rows)).astype(np.float32)
+    out = nan_device((n_x, n_rows))
+    matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, bias=cuda.to_device(b),
+                residual=cuda.to_device(r), groups=groups)
+    assert_close(out.copy_to_host(), matvec_ref(raw, qtype, x, bias=b, residual=r), raw, qtype, x)
+    out = nan_device((n_x, n_rows))
+    swiglu_fast(cuda.to_device(raw), cuda.to_device(up), qtype, cuda.to_device(x), out=out, groups=groups)
+    np.testing.assert_allclose(out.copy_to_host(), swiglu_ref(raw, up, qtype, x), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", sorted(FAST_TYPES, key=int), ids=ID)
@@ -120,8 +143,10 @@ def test_matvec_fast_capped_grid(inline_sums):
 def test_matvec_fast_rejects():
     rng = np.random.default_rng(0)
     raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))
-    with pytest.raises(ValueError):  # batched x is matvec's job
-        matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros((2, 256), np.float32)))
+    with pytest.raises(ValueError):  # more x rows than one launch takes: matmul's job
+        matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros((F.MAX_X_ROWS + 1, 256), np.float32)))
+    with pytest.raises(ValueError):  # the shared x sums hold one row
+        matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros((2, 256), np.float32)), inline_sums=False)
     with pytest.raises(ValueError):  # weight rows do not match K
         matvec_fast(raw, T.Q4_K, cuda.to_device(np.zeros(512, np.float32)))
     with pytest.raises(NotImplementedError):
@@ -143,7 +168,7 @@ from numba import cuda
 from numba.cuda import types
 from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
-sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 3
+sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
     for glu, br, nw, inl, un, g in [(False, False, F.NW, True, None, 8), (False, True, F.NW, True, None, 4),

@@ -57,7 +57,7 @@ from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["FAST_TYPES", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
+__all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
 
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
@@ -447,16 +447,20 @@ WIDE_GROUPS = {T.Q4_K: 16}
 # resident warps (~24 a SM at these kernels' 66-80 registers). Below it a block gets 8
 # warps (each covering 1/8 of a row's units), and with still fewer rows, fewer groups.
 WAVE_WARPS_PER_SM = 24
+# Activation rows one launch takes (short verification forwards): every weight load serves
+# all of them, and each lane keeps two sums per row.
+MAX_X_ROWS = 8
 # Shared memory for the sums of x over each 16 columns: rows up to 16 * SX_MAX columns (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 
 
 
-def _make_rows(qtype, inline_sums, unroll=None):
+def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
     UN = unroll or spec.unroll
+    NX = nx
     load, dot = spec.make_unit(inline_sums)
     SH = TPB.bit_length() - 1
     assert TPB == 1 << SH and UN in (1, 2)  # 4 was slower for all three types (H200)
@@ -478,37 +482,38 @@ def _make_rows(qtype, inline_sums, unroll=None):
         return load(w, ha + b * BH, hb + b * BH, t), b, t
 
     @_dev
-    def dot_at(raw, w, ha, hb, x, sxs, b, t):
-        return dot(raw, w, ha + b * BH, hb + b * BH, x, sxs, b * QK, t)
+    def dot_at(raw, w, ha, hb, x, sxs, b, t, xoff):
+        # xoff: the x row's offset; the units read x at their columns + xoff and nothing
+        # else by column (Q4_K's shared sums excepted: one x row only)
+        return dot(raw, w, ha + b * BH, hb + b * BH, x, sxs, b * QK + xoff, t)
 
     if UN == 1:
         @_dev
-        def rows_dot(w, ha, hb, x, sxs, n_units, first, step):
-            """Sums of rows a and b (uint16 starts ha, hb) with x over units first, first +
-            step, ..."""
-            ya = yb = np.float32(0.0)
+        def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
+            """acc[2r], acc[2r + 1] += the sums of rows a and b (uint16 starts ha, hb) with x
+            row r (x rows xs apart) over units first, first + step, ..."""
             for u in range(first, n_units, step):
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
-                pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
-                ya += pa
-                yb += pb
-            return ya, yb
+                for r in range(NX):  # each weight load serves every x row
+                    pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
+                    acc[2 * r] += pa
+                    acc[2 * r + 1] += pb
     else:
         @_dev
-        def rows_dot(w, ha, hb, x, sxs, n_units, first, step):
+        def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
             """As above, two units (u and u + step) a loop step."""
-            ya = yb = np.float32(0.0)
             for u in range(first, n_units, 2 * step):
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 r1, b1, t1 = load_at(w, ha, hb, n_units, u + step)
-                pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0)
-                qa, qb = dot_at(r1, w, ha, hb, x, sxs, b1, t1)
-                ya += pa
-                yb += pb
-                if u + step < n_units:
-                    ya += qa
-                    yb += qb
-            return ya, yb
+                more = u + step < n_units
+                for r in range(NX):
+                    pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
+                    qa, qb = dot_at(r1, w, ha, hb, x, sxs, b1, t1, r * xs)
+                    acc[2 * r] += pa
+                    acc[2 * r + 1] += pb
+                    if more:
+                        acc[2 * r] += qa
+                        acc[2 * r + 1] += qb
     return rows_dot
 
 
@@ -530,8 +535,8 @@ def _make_group_sum(lanes):
 
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None, groups: int = 1):
-    rows_dot = _make_rows(qtype, inline_sums, unroll)
+                 unroll=None, groups: int = 1, nx: int = 1):
+    rows_dot = _make_rows(qtype, inline_sums, unroll, nx)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
@@ -539,16 +544,20 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     L = 32 // G                # lanes per row pair
     GSH = L.bit_length() - 1
     RPB = ROWS * G             # rows a thread block makes; every warp covers 1/nw of their units
+    NX = nx                    # activation rows: each weight load serves all of them
+    NA = ROWS * NX             # a lane's sums: row a and b for each x row
     NV = 2 if glu else 1       # sums per row and lane (gate, up)
     LS = L if SIM else 1       # partials per row pair and warp that reach shared memory
-    RED = NT * ROWS * NV
+    RED = NT * NA * NV
     group_sum = _make_group_sum(L)
-    assert G * L == 32
+    assert G * L == 32 and not (SUMS and NX > 1)
 
     @cuda.jit
-    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units):
+    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
+        acc = cuda.local.array(NA, np.float32)
+        accu = cuda.local.array(NA, np.float32)
         tid = cuda.threadIdx.x
         lane = tid & 31
         wid = tid >> 5
@@ -572,24 +581,29 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
             # same loop, as the block-wide barriers need.
             ra = min(row0, n_rows - 1)
             rb = min(row0 + 1, n_rows - 1)
-            base = (wid * 32 + lane) * (ROWS * NV)
-            ya, yb = rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw)
-            red[base] = group_sum(ya)
-            red[base + NV] = group_sum(yb)
+            for e in range(NA):
+                acc[e] = np.float32(0.0)
+                accu[e] = np.float32(0.0)
+            rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
             if glu:
-                ua, ub = rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw)
-                red[base + 1] = group_sum(ua)
-                red[base + NV + 1] = group_sum(ub)
+                rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, accu)
+            # red[thread, x row, row of the pair, gate/up]
+            for e in range(NA):
+                red[(tid * NA + e) * NV] = group_sum(acc[e])
+                if glu:
+                    red[(tid * NA + e) * NV + 1] = group_sum(accu[e])
             cuda.syncthreads()
-            if tid < RPB:  # thread r finishes row rblk * RPB + r: coalesced stores
-                row = rblk * RPB + tid
-                gi = tid >> 1  # ROWS == 2
-                i = tid & 1
+            for o in range(tid, RPB * NX, NT):  # (x row, row): coalesced stores
+                r = o // RPB if NX > 1 else 0
+                rr = o - r * RPB
+                row = rblk * RPB + rr
+                e = r * ROWS + (rr & 1)  # ROWS == 2
+                gi = rr >> 1
                 y = np.float32(0.0)
                 u = np.float32(0.0)
                 for ww in range(nw):
                     for j in range(LS):
-                        k = ((ww * 32 + gi * L + j) * ROWS + i) * NV
+                        k = ((ww * 32 + gi * L + j) * NA + e) * NV
                         y += red[k]
                         if glu:
                             u += red[k + 1]
@@ -599,8 +613,8 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                     if has_bias:
                         y += bias[row]
                     if has_res:
-                        y += res[row]
-                    out[row] = y
+                        y += res[r * n_rows + row]
+                    out[r * n_rows + row] = y
             cuda.syncthreads()
     return kernel
 
@@ -648,14 +662,16 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     spec = FAST_SPECS[qtype]
     x_dev = as_device(x_dev)
     xshape = tuple(x_dev.shape)
-    if len(xshape) not in (1, 2) or (len(xshape) == 2 and xshape[0] != 1):
-        raise ValueError(f"matvec_fast: x must be (K,) or (1, K), got {xshape}")
+    if len(xshape) not in (1, 2) or (len(xshape) == 2 and not 1 <= xshape[0] <= MAX_X_ROWS):
+        raise ValueError(f"matvec_fast: x must be (K,) or (n, K) with n <= {MAX_X_ROWS}, got {xshape}")
+    nx = 1 if len(xshape) == 1 else xshape[0]
     n_cols = xshape[-1]
     if n_cols % spec.qk:
         raise ValueError(f"{qtype.name}: {n_cols} columns is not a multiple of {spec.qk}")
     inline = INLINE_SUMS if inline_sums is None else bool(inline_sums)
-    if spec.sums and not inline and n_cols > 16 * SX_MAX:
-        raise ValueError(f"matvec_fast: {qtype.name} rows of more than {16 * SX_MAX} columns")
+    if spec.sums and not inline and (n_cols > 16 * SX_MAX or nx > 1):
+        raise ValueError(f"matvec_fast: {qtype.name} with shared x sums: one x row of at most "
+                         f"{16 * SX_MAX} columns")
     ws = [weight_u16(w, qtype, n_cols) for w in w_list]
     n_rows = ws[0][1]
     if any(r != n_rows for _, r in ws):
@@ -668,30 +684,31 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         if len(w_list) == 2:
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
         return _mv.matvec(w_list[0], qtype, x_dev, out=out, bias=bias, residual=residual, stream=stream)
-    out_shape = (n_rows,) if len(xshape) == 1 else (1, n_rows)
+    out_shape = (n_rows,) if len(xshape) == 1 else (nx, n_rows)
     if out is None:
         out = cuda.device_array(out_shape, np.float32, stream=stream)
-    out_flat = _mv._flat_f32(out, "out", n_rows)
+    out_flat = _mv._flat_f32(out, "out", nx * n_rows)
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
-    r = _mv._flat_f32(residual, "residual", n_rows) if residual is not None else _mv._dummy()
+    r = _mv._flat_f32(residual, "residual", nx * n_rows) if residual is not None else _mv._dummy()
     g, nw = grid_shape(qtype, n_rows)
     g, nw = groups or g, warps or nw
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, unroll or spec.unroll, g)
+    un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx)
     grid = -(-n_rows // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
         grid = min(grid, per_sm * _sm_count())
     w0 = ws[0][0]
     w1 = ws[1][0] if len(ws) == 2 else w0
-    kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb)
+    kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols)
     return out
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
                 inline_sums=None, blocks_per_sm=0, unroll=None, groups=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
-    with one activation row: x (K,) gives out (N,), x (1, K) gives (1, N); residual may be
-    out itself. For tuning: warps per thread block (default from grid_shape), inline_sums (default
+    with up to MAX_X_ROWS activation rows, each weight read once for all of them: x (K,)
+    gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps per thread block (default from grid_shape), inline_sums (default
     INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
     lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count)."""
@@ -701,7 +718,7 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
                 blocks_per_sm=0, unroll=None, groups=None):
-    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu with one activation row."""
+    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows as matvec_fast)."""
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
                    unroll, groups)
 
@@ -721,7 +738,8 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     replayed CUDA graph of `iters` launches, launch i reading weight copy i % n_copies,
     with enough copies (>= rotate_bytes together) that the L2 cannot hold the weights
     between launches. "GB/s" = weight bytes of one launch / time of one launch.
-    variants: dicts of matvec_fast tuning arguments (warps, inline_sums, blocks_per_sm);
+    variants: dicts of matvec_fast tuning arguments (warps, inline_sums, blocks_per_sm,
+    groups, unroll) and x_rows (activation rows, default 1);
     default one per entry of `warps`. baseline=True also times luce.kernels.matvec.matvec
     the same way (kernel "matvec")."""
     rng = np.random.default_rng(seed)
@@ -731,8 +749,9 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     variants = list(variants)
     rows = []
     for n_rows, n_cols in shapes:
-        x = cuda.to_device(rng.standard_normal(n_cols).astype(np.float32))
-        out = cuda.device_array(n_rows, np.float32)
+        xs = {k: cuda.to_device(rng.standard_normal((k, n_cols)).astype(np.float32))
+              for k in {v.get("x_rows", 1) for v in variants} | {1}}
+        outs = {k: cuda.device_array((k, n_rows), np.float32) for k in xs}
         for qtype in qtypes:
             qtype = as_qtype(qtype)
             rb = row_bytes(qtype, n_cols)
@@ -742,9 +761,11 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             ws = [cuda.to_device(host) for _ in range(copies)]
             todo = [("matvec_fast", v) for v in variants] + ([("matvec", {})] if baseline else [])
             for kernel, v in todo:
-                rows.append(_time_one(kernel, v, ws, qtype, x, out, stream, iters) | {
+                k = v.get("x_rows", 1)
+                tuning = {a: b for a, b in v.items() if a != "x_rows"}
+                rows.append(_time_one(kernel, tuning, ws, qtype, xs[k], outs[k], stream, iters) | {
                     "qtype": qtype.name, "rows": n_rows, "cols": n_cols, "weight_bytes": nbytes,
-                    "copies": copies})
+                    "copies": copies, "x_rows": k, "variant": ",".join(f"{a}={b}" for a, b in v.items()) or "auto"})
                 rows[-1]["GB/s"] = round(nbytes / (rows[-1]["time_us"] * 1e-6) / 1e9, 1)
             del ws
     return rows
@@ -792,10 +813,13 @@ TUNING_VARIANTS = ({"inline_sums": False, "blocks_per_sm": None}, {"inline_sums"
                    {"inline_sums": True, "blocks_per_sm": 4}, {"inline_sums": True, "blocks_per_sm": 8},
                    {"inline_sums": True, "blocks_per_sm": 16}, {"warps": 8, "inline_sums": True, "blocks_per_sm": None})
 
-if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline] [--variants] [--unroll]: JSON lines
+if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--variants|--unroll|--x-rows]: JSON lines
     import json
     import sys
-    if "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)
+    if "--x-rows" in sys.argv:  # activation rows a launch (short verification forwards)
+        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096)), qtypes=("Q4_K", "Q6_K"),
+                                 iters=50, variants=[{"x_rows": k} for k in (1, 2, 4, 8)])
+    elif "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288)), iters=50,
                                  variants=({"unroll": 1}, {"unroll": 2}))
     elif "--variants" in sys.argv:

@@ -51,8 +51,8 @@ def check(got, want, raw, qtype, x, tol=1e-5):
     """Float32 sums against a float64 reference: error bounded by tol |W| |x|."""
     assert np.isfinite(got).all()
     w = np.abs(dequantize(raw, qtype, (raw.shape[0], x.shape[-1])))
-    bound = np.abs(w) @ np.abs(x).reshape(-1)
-    err = np.abs(got - want).reshape(-1)
+    bound = np.abs(x).reshape(-1, x.shape[-1]) @ np.abs(w).T  # one row per x row
+    err = np.abs(got - want).reshape(bound.shape)
     assert (err <= tol * bound + 1e-5).all(), float((err / (bound + 1e-30)).max())
 
 
@@ -128,3 +128,23 @@ def test_matvec_fast_gpu_groups(qtype, groups, warps):
     out = cuda.to_device(np.full(n_rows, np.nan, np.float32))
     matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, groups=groups, warps=warps)
     check(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
+
+
+@pytest.mark.parametrize("n_x", [2, 3, 8])
+@pytest.mark.parametrize("qtype", TYPES, ids=ID)
+def test_matvec_fast_gpu_x_rows(qtype, n_x):
+    """Several activation rows a launch at a real shape, with a per-row residual, and the
+    gated form, against the references."""
+    n_rows, n_cols = 4096, 4096
+    raw = weights(qtype, n_rows, n_cols, seed=9)
+    up = weights(qtype, n_rows, n_cols, seed=10)
+    rng = np.random.default_rng(n_x)
+    x = (0.1 * rng.standard_normal((n_x, n_cols))).astype(np.float32)
+    res = rng.standard_normal((n_x, n_rows)).astype(np.float32)
+    out = cuda.to_device(np.full((n_x, n_rows), np.nan, np.float32))
+    matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, residual=cuda.to_device(res))
+    check(out.copy_to_host(), matvec_ref(raw, qtype, x, residual=res), raw, qtype, x)
+    out = cuda.to_device(np.full((n_x, n_rows), np.nan, np.float32))
+    swiglu_fast(cuda.to_device(raw), cuda.to_device(up), qtype, cuda.to_device(x), out=out)
+    want = swiglu_ref(raw, up, qtype, x)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
