@@ -99,11 +99,11 @@ class CudaOps:
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul
         from ..kernels.matvec import matvec
-        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
+        from ..kernels.matvec_fast import FAST_TYPES, MAX_X_ROWS, matvec_fast
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
-        if n == 1 and w.qtype in FAST_TYPES:
+        if n <= MAX_X_ROWS and w.qtype in FAST_TYPES:  # decode and short verification forwards
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
         if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
@@ -117,11 +117,11 @@ class CudaOps:
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES
-        from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
+        from ..kernels.matvec_fast import FAST_TYPES, MAX_X_ROWS, swiglu_fast
         n = x.shape[0]
         if w_gate.qtype == w_up.qtype:
             qt = w_gate.qtype
-            if n == 1 and qt in FAST_TYPES:
+            if n <= MAX_X_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
                                    stream=self.stream)
             if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
