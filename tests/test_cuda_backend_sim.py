@@ -55,7 +55,8 @@ def test_cuda_backend_matches_cpu_in_simulator(tiny_model):
     parents = np.array([-1, 0, -1])
     both([5, 6, 7], 4 + np.array([0, 1, 0]), mask=tree_mask(parents), accept=[2])
     both([11], [5])
-    assert kv_gpu.n_past == kv_cpu.n_past == 6
+    both([12, 13], [6, 7])  # a 2-token chain: the fast matvec with two x rows (Q8_0)
+    assert kv_gpu.n_past == kv_cpu.n_past == 8
 
 
 def test_profile_forward_covers_every_op(tiny_llama):

@@ -23,6 +23,13 @@ MAX_MATVEC_ROWS = 64
 # forward through it cost 4x a decode step on the Qwen3-8B shape, 8-32 tokens through the
 # matmul 2.8-3.4x)
 MATMUL_MIN_ROWS = 2
+# Forwards of up to this many tokens take the fast matvec with several x rows (each weight
+# read once) where the weight type has one. H200, f1edff7 (docs/data/
+# matvec_fast_x_rows_f1edff7.jsonl): 2 rows cost 1.25-1.9x one row, 4 rows 1.8-2.7x, 8 rows
+# 3-6.8x (its sums and x loads grow with the rows), while a whole 4- or 8-token forward
+# through the matmul cost 2.1-2.3x a decode step: so 2 rows only. The 2-token forward with
+# this routing was not timed end to end.
+FAST_MATVEC_MAX_ROWS = 2
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 ALIGN = 256
 
@@ -99,11 +106,11 @@ class CudaOps:
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul
         from ..kernels.matvec import matvec
-        from ..kernels.matvec_fast import FAST_TYPES, MAX_X_ROWS, matvec_fast
+        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
-        if n <= MAX_X_ROWS and w.qtype in FAST_TYPES:  # decode and short verification forwards
+        if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
         if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
@@ -117,11 +124,11 @@ class CudaOps:
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES
-        from ..kernels.matvec_fast import FAST_TYPES, MAX_X_ROWS, swiglu_fast
+        from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
         n = x.shape[0]
         if w_gate.qtype == w_up.qtype:
             qt = w_gate.qtype
-            if n <= MAX_X_ROWS and qt in FAST_TYPES:
+            if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
                                    stream=self.stream)
             if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
