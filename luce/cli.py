@@ -234,8 +234,10 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--draft", default=None, help="draft model for --spec")
 @click.option("--categories", default=None, help="--spec: code,math,chat (default all)")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
+@click.option("--no-breakdown", is_flag=True,
+              help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          no_record):
+          no_record, no_breakdown):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if spec:
@@ -253,7 +255,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         return
     from .bench.e2e import run
     run(model, synthetic, backend, n_prompt=prompt_tokens, n_gen=gen_tokens, long_ctx=long_ctx,
-        record=not no_record)
+        record=not no_record, breakdown=not no_breakdown)
 
 if __name__ == "__main__":
     main()
