@@ -69,12 +69,13 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                     prefill: int = 512, seed: int = 0) -> list[dict]:
     """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
     sequence splits, tree verification (tree_nodes queries, a random tree), a causal
-    prefill chain of `prefill` tokens, and decode / tree over q8_0 KV, all over `context`
-    committed rows; GB/s counts the K/V
+    prefill chain of `prefill` tokens, decode / tree over q8_0 KV, and the tree through the
+    one-query kernel's structure (not yet the default), all over `context` committed rows; GB/s counts the K/V
     bytes the kernel must read (K and V of every visible row, once: f16, or q8_0 for the
     *_q8_0 rows)."""
     from numba import cuda
 
+    from ..kernels import attention as A
     from ..kernels.attention import attention_plan, paged_attention_cuda, tree_mask, tree_mask_bits
     from ..kernels.paging import BLOCK
 
@@ -102,9 +103,13 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}", tree_nodes, tree_mask(parents), None, False),
              (f"prefill{prefill}", prefill, None, None, False),
              ("decode_q8_0", 1, np.ones((1, 1), bool), None, True),
-             (f"tree{tree_nodes}_q8_0", tree_nodes, tree_mask(parents), None, True)]
+             (f"tree{tree_nodes}_q8_0", tree_nodes, tree_mask(parents), None, True),
+             (f"tree{tree_nodes}_rowkernel", tree_nodes, tree_mask(parents), None, False)]
     rows = []
+    default_rows = A.ROW_KERNEL_MAX_QUERIES
     for name, n, mask, max_splits, q8 in cases:
+        # the one-query kernel's structure for a tree, not yet the default (attention.py)
+        A.ROW_KERNEL_MAX_QUERIES = 64 if name.endswith("_rowkernel") else default_rows
         kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
         q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
         q_pos = cuda.to_device(np.arange(context, context + n, dtype=np.int32), stream=stream)
@@ -129,6 +134,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
         rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}", time_us=round(us, 2),
                          **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode, n_splits=ns))
+    A.ROW_KERNEL_MAX_QUERIES = default_rows
     return rows
 
 

@@ -397,43 +397,52 @@ def decode_plan(n_kv_heads: int, n_keys: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int):
+def _decode_kernel(dim: int, group: int, qt: int = 1):
+    """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
+    the new tokens, each with its own mask over the new keys and its own window)."""
     from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
     CH = DECODE_CHUNK
     G = group
+    QT = qt
+    R = QT * G  # query rows of a block: row r is query r // G, q head r % G of the kv head
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
-    NACC = G * DL  # array shapes must be plain constants, not expressions
+    NACC = R * DL  # array shapes must be plain constants, not expressions
     VK = DECODE_VALUE_KEYS if NACC <= 32 else 4  # big accumulators leave fewer registers for loads
     # K pieces in flight (divides dim // 8: head dims are multiples of 16 up to 256); fewer
-    # for big GQA groups, whose unrolled loops otherwise leave registers for local memory
-    KB = min(8 if G <= 4 else 2, dim // 8)
+    # for many query rows, whose unrolled loops otherwise leave registers for local memory
+    KB = min(8 if R <= 4 else 2, dim // 8)
     U = np.uint32
+    U64 = np.uint64
 
     @cuda.jit
-    def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, window, scale, direct, out, part_o,
-               part_ml):
+    def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
+               out, part_o, part_ml):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
+        q0 = cuda.blockIdx.z * QT
         lane = cuda.threadIdx.x
         n_kvh = cuda.gridDim.y
-        n_keys = meta[0] + meta[1]
-        qs = cuda.shared.array((G, dim), np.float32)
-        ps = cuda.shared.array((G, CH), np.float32)
-        s = cuda.local.array(G, np.float32)
-        m = cuda.local.array(G, np.float32)
-        lsum = cuda.local.array(G, np.float32)
+        n_past = meta[0]
+        n_q = meta[1]
+        n_keys = n_past + n_q
+        qs = cuda.shared.array((R, dim), np.float32)
+        ps = cuda.shared.array((R, CH), np.float32)
+        s = cuda.local.array(R, np.float32)
+        m = cuda.local.array(R, np.float32)
+        lsum = cuda.local.array(R, np.float32)
         acc = cuda.local.array(NACC, np.float32)
         vw = cuda.local.array((VK, DW), np.uint32)
         kw = cuda.local.array((KB, 4), np.uint32)
-        for e in range(lane, G * dim, CH):
-            qs[e // dim, e % dim] = q[0, hkv * G + e // dim, e % dim] * scale
-        for g in range(G):
-            m[g] = -math.inf
-            lsum[g] = 0.0
-        for e in range(G * DL):
+        for e in range(lane, R * dim, CH):
+            r = e // dim
+            qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
+            qs[r, e % dim] = q[qi, hkv * G + r % G, e % dim] * scale
+        for r in range(R):
+            m[r] = -math.inf
+            lsum[r] = 0.0
+        for e in range(NACC):
             acc[e] = 0.0
-        lo = q_pos[0] - window  # keys at positions <= lo fall outside a sliding window
         n_chunks = (n_keys + CH - 1) // CH
         cps = (n_chunks + cuda.gridDim.x - 1) // cuda.gridDim.x
         c_lo = split * cps
@@ -441,14 +450,11 @@ def _decode_kernel(dim: int, group: int):
         cuda.syncthreads()
         for c in range(c_lo, c_hi):
             j = c * CH + lane
-            ok = j < n_keys
-            if ok and window > 0:
-                ok = kv_pos[j] > lo
-            for g in range(G):
-                s[g] = -math.inf
-            if ok:
-                for g in range(G):
-                    s[g] = 0.0
+            for r in range(R):
+                s[r] = -math.inf
+            if j < n_keys:
+                for r in range(R):
+                    s[r] = 0.0
                 # uint16 index of key j's row in the flat pool [slot, layer, kv head, 64, dim]
                 base = (((table[j // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j % BLOCK) * dim
                 # KB 16-byte pieces of the row in flight at once (a loop of one load an
@@ -463,33 +469,49 @@ def _decode_kernel(dim: int, group: int):
                     for k in range(KB):
                         for h in range(8):
                             kx = f16_bits_to_f32(U(kw[k, h >> 1] >> U(16 * (h & 1))) & U(0xFFFF))
-                            for g in range(G):
-                                s[g] += qs[g, 8 * (b0 + k) + h] * kx
-            for g in range(G):
-                ps[g, lane] = s[g]
+                            for r in range(R):
+                                s[r] += qs[r, 8 * (b0 + k) + h] * kx
+                # which rows see key j: all committed keys (inside the window), and of the
+                # new ones the query's ancestors and itself (tree) or its predecessors (chain)
+                kp = kv_pos[j] if window > 0 else 0
+                for r in range(R):
+                    qi = q0 + r // G
+                    ok = qi < n_q
+                    if ok and j >= n_past:
+                        mi = j - n_past
+                        if causal:
+                            ok = mi <= qi
+                        else:
+                            ok = (U64(mask_bits[qi]) >> U64(mi)) & U64(1) != U64(0)
+                    if ok and window > 0:
+                        ok = kp > q_pos[min(qi, n_q - 1)] - window
+                    if not ok:
+                        s[r] = -math.inf
+            for r in range(R):
+                ps[r, lane] = s[r]
             cuda.syncthreads()
-            for g in range(G):
-                cm = m[g]
+            for r in range(R):
+                cm = m[r]
                 for x in range(CH):
-                    cm = max(cm, ps[g, x])
-                s[g] = np.float32(0.0) if s[g] == -math.inf else math.exp(s[g] - cm)
-                al = np.float32(1.0) if cm == -math.inf else math.exp(m[g] - cm)
-                m[g] = cm
-                lsum[g] *= al
+                    cm = max(cm, ps[r, x])
+                s[r] = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
+                al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
+                m[r] = cm
+                lsum[r] *= al
                 for d in range(DL):
-                    acc[g * DL + d] *= al
+                    acc[r * DL + d] *= al
             cuda.syncthreads()
-            for g in range(G):
-                ps[g, lane] = s[g]
+            for r in range(R):
+                ps[r, lane] = s[r]
             cuda.syncthreads()
-            for g in range(G):
+            for r in range(R):
                 t = np.float32(0.0)
                 for x in range(CH):
-                    t += ps[g, x]
-                lsum[g] += t
+                    t += ps[r, x]
+                lsum[r] += t
             # VK keys at a time (consecutive rows of one page), all their loads issued before
             # the first is used: one key an iteration waited out a table lookup and a V
-            # load per key. Keys past the end or outside the window have p = 0 and are
+            # load per key. Keys past the end or unseen by a row have p = 0 and are
             # selected away (their rows are in bounds but may hold anything).
             for x0 in range(0, min(CH, n_keys - c * CH), VK):
                 j0 = c * CH + x0
@@ -503,27 +525,44 @@ def _decode_kernel(dim: int, group: int):
                         word = vw[k, wd]
                         for hh in range(min(2, DL)):
                             vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
-                            for g in range(G):
-                                pg = ps[g, x0 + k]
+                            for r in range(R):
+                                pg = ps[r, x0 + k]
                                 pv = pg * vx
-                                acc[g * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
+                                acc[r * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
             cuda.syncthreads()
-        for g in range(G):
-            hq = hkv * G + g
-            for d in range(DL):
-                if direct:
-                    out[0, hq, lane * DL + d] = acc[g * DL + d] / lsum[g]
-                else:
-                    part_o[split, 0, hq, lane * DL + d] = acc[g * DL + d]
-            if not direct and lane == 0:
-                part_ml[split, 0, hq, 0] = m[g]
-                part_ml[split, 0, hq, 1] = lsum[g]
+        for r in range(R):
+            qi = q0 + r // G
+            if qi < n_q:
+                hq = hkv * G + r % G
+                for d in range(DL):
+                    if direct:
+                        out[qi, hq, lane * DL + d] = acc[r * DL + d] / lsum[r]
+                    else:
+                        part_o[split, qi, hq, lane * DL + d] = acc[r * DL + d]
+                if not direct and lane == 0:
+                    part_ml[split, qi, hq, 0] = m[r]
+                    part_ml[split, qi, hq, 1] = lsum[r]
 
     return kernel
 
 
+# Queries up to which attention takes the one-query kernel's structure in tiles of
+# row_tile(group) queries (trees and chains of verification). 1: decode only; wider forms
+# are correct (simulator tests, PTX compile check) but not yet timed on a GPU against the
+# tiled kernel.
+ROW_KERNEL_MAX_QUERIES = 1
+# query rows (queries x GQA group) a block of the row kernel holds: at 16 the sm_90 code
+# kept ~450 bytes of accumulators in local memory, at 8 none (112-158 registers)
+ROW_TILE_ROWS = 8
+
+
+def row_tile(n_q: int, group: int) -> int:
+    """Queries a block of the row kernel takes."""
+    return 1 if n_q == 1 else max(1, ROW_TILE_ROWS // group)
+
+
 def _decode_applies(n_q: int, dim: int, q8: bool) -> bool:
-    return n_q == 1 and not q8 and dim % 32 == 0
+    return n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
 
 
 COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
@@ -613,12 +652,14 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     re-divides the pages actually present among the n_splits at run time."""
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
+    group = n_heads // n_kv_heads
     if _decode_applies(n_q, head_dim, q8):
-        ns = decode_plan(n_kv_heads, n_keys)
+        qt = row_tile(n_q, group)
+        n_tiles = ceil_div(n_q, qt)
+        ns = decode_plan(n_kv_heads * n_tiles, n_keys)
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
-        return dict(qt=1, nt=DECODE_CHUNK, n_tiles=1, n_splits=ns, pages_per_split=None)
-    group = n_heads // n_kv_heads
+        return dict(qt=qt, nt=DECODE_CHUNK, n_tiles=n_tiles, n_splits=ns, pages_per_split=None)
     nt = block_threads(128)
     rows = n_q * group
     # at least one score and one output element per thread
@@ -663,15 +704,15 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
                        cuda.device_array((ns, n_q, n_heads, 2), np.float32, stream=stream))
         part_o, part_ml = scratch
     scale = np.float32(1.0 / math.sqrt(dim))
+    causal = 1 if mask_bits is None else 0
+    if mask_bits is None:
+        mask_bits = kv_pos  # never read when causal (numba needs an array here)
     if _decode_applies(n_q, dim, q8):
         flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
-        _decode_kernel(dim, n_heads // n_kvh)[(ns, n_kvh), plan["nt"], stream](
-            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, window, scale, direct,
-            out, part_o, part_ml)
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
+            window, scale, direct, out, part_o, part_ml)
     else:
-        causal = 1 if mask_bits is None else 0
-        if mask_bits is None:
-            mask_bits = kv_pos  # never read when causal (numba needs an array here)
         k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
         kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read
         _attn_kernel(dim, plan["qt"], plan["nt"], q8)[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](

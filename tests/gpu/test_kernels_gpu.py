@@ -255,3 +255,11 @@ def test_decode_one_query(dim, hq, hkv, n_ctx, window):
     contexts ending mid-page: the pool is NaN outside the written rows, so a key past the
     end or outside the window that leaked into a sum would show."""
     _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
+
+
+def test_tree23_8k_row_kernel(monkeypatch):
+    """A 23-node tree over 8K through the one-query kernel's structure (tiles of queries;
+    not yet the default for trees) against the reference."""
+    from luce.kernels import attention as A
+    monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
+    test_tree23_8k()

@@ -93,6 +93,25 @@ def test_decode_one_query_window_and_graph_grid():
     np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
+# The same kernel for several queries (verification trees and chains) in tiles of
+# row_tile queries; not yet the default for them (ROW_KERNEL_MAX_QUERIES). Group 4: four
+# tiles of 2 queries, the last partial; group 2: two tiles of 4, a window and a direct
+# write; group 1: a causal chain in one tile of 8.
+@pytest.mark.parametrize("kind,n_new,hq,hkv,window,max_splits", [
+    ("tree", 7, 4, 1, None, None), ("tree", 5, 4, 2, 30, 1), ("chain", 3, 2, 2, None, 2)])
+def test_row_kernel_several_queries(monkeypatch, kind, n_new, hq, hkv, window, max_splits):
+    monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
+    assert A._decode_applies(n_new, 32, False)
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3][:n_new]) if kind == "tree" else np.arange(-1, n_new - 1)
+    depth = np.zeros(n_new, int)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    mask = tree_mask(parents)
+    cache, q, kv, cpos, npos = setup(90, n_new, hq=hq, hkv=hkv, d=32, new_pos=90 + depth)
+    got = run(cache, q, npos, mask if kind == "tree" else None, window=window, max_splits=max_splits)
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, mask, window=window), rtol=2e-4, atol=2e-5)
+
+
 def test_tree():
     parents = np.array([-1, 0, 0, 1, 1, 2, 3])
     depth = np.zeros(7, int)
@@ -224,11 +243,12 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
            f"uint64[::1], int64, int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._attn_kernel(dim, qt, 128, q8), sig)
     assert ".local" not in code or qt == 64, (dim, qt, q8)  # accumulators stay in registers
-for dim, group in [(128, 4), (128, 8), (64, 3), (256, 2)]:
-    sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, int64, float32, int64, "
-           f"{F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
-    code = ptx(attention._decode_kernel(dim, group), sig)
-    assert "ld.global.nc.v4.u32" in code and ".local" not in code, (dim, group)
+for dim, group, qt, mask in [(128, 4, 1, I1), (128, 8, 1, I1), (64, 3, 1, I1), (256, 2, 1, I1),
+                             (128, 4, 2, "uint64[::1]"), (128, 2, 4, "uint64[::1]"), (128, 4, 2, I1)]:
+    sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
+           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
+    code = ptx(attention._decode_kernel(dim, group, qt), sig)
+    assert "ld.global.nc.v4.u32" in code and ".local" not in code, (dim, group, qt)  # registers only
 print("PTX OK")
 '''
 
