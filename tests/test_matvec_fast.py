@@ -2,10 +2,13 @@
 
 The simulator runs the same unit functions and index math as the GPU (ld16's two-piece
 loads and funnel selects, per-position accumulators, the unit/lane mapping and the
-clamped unroll); only ldg_* (plain indexing here, inline asm there) and the warp sum
-(shared memory here, shuffles there) differ. Shapes are chosen so that rows start at every
-even offset mod 16 (Q6_K, Q8_0), lanes run partial unroll steps, and the last warp holds
-rows past the end. Outputs are poisoned with NaN.
+clamped unroll, lane groups on row pairs, warps splitting a row's units); only ldg_*
+(plain indexing here, inline asm there) and the lane-group sum (shared memory here,
+shuffles there) differ. The default grid here is one warp over 8 row pairs (grid_shape:
+every simulated thread is an OS thread); other group and warp counts are asked for by
+name. Shapes are chosen so that rows start at every even offset mod 16 (Q6_K, Q8_0), lanes
+run partial unroll steps, and the last block holds rows past the end. Outputs are
+poisoned with NaN.
 """
 import numpy as np
 import pytest
@@ -106,7 +109,8 @@ def test_swiglu_fast(qtype):
 
 
 def test_matvec_fast_warps():
-    """8 warps a block: 16 rows a block, 13 rows leave the last 3 warps past the end."""
+    """8 warps a block splitting each row's 16 units (4 lanes a row pair: warps 4-7 get
+    none), 8 row pairs a block: 13 rows leave 3 row slots past the end."""
     rng = np.random.default_rng(9)
     raw = weights(rng, T.Q8_0, 13, 256)
     x = rng.standard_normal(256).astype(np.float32)
@@ -130,13 +134,15 @@ def test_matvec_fast_unroll(qtype, unroll, n_cols):
 
 @pytest.mark.parametrize("inline_sums", [True, False], ids=["inline-sums", "shared-sums"])
 def test_matvec_fast_capped_grid(inline_sums):
-    """A grid capped at 2 blocks (one per simulated SM) loops: 20 rows are 3 row blocks of
-    8, so block 0 runs two of them; Q4_K's sums of x inline or from shared memory."""
+    """A grid capped at 2 blocks (one per simulated SM) loops: 20 rows in row blocks of 4
+    (2 row pairs) are 5 row blocks, so the blocks run 3 and 2 of them; Q4_K's sums of x
+    inline or from shared memory."""
     rng = np.random.default_rng(11)
     raw = weights(rng, T.Q4_K, 20, 512)
     x = rng.standard_normal(512).astype(np.float32)
     out = nan_device(20)
-    matvec_fast(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), out=out, inline_sums=inline_sums, blocks_per_sm=1)
+    matvec_fast(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), out=out, inline_sums=inline_sums, blocks_per_sm=1,
+                groups=2)
     assert_close(out.copy_to_host(), matvec_ref(raw, T.Q4_K, x), raw, T.Q4_K, x)
 
 
