@@ -255,7 +255,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         return
     from .bench.e2e import run
     run(model, synthetic, backend, n_prompt=prompt_tokens, n_gen=gen_tokens, long_ctx=long_ctx,
-        record=not no_record, breakdown=not no_breakdown)
+        record=not no_record, per_op=not no_breakdown)
 
 if __name__ == "__main__":
     main()

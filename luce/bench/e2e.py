@@ -35,7 +35,7 @@ def _sync(be):
 
 
 def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, long_ctx=8192, n_long=32,
-        verify_widths=(1, 2, 4, 8, 16, 23, 32, 64), record=True, breakdown=True):
+        verify_widths=(1, 2, 4, 8, 16, 23, 32, 64), record=True, per_op=True):
     n_ctx = max(long_ctx, n_prompt) + n_gen + 128
     be, fam, cfg, w, wbytes, label, load_s = _load(model, synthetic, backend, n_ctx)
     kv = be.new_cache(cfg, n_ctx)
@@ -81,9 +81,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
-    profile = breakdown
     breakdown = host = prefill_host = verify_ops = prefill_ops = None
-    if be.name == "cuda" and profile:
+    if be.name == "cuda" and per_op:
         from .profile import host_profile
         state = {"tok": first}
 
@@ -131,7 +130,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         verify.append({"nodes": n, "ms": (time.perf_counter() - t0) / reps * 1e3})
     for r in verify:
         r["x decode step"] = r["ms"] / verify[0]["ms"]
-    if be.name == "cuda" and profile:
+    if be.name == "cuda" and per_op:
         if 23 in verify_widths:
             verify_ops = _by_op(be, fam, cfg, w, kv, 23, 20)
         kv.truncate(0)

@@ -107,34 +107,37 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree_mask(parents), None, False)]
     rows = []
     default_rows = A.ROW_KERNEL_MAX_QUERIES
-    for name, n, mask, max_splits, q8 in cases:
-        # the one-query kernel's structure for a tree, not yet the default (attention.py)
-        A.ROW_KERNEL_MAX_QUERIES = 64 if name.endswith("_rowkernel") else default_rows
-        kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
-        q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
-        q_pos = cuda.to_device(np.arange(context, context + n, dtype=np.int32), stream=stream)
-        meta = cuda.to_device(np.array([context, n, 0, 0], np.int32), stream=stream)
-        bits = None if mask is None else cuda.to_device(tree_mask_bits(mask), stream=stream)
-        out = cuda.device_array((n, hq, d), np.float32, stream=stream)
-        plan = attention_plan(n, hq, hkv, d, context + n, max_splits)
-        ns = plan["n_splits"]
-        scratch = (cuda.device_array((ns, n, hq, d), np.float32, stream=stream),
-                   cuda.device_array((ns, n, hq, 2), np.float32, stream=stream))
+    try:
+        for name, n, mask, max_splits, q8 in cases:
+            # the one-query kernel's structure for a tree, not yet the default (attention.py)
+            A.ROW_KERNEL_MAX_QUERIES = 64 if name.endswith("_rowkernel") else default_rows
+            kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
+            q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
+            q_pos = cuda.to_device(np.arange(context, context + n, dtype=np.int32), stream=stream)
+            meta = cuda.to_device(np.array([context, n, 0, 0], np.int32), stream=stream)
+            bits = None if mask is None else cuda.to_device(tree_mask_bits(mask), stream=stream)
+            out = cuda.device_array((n, hq, d), np.float32, stream=stream)
+            plan = attention_plan(n, hq, hkv, d, context + n, max_splits)
+            ns = plan["n_splits"]
+            scratch = (cuda.device_array((ns, n, hq, d), np.float32, stream=stream),
+                       cuda.device_array((ns, n, hq, 2), np.float32, stream=stream))
 
-        def launch():
-            paged_attention_cuda(q, kp, vp, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n, out=out,
-                                 scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, stream=stream)
+            def launch():
+                paged_attention_cuda(q, kp, vp, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n, out=out,
+                                     scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, stream=stream)
 
-        launch()  # compile
-        stream.synchronize()
-        try:
-            us, mode = _time_graph(launch, stream, reps), "graph"
-        except Exception:  # no cuda.bindings driver API, or capture refused
-            us, mode = _time_eager(launch, stream, reps), "eager"
-        kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
-        rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}", time_us=round(us, 2),
-                         **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode, n_splits=ns))
-    A.ROW_KERNEL_MAX_QUERIES = default_rows
+            launch()  # compile
+            stream.synchronize()
+            try:
+                us, mode = _time_graph(launch, stream, reps), "graph"
+            except Exception:  # no cuda.bindings driver API, or capture refused
+                us, mode = _time_eager(launch, stream, reps), "eager"
+            kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
+            rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}",
+                             time_us=round(us, 2), **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode,
+                             n_splits=ns))
+    finally:  # the module-wide default, whatever happened
+        A.ROW_KERNEL_MAX_QUERIES = default_rows
     return rows
 
 

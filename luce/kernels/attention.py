@@ -561,7 +561,7 @@ def row_tile(n_q: int, group: int) -> int:
     return 1 if n_q == 1 else max(1, ROW_TILE_ROWS // group)
 
 
-def _decode_applies(n_q: int, dim: int, q8: bool) -> bool:
+def _row_kernel_applies(n_q: int, dim: int, q8: bool) -> bool:
     return n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
 
 
@@ -653,7 +653,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
-    if _decode_applies(n_q, head_dim, q8):
+    if _row_kernel_applies(n_q, head_dim, q8):
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
         ns = decode_plan(n_kv_heads * n_tiles, n_keys)
@@ -707,7 +707,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     causal = 1 if mask_bits is None else 0
     if mask_bits is None:
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
-    if _decode_applies(n_q, dim, q8):
+    if _row_kernel_applies(n_q, dim, q8):
         flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,

@@ -163,7 +163,7 @@ def ld16(w, i0, i1, a):
 # Per-type units, in two halves: load(w, ha, hb, t) -> raw: the weight words of unit t of
 # the blocks starting at uint16 index ha (row a) and hb (row b); dot(raw, w, ha, hb, x, sxs,
 # c, t) -> (ya, yb): their dot products with x, c = the block's first column; sxs = the
-# sums of x over each 32 columns (filled only for types whose spec asks for them).
+# sums of x over each 16 columns (filled only for types whose spec asks for them).
 # ---------------------------------------------------------------------------------------
 @_dev
 def nib_acc(q, x0, x1, x2, x3, sh, a0, a8):
@@ -421,7 +421,7 @@ def q8_word(qa, qb, x, c, acc):
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
 # flight), unit factory (inline_sums -> (load, dot): a unit's weight loads, and its dot
-# products from what they returned), whether units need the sums of x over 32 columns
+# products from what they returned), whether units need the sums of x per sub-block
 # (from shared memory, or summed inline by each unit).
 FastSpec = namedtuple("FastSpec", "qk bs tpb unroll make_unit sums")
 FAST_SPECS = {
@@ -429,7 +429,7 @@ FAST_SPECS = {
     T.Q6_K: FastSpec(256, 210, 4, 1, lambda inline_sums: (load_q6_k, dot_q6_k), False),
     T.Q8_0: FastSpec(32, 34, 2, 2, lambda inline_sums: (load_q8_0, dot_q8_0), False),
 }
-# Q4_K's sums of x per 32 columns: summed by each unit from the x it loads anyway (~0.5
+# Q4_K's sums of x per sub-block: summed by each unit from the x it loads anyway (~0.5
 # add per weight and row) rather than by every thread block into shared memory first
 # (a prologue that reads all of x per block and puts a barrier before the first weight
 # load). Both stay selectable for the benchmark.
@@ -583,7 +583,8 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
             rb = min(row0 + 1, n_rows - 1)
             for e in range(NA):
                 acc[e] = np.float32(0.0)
-                accu[e] = np.float32(0.0)
+                if glu:
+                    accu[e] = np.float32(0.0)
             rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
             if glu:
                 rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, accu)
@@ -710,8 +711,9 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
                 inline_sums=None, blocks_per_sm=0, unroll=None, groups=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with up to MAX_X_ROWS activation rows, each weight read once for all of them: x (K,)
-    gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps per thread block (default from grid_shape), inline_sums (default
-    INLINE_SUMS), blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
+    gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps
+    per thread block (default from grid_shape), inline_sums (default INLINE_SUMS),
+    blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
     lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count)."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,

@@ -74,7 +74,7 @@ def test_decode(max_splits):
                                                  (32, 2, 2, 3)])
 def test_decode_one_query_kernel(d, hq, hkv, max_splits):
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
-    assert A._decode_applies(1, d, False)
+    assert A._row_kernel_applies(1, d, False)
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
@@ -101,7 +101,7 @@ def test_decode_one_query_window_and_graph_grid():
     ("tree", 7, 4, 1, None, None), ("tree", 5, 4, 2, 30, 1), ("chain", 3, 2, 2, None, 2)])
 def test_row_kernel_several_queries(monkeypatch, kind, n_new, hq, hkv, window, max_splits):
     monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
-    assert A._decode_applies(n_new, 32, False)
+    assert A._row_kernel_applies(n_new, 32, False)
     parents = np.array([-1, 0, 0, 1, 1, 2, 3][:n_new]) if kind == "tree" else np.arange(-1, n_new - 1)
     depth = np.zeros(n_new, int)
     for i, p in enumerate(parents):
