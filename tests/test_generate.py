@@ -44,3 +44,29 @@ def test_repetition_penalty_changes_greedy_output(smollm2):
     plain = smollm2.generate("a a a a a a a a", max_tokens=6, temperature=0)
     penalized = smollm2.generate("a a a a a a a a", max_tokens=6, temperature=0, repeat_penalty=3.0)
     assert plain != penalized
+
+
+def test_prefill_pieces():
+    from luce.engine.generator import prefill_pieces
+    assert prefill_pieces(300, chunk=512) == [300]
+    assert prefill_pieces(300, chunk=512, pow2=True) == [256, 32, 8, 4]
+    assert prefill_pieces(1100, chunk=512, pow2=True) == [512, 512, 64, 8, 4]
+    assert prefill_pieces(1024, chunk=512, pow2=True) == [512, 512]
+    assert prefill_pieces(0, pow2=True) == []
+    for n in range(1, 1500, 37):  # every piece a power of two at most the chunk, covering n
+        sizes = prefill_pieces(n, chunk=512, pow2=True)
+        assert sum(sizes) == n and all(s & (s - 1) == 0 and s <= 512 for s in sizes)
+
+
+def test_session_prefill_in_pieces_equals_one_forward(smollm2):
+    """A backend asking for power-of-two pieces gets the same logits as one forward."""
+    import numpy as np
+    ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 4)[:37]
+    be = smollm2.backend
+    whole, _ = smollm2.new_session().prefill(ids)
+    be.graph_prefill = True  # 37 -> 32 + 4 + 1
+    try:
+        pieces, _ = smollm2.new_session().prefill(ids)
+    finally:
+        del be.graph_prefill
+    np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-3)

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from ..engine.generator import prefill_pieces
 from ..kernels.attention import tree_mask
 
 
@@ -46,12 +47,14 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     def forward(tokens, positions, mask=None, rows=None):
         return be.forward(fam, cfg, w, kv, tokens, positions, mask, rows)
 
-    def prefill(tokens, start=0, chunk=512):
+    def prefill(tokens, start=0):  # as the engine does it (Session.prefill)
         logits = None
-        for s in range(0, len(tokens), chunk):
-            c = tokens[s:s + chunk]
+        s = 0
+        for size in prefill_pieces(len(tokens), pow2=getattr(be, "graph_prefill", False)):
+            c = tokens[s:s + size]
             logits = forward(c, np.arange(start + s, start + s + len(c)), rows=[len(c) - 1])
             kv.commit()
+            s += size
         return logits
 
     def decode(n, first):
@@ -78,6 +81,16 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         first = int(np.argmax(logits[-1]))
         best_prefill = min(best_prefill, time.perf_counter() - t0)
     ttft = best_prefill
+    eager_prefill_s = None
+    if getattr(be, "use_graphs", False):  # what a prompt costs without its graphs (Python launches)
+        kv.truncate(0)
+        be.use_graphs = False
+        try:
+            t0 = time.perf_counter()
+            prefill(prompt)
+            eager_prefill_s = time.perf_counter() - t0
+        finally:
+            be.use_graphs = True
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
@@ -92,9 +105,13 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
             {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
 
-        def eager_prefill():  # prompt lengths get no graph: every launch is a Python call
+        def eager_prefill():  # a prompt's first sight: every launch is a Python call
             kv.truncate(0)
-            prefill(prompt)
+            be.use_graphs = False
+            try:
+                prefill(prompt)
+            finally:
+                be.use_graphs = True
         prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
 
     long_tok_s = None
@@ -147,7 +164,9 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     limit = bw * 1e9 / wbytes if bw else None
     summary = [{
         "model": label, "backend": be.name, "load s": load_s,
-        "prefill tok/s": n_prompt / best_prefill, "decode tok/s": decode_tok_s,
+        "prefill tok/s": n_prompt / best_prefill,
+        "prefill tok/s eager": n_prompt / eager_prefill_s if eager_prefill_s else None,
+        "decode tok/s": decode_tok_s,
         f"decode tok/s @{long_ctx}": long_tok_s,
         "long/short": (long_tok_s / decode_tok_s) if long_tok_s else None,
         "TTFT ms": ttft * 1e3, "GPU mem GiB": mem, "copy GB/s": bw,

@@ -19,6 +19,22 @@ from .stops import StopMatcher
 PREFILL_CHUNK = 512
 
 
+def prefill_pieces(n: int, chunk: int = PREFILL_CHUNK, pow2: bool = False) -> list[int]:
+    """Sizes of the forwards a prefill of n tokens runs: chunks of `chunk`, then the rest.
+    With pow2 the rest goes in descending powers of two (300 -> 256, 32, 8, 4), so that a
+    backend replaying a CUDA graph per forward width meets a bounded set of widths, each
+    captured once, whatever the prompt's length."""
+    sizes = [chunk] * (n // chunk)
+    rest = n % chunk
+    if rest and not pow2:
+        return sizes + [rest]
+    while rest:
+        p = 1 << (rest.bit_length() - 1)
+        sizes.append(p)
+        rest -= p
+    return sizes
+
+
 @dataclass
 class Delta:
     """A piece of a streamed generation. `finish_reason` is set on the last one."""
@@ -79,8 +95,10 @@ class Session:
         self.tokens = self.tokens[:common]
         rest = prompt[common:]
         logits = None
-        for s in range(0, len(rest), PREFILL_CHUNK):
-            chunk = rest[s:s + PREFILL_CHUNK]
+        s = 0
+        for size in prefill_pieces(len(rest), pow2=getattr(getattr(self.model, "backend", None), "graph_prefill", False)):
+            chunk = rest[s:s + size]
+            s += size
             logits = self.forward(chunk, logits_rows=[len(chunk) - 1])
             self.cache.commit()
             self.tokens.extend(chunk)

@@ -935,6 +935,9 @@ def _to_f16_kernel(x, out, n2):
 
 
 _XBUF: dict = {}
+# Buffers outgrown by a bigger call stay allocated: CUDA graphs recorded before (a verification
+# width) keep their addresses, and freeing them would leave those graphs writing freed memory.
+_RETIRED: list = []
 
 
 def to_f16(x, stream=0):
@@ -945,6 +948,7 @@ def to_f16(x, stream=0):
     n = x.size
     buf = _XBUF.get("x")
     if buf is None or buf.size < n // 2:
+        _RETIRED.append(buf)  # a captured graph may still point at it: never freed
         buf = _XBUF["x"] = cuda.device_array(max(n // 2, 1 << 16), np.uint32)
     n2 = n // 2
     _to_f16_kernel[-(-n2 // 256), 256, stream](_flat(x), buf, n2)
@@ -961,8 +965,10 @@ def _split_buffers(ws_words: int, tiles: int):
     at zero. As with to_f16, concurrent matmuls on several streams must not share them."""
     ws, cnt = _SPLITBUF.get("ws"), _SPLITBUF.get("cnt")
     if ws is None or ws.size < ws_words:
+        _RETIRED.append(ws)
         ws = _SPLITBUF["ws"] = cuda.device_array(max(ws_words, 1 << 16), np.float32)
     if cnt is None or cnt.size < tiles:
+        _RETIRED.append(cnt)
         cnt = _SPLITBUF["cnt"] = cuda.to_device(np.zeros(max(tiles, 1024), np.int32))
     return ws, cnt
 
