@@ -82,6 +82,7 @@ import math  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from ._reduce import MAX_THREADS, block_max, block_sum, block_threads, ceil_div  # noqa: E402
+from . import attention_mma  # noqa: E402
 from .paging import BLOCK  # noqa: E402
 
 _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
@@ -653,6 +654,10 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
+    if not _row_kernel_applies(n_q, head_dim, q8) and attention_mma.applies(n_q, head_dim, q8):
+        p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits)
+        return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
+                    n_splits=p["n_splits"], pages_per_split=None)
     if _row_kernel_applies(n_q, head_dim, q8):
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
@@ -707,8 +712,12 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     causal = 1 if mask_bits is None else 0
     if mask_bits is None:
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
-    if _row_kernel_applies(n_q, dim, q8):
-        flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
+    flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
+    if plan.get("kind") == "mma":
+        attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
+            window, scale, direct, out, part_o, part_ml)
+    elif _row_kernel_applies(n_q, dim, q8):
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)

@@ -1,0 +1,55 @@
+"""The tensor-core attention kernel (luce.kernels.attention_mma) against attention_ref, in
+the CUDA simulator (mma, ldmatrix and the lane reductions emulated): trees, chains and
+causal prefill, GQA groups, a sliding window, one and several query tiles and warps, the
+direct and split + combine paths, NaN-poisoned pools. Tolerances allow for Q and P in
+f16 (the kernel's operands), which the reference keeps in f32. Real shapes (Qwen3-8B at
+8K) run in tests/gpu/test_kernels_gpu.py."""
+import numpy as np
+import pytest
+
+from luce.kernels import attention as A
+from luce.kernels import attention_mma as M
+from luce.kernels.attention import causal_mask, tree_mask
+
+from test_attention import ref, run, setup  # noqa: E402 - beside this file (rootdir import mode)
+
+
+def _depths(parents):
+    depth = np.zeros(len(parents), int)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    return depth
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=5e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("d,hq,hkv,n_ctx,window,max_splits", [
+    (32, 4, 1, 70, None, None),   # 7 nodes x GQA 4 = 28 rows: two warps, splits + combine
+    (64, 4, 2, 30, None, 1),      # direct write, context inside the first page
+    (32, 2, 2, 100, 40, None),    # sliding window over the committed rows
+])
+def test_tree(d, hq, hkv, n_ctx, window, max_splits):
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
+    mask = tree_mask(parents)
+    assert A.attention_plan(7, hq, hkv, d, n_ctx + 7)["kind"] == "mma"
+    cache, q, kv, cpos, npos = setup(n_ctx, 7, hq=hq, hkv=hkv, d=d, new_pos=n_ctx + _depths(parents))
+    got = run(cache, q, npos, mask, window=window, max_splits=max_splits)
+    _close(got, ref(q, kv, cpos, npos, mask, window=window))
+
+
+@pytest.mark.parametrize("window", [None, 25])
+def test_prefill_causal_several_tiles(window):
+    # 40 queries x GQA 2 = 80 rows: three tiles of two warps; the chain crosses a page
+    cache, q, kv, cpos, npos = setup(30, 40, hq=2, hkv=1, d=32)
+    assert M.plan(40, 2, 1, 70, None)["n_tiles"] == 3
+    got = run(cache, q, npos, None, window)
+    _close(got, ref(q, kv, cpos, npos, causal_mask(40), window))
+
+
+def test_rows_past_the_queries_and_empty_splits():
+    # a graph-sized grid: splits planned for 256 keys, 2 queries present over 10 keys
+    cache, q, kv, cpos, npos = setup(8, 2, hq=4, hkv=2, d=32)
+    out = run(cache, q, npos, None, None, max_splits=None)
+    _close(out, ref(q, kv, cpos, npos, causal_mask(2)))
