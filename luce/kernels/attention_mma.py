@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import ceil_div
+from .device import device
 from .mma import SCRATCH, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum, sts4
 from .paging import BLOCK
 from .vector_load import SIM, ldg_u16_u32x4
@@ -63,6 +64,48 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
     return dict(warps=warps, n_tiles=n_tiles, n_splits=ns)
 
 
+@device(inline=True)
+def _seen(sv, j, row, n_rows, n_ctx, key_end, G, causal, bits, window, qpos, kv_pos):
+    """Score sv of (row, key j), or -inf where the row may not see the key: past the keys
+    present, a new key after the row's query (causal) or not its ancestor (tree), or
+    outside the sliding window."""
+    ok = row < n_rows and j < key_end
+    if ok and j >= n_ctx:
+        mi = j - n_ctx
+        if causal:
+            ok = mi <= row // G
+        else:
+            ok = (bits >> np.uint64(mi)) & np.uint64(1) != np.uint64(0)
+    if ok and window > 0:
+        ok = kv_pos[j] > qpos - window
+    return sv if ok else np.float32(-math.inf)
+
+
+@device(inline=True)
+def _p(sv, m):
+    return np.float32(0.0) if sv == -math.inf else math.exp(sv - m)
+
+
+@device(inline=True)
+def _write_row(o, c0, row, n_rows, G, hkv, split, c4, m, ll, direct, out, part_o, part_ml, DN):
+    """A row's outputs: accumulator columns c0, c0 + 1 of each 8-wide block (dims 8d + 2 c4,
+    +1), normalized (direct) or as a split's partial with its (m, l)."""
+    if row < n_rows:
+        qi = row // G
+        hq = hkv * G + row % G
+        for d in range(DN):
+            col = d * 8 + 2 * c4
+            if direct:
+                out[qi, hq, col] = o[d, c0] / ll
+                out[qi, hq, col + 1] = o[d, c0 + 1] / ll
+            else:
+                part_o[split, qi, hq, col] = o[d, c0]
+                part_o[split, qi, hq, col + 1] = o[d, c0 + 1]
+        if not direct and c4 == 0:
+            part_ml[split, qi, hq, 0] = m
+            part_ml[split, qi, hq, 1] = ll
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(dim: int, warps: int):
     NT = 32 * warps
@@ -70,11 +113,11 @@ def kernel(dim: int, warps: int):
     RS = dim // 2 + 4  # shared row stride in words: 16-byte padding against bank conflicts
     DK = dim // 16  # mma k steps over the head dim
     DN = dim // 8  # 8-wide output column blocks
-    NB = KEYS // 8  # 8-key score column blocks of a page
     PIECES = KEYS * dim // 8  # 16-byte pieces of a K (V) page
-    PT = ceil_div(PIECES, NT)  # a thread's pieces, all loaded before any is stored
+    PT = ceil_div(PIECES, NT)  # a thread's pieces of each page
     assert 2 * KEYS >= ROWS
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
+    KV_WORDS = 2 * KEYS * RS  # array shapes must be plain constants, not expressions
     NEG = -math.inf
     U = np.uint32
     U64 = np.uint64
@@ -97,13 +140,10 @@ def kernel(dim: int, warps: int):
         G = q.shape[1] // n_kvh
         n_rows = n_new * G
 
-        kvs = cuda.shared.array(2 * KEYS * RS, np.uint32)  # K page then V page; Q staging first
+        kvs = cuda.shared.array(KV_WORDS, np.uint32)  # K page then V page; Q staging first
         scr = cuda.shared.array(SCR, np.uint32)
         qf = cuda.local.array((DK, 4), np.uint32)
-        s = cuda.local.array((NB, 4), np.float32)
         o = cuda.local.array((DN, 4), np.float32)
-        kw = cuda.local.array((PT, 4), np.uint32)
-        vw = cuda.local.array((PT, 4), np.uint32)
 
         # Q, scaled, as f16 rows in shared memory, then each warp's A fragments
         for e in range(t, ROWS * (dim // 2), NT):
@@ -171,104 +211,84 @@ def kernel(dim: int, warps: int):
             base = ((table[page] * n_layers + layer) * n_kvh + hkv) * KEYS * dim  # uint16 index
             for c in range(PT):
                 e = t + c * NT
-                kk = e // (dim // 8)
-                off = base + kk * dim + 8 * (e % (dim // 8))
-                for w in range(4):  # past the last key: zeros, so no NaN of unwritten memory gets in
-                    kw[c, w] = U(0)
-                    vw[c, w] = U(0)
-                if e < PIECES and j0 + kk < key_end:
-                    a0, a1, a2, a3 = ldg_u16_u32x4(kf, off)
-                    kw[c, 0] = a0
-                    kw[c, 1] = a1
-                    kw[c, 2] = a2
-                    kw[c, 3] = a3
-                    a0, a1, a2, a3 = ldg_u16_u32x4(vf, off)
-                    vw[c, 0] = a0
-                    vw[c, 1] = a1
-                    vw[c, 2] = a2
-                    vw[c, 3] = a3
-            for c in range(PT):
-                e = t + c * NT
                 if e < PIECES:
                     kk = e // (dim // 8)
                     w4 = 4 * (e % (dim // 8))
-                    sts4(kvs, kk * RS + w4, kw[c, 0], kw[c, 1], kw[c, 2], kw[c, 3])
-                    sts4(kvs, (KEYS + kk) * RS + w4, vw[c, 0], vw[c, 1], vw[c, 2], vw[c, 3])
+                    a0 = a1 = a2 = a3 = U(0)  # past the last key: zeros (unwritten memory may be NaN)
+                    v0 = v1 = v2 = v3 = U(0)
+                    if j0 + kk < key_end:
+                        a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + kk * dim + 2 * w4)
+                        v0, v1, v2, v3 = ldg_u16_u32x4(vf, base + kk * dim + 2 * w4)
+                    sts4(kvs, kk * RS + w4, a0, a1, a2, a3)
+                    sts4(kvs, (KEYS + kk) * RS + w4, v0, v1, v2, v3)
             cuda.syncthreads()
+            masked = j0 + KEYS > n_ctx or window > 0  # pages reaching the new keys, or under a window
 
-            # S = Q K^T: one ldmatrix.x4 brings two k steps of an 8-key column block
-            for nb in range(NB):
-                for c in range(4):
-                    s[nb, c] = 0.0
-                for k2 in range(DK // 2):
-                    b0, b1, b2, b3 = ldsm_x4(kvs, (nb * 8 + (lane & 7)) * RS + k2 * 16 + mt * 4, scr, wid, lane)
-                    for h in range(2):
-                        ks = 2 * k2 + h
-                        bl = b0 if h == 0 else b2
-                        bh = b1 if h == 0 else b3
-                        s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3] = mma_f16(
-                            scr, wid, lane, qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3], bl, bh,
-                            s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3])
-
-            # which (row, key) pairs count: only pages reaching the new keys, or under a window
-            if j0 + KEYS > n_ctx or window > 0:
-                for nb in range(NB):
-                    for c in range(4):
-                        j = j0 + nb * 8 + 2 * c4 + (c & 1)
-                        row = row_a if c < 2 else row_b
-                        qi = qa if c < 2 else qb
-                        ok = row < n_rows and j < key_end
-                        if ok and j >= n_ctx:
-                            mi = j - n_ctx
-                            if causal:
-                                ok = mi <= row // G
-                            else:
-                                bits = bits_a if c < 2 else bits_b
-                                ok = (bits >> U64(mi)) & U64(1) != U64(0)
-                        if ok and window > 0:
-                            ok = kv_pos[j] > (pos_a if c < 2 else pos_b) - window
-                        if not ok:
-                            s[nb, c] = NEG
-
-            # online softmax over the page: row maxima across the row's four lanes
-            mx_a = m_a
-            mx_b = m_b
-            for nb in range(NB):
-                mx_a = max(mx_a, max(s[nb, 0], s[nb, 1]))
-                mx_b = max(mx_b, max(s[nb, 2], s[nb, 3]))
-            mx_a = quad_max(mx_a, scr, wid, lane)
-            mx_b = quad_max(mx_b, scr, wid, lane)
-            al_a = np.float32(1.0) if mx_a == NEG else math.exp(m_a - mx_a)
-            al_b = np.float32(1.0) if mx_b == NEG else math.exp(m_b - mx_b)
-            m_a = mx_a
-            m_b = mx_b
-            l_a *= al_a
-            l_b *= al_b
-            for d in range(DN):
-                o[d, 0] *= al_a
-                o[d, 1] *= al_a
-                o[d, 2] *= al_b
-                o[d, 3] *= al_b
-            for nb in range(NB):
-                for c in range(4):
-                    mm = m_a if c < 2 else m_b
-                    p = np.float32(0.0) if s[nb, c] == NEG else math.exp(s[nb, c] - mm)
-                    s[nb, c] = p
-                    if c < 2:
-                        l_a += p
-                    else:
-                        l_b += p
-
-            # O += P V: P's A fragments are the S registers of two column blocks, repacked
+            # 16 keys at a time: scores of two 8-key column blocks (sa: keys +0..7, sb: +8..15)
+            # in scalars, so that nothing is indexed at run time (local arrays would spill)
             for kb in range(KEYS // 16):
-                pa0 = f32x2_to_f16x2(s[2 * kb, 0], s[2 * kb, 1])
-                pa1 = f32x2_to_f16x2(s[2 * kb, 2], s[2 * kb, 3])
-                pa2 = f32x2_to_f16x2(s[2 * kb + 1, 0], s[2 * kb + 1, 1])
-                pa3 = f32x2_to_f16x2(s[2 * kb + 1, 2], s[2 * kb + 1, 3])
+                sa0 = sa1 = sa2 = sa3 = np.float32(0.0)
+                sb0 = sb1 = sb2 = sb3 = np.float32(0.0)
+                for k2 in range(DK // 2):  # one ldmatrix.x4: two k steps of an 8-key block
+                    kaddr = (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
+                    b0, b1, b2, b3 = ldsm_x4(kvs, kaddr, scr, wid, lane)
+                    c0, c1, c2, c3 = ldsm_x4(kvs, kaddr + 8 * RS, scr, wid, lane)
+                    sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qf[2 * k2, 0], qf[2 * k2, 1], qf[2 * k2, 2],
+                                                 qf[2 * k2, 3], b0, b1, sa0, sa1, sa2, sa3)
+                    sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qf[2 * k2 + 1, 0], qf[2 * k2 + 1, 1],
+                                                 qf[2 * k2 + 1, 2], qf[2 * k2 + 1, 3], b2, b3, sa0, sa1, sa2, sa3)
+                    sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qf[2 * k2, 0], qf[2 * k2, 1], qf[2 * k2, 2],
+                                                 qf[2 * k2, 3], c0, c1, sb0, sb1, sb2, sb3)
+                    sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qf[2 * k2 + 1, 0], qf[2 * k2 + 1, 1],
+                                                 qf[2 * k2 + 1, 2], qf[2 * k2 + 1, 3], c2, c3, sb0, sb1, sb2, sb3)
+                if masked:
+                    ja = j0 + kb * 16 + 2 * c4
+                    sa0 = _seen(sa0, ja, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a, kv_pos)
+                    sa1 = _seen(sa1, ja + 1, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                                kv_pos)
+                    sa2 = _seen(sa2, ja, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b, kv_pos)
+                    sa3 = _seen(sa3, ja + 1, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                                kv_pos)
+                    sb0 = _seen(sb0, ja + 8, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                                kv_pos)
+                    sb1 = _seen(sb1, ja + 9, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                                kv_pos)
+                    sb2 = _seen(sb2, ja + 8, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                                kv_pos)
+                    sb3 = _seen(sb3, ja + 9, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                                kv_pos)
+
+                # online softmax: row maxima over the row's four lanes
+                mx_a = quad_max(max(max(m_a, max(sa0, sa1)), max(sb0, sb1)), scr, wid, lane)
+                mx_b = quad_max(max(max(m_b, max(sa2, sa3)), max(sb2, sb3)), scr, wid, lane)
+                al_a = np.float32(1.0) if mx_a == NEG else math.exp(m_a - mx_a)
+                al_b = np.float32(1.0) if mx_b == NEG else math.exp(m_b - mx_b)
+                m_a = mx_a
+                m_b = mx_b
+                for d in range(DN):
+                    o[d, 0] *= al_a
+                    o[d, 1] *= al_a
+                    o[d, 2] *= al_b
+                    o[d, 3] *= al_b
+                sa0 = _p(sa0, m_a)
+                sa1 = _p(sa1, m_a)
+                sb0 = _p(sb0, m_a)
+                sb1 = _p(sb1, m_a)
+                sa2 = _p(sa2, m_b)
+                sa3 = _p(sa3, m_b)
+                sb2 = _p(sb2, m_b)
+                sb3 = _p(sb3, m_b)
+                l_a = l_a * al_a + (sa0 + sa1 + sb0 + sb1)
+                l_b = l_b * al_b + (sa2 + sa3 + sb2 + sb3)
+
+                # O += P V: P's A fragments are the score registers, repacked as f16 pairs
+                pa0 = f32x2_to_f16x2(sa0, sa1)
+                pa1 = f32x2_to_f16x2(sa2, sa3)
+                pa2 = f32x2_to_f16x2(sb0, sb1)
+                pa3 = f32x2_to_f16x2(sb2, sb3)
+                vrow = (KEYS + kb * 16 + (mt & 1) * 8 + (lane & 7)) * RS + (mt >> 1) * 4
                 for d2 in range(DN // 2):
-                    b0, b1, b2, b3 = ldsm_x4_trans(
-                        kvs, (KEYS + kb * 16 + (mt & 1) * 8 + (lane & 7)) * RS + d2 * 8 + (mt >> 1) * 4,
-                        scr, wid, lane)
+                    b0, b1, b2, b3 = ldsm_x4_trans(kvs, vrow + d2 * 8, scr, wid, lane)
                     d = 2 * d2
                     o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, pa0, pa1, pa2, pa3, b0, b1,
                                                                  o[d, 0], o[d, 1], o[d, 2], o[d, 3])
@@ -278,22 +298,7 @@ def kernel(dim: int, warps: int):
 
         l_a = quad_sum(l_a, scr, wid, lane)
         l_b = quad_sum(l_b, scr, wid, lane)
-        for h in range(2):
-            row = row_a if h == 0 else row_b
-            if row < n_rows:
-                qi = row // G
-                hq = hkv * G + row % G
-                ll = l_a if h == 0 else l_b
-                for d in range(DN):
-                    for c in range(2):
-                        col = d * 8 + 2 * c4 + c
-                        v = o[d, 2 * h + c]
-                        if direct:
-                            out[qi, hq, col] = v / ll
-                        else:
-                            part_o[split, qi, hq, col] = v
-                if not direct and c4 == 0:
-                    part_ml[split, qi, hq, 0] = m_a if h == 0 else m_b
-                    part_ml[split, qi, hq, 1] = ll
+        _write_row(o, 0, row_a, n_rows, G, hkv, split, c4, m_a, l_a, direct, out, part_o, part_ml, DN)
+        _write_row(o, 2, row_b, n_rows, G, hkv, split, c4, m_b, l_b, direct, out, part_o, part_ml, DN)
 
     return attn

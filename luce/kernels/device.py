@@ -24,10 +24,14 @@ def _names_cuda(code: types.CodeType) -> bool:
         _names_cuda(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def device(fn):
+def device(fn=None, *, inline: bool = False):
+    """As a decorator, bare or as `device(inline=True)` (inlined in numba's IR: a local
+    array passed in then stays in registers when the caller's indices are constants)."""
+    if fn is None:
+        return lambda f: device(f, inline=inline)
     if SIM and not _names_cuda(fn.__code__):
         return fn
-    return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, inline=inline)(fn) if inline else cuda.jit(device=True)(fn)
 
 
 if SIM:
