@@ -31,9 +31,9 @@ from numba import cuda
 
 from ._reduce import ceil_div
 from .device import device
-from .mma import SCRATCH, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum, sts4
+from .mma import SCRATCH, cp_async16, cp_async_wait, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum
 from .paging import BLOCK
-from .vector_load import SIM, ldg_u16_u32x4
+from .vector_load import SIM, f16_bits_to_f32
 
 KEYS = BLOCK  # keys a tile: one page of the pool
 MAX_WARPS = 8
@@ -62,6 +62,27 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
     if max_splits is not None:
         ns = max(1, min(ns, max_splits))
     return dict(warps=warps, n_tiles=n_tiles, n_splits=ns)
+
+
+@device(inline=True)
+def _split(x0, x1):
+    """(x0, x1) as an f16x2 word and the f16x2 word of what its rounding lost."""
+    hi = f32x2_to_f16x2(x0, x1)
+    lo = f32x2_to_f16x2(x0 - f16_bits_to_f32(hi & np.uint32(0xFFFF)), x1 - f16_bits_to_f32(hi >> np.uint32(16)))
+    return hi, lo
+
+
+@device(inline=True)
+def _q_pair(q, row, n_rows, G, hkv, col, scale):
+    """Query row `row`'s scaled elements col, col + 1 as _split words (zeros past the rows)."""
+    x0 = np.float32(0.0)
+    x1 = np.float32(0.0)
+    if row < n_rows:
+        qi = row // G
+        hq = hkv * G + row % G
+        x0 = q[qi, hq, col] * scale
+        x1 = q[qi, hq, col + 1] * scale
+    return _split(x0, x1)
 
 
 @device(inline=True)
@@ -115,11 +136,9 @@ def kernel(dim: int, warps: int):
     DN = dim // 8  # 8-wide output column blocks
     PIECES = KEYS * dim // 8  # 16-byte pieces of a K (V) page
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each page
-    assert 2 * KEYS >= ROWS
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
     KV_WORDS = 2 * KEYS * RS  # array shapes must be plain constants, not expressions
     NEG = -math.inf
-    U = np.uint32
     U64 = np.uint64
 
     @cuda.jit
@@ -133,6 +152,7 @@ def kernel(dim: int, warps: int):
         lane = t % 32
         g = lane >> 2
         c4 = lane & 3
+        mt = lane >> 3  # the ldmatrix matrix whose row address this lane gives
         n_kvh = cuda.gridDim.y
         n_ctx = meta[0]
         n_new = meta[1]
@@ -142,32 +162,9 @@ def kernel(dim: int, warps: int):
 
         kvs = cuda.shared.array(KV_WORDS, np.uint32)  # K page then V page; Q staging first
         scr = cuda.shared.array(SCR, np.uint32)
-        qf = cuda.local.array((DK, 4), np.uint32)
+        qh = cuda.local.array((DK, 4), np.uint32)
+        ql = cuda.local.array((DK, 4), np.uint32)
         o = cuda.local.array((DN, 4), np.float32)
-
-        # Q, scaled, as f16 rows in shared memory, then each warp's A fragments
-        for e in range(t, ROWS * (dim // 2), NT):
-            r = e // (dim // 2)
-            w = e % (dim // 2)
-            row = r0 + r
-            lo = np.float32(0.0)
-            hi = np.float32(0.0)
-            if row < n_rows:
-                qi = row // G
-                hq = hkv * G + row % G
-                lo = q[qi, hq, 2 * w] * scale
-                hi = q[qi, hq, 2 * w + 1] * scale
-            kvs[r * RS + w] = f32x2_to_f16x2(lo, hi)
-        cuda.syncthreads()
-        mt = lane >> 3
-        for ks in range(DK):
-            a0, a1, a2, a3 = ldsm_x4(kvs, (wid * 16 + (mt & 1) * 8 + (lane & 7)) * RS + ks * 8 + (mt >> 1) * 4,
-                                     scr, wid, lane)
-            qf[ks, 0] = a0
-            qf[ks, 1] = a1
-            qf[ks, 2] = a2
-            qf[ks, 3] = a3
-        cuda.syncthreads()
 
         # this lane's two rows (g and g + 8 of the warp's 16): query, position, tree mask
         row_a = r0 + wid * 16 + g
@@ -181,6 +178,15 @@ def kernel(dim: int, warps: int):
         if not causal:
             bits_a = U64(mask[qa])
             bits_b = U64(mask[qb])
+        # Q, scaled, as mma A fragments kept in registers for the whole kernel, each value
+        # as f16 hi + lo: S = Qhi K + Qlo K keeps f32 accuracy (one f16 rounding of q moves a
+        # score by ~1e-3, enough to flip a near-tie between a verified and a decoded token)
+        for ks in range(DK):
+            col = ks * 16 + 2 * c4
+            qh[ks, 0], ql[ks, 0] = _q_pair(q, row_a, n_rows, G, hkv, col, scale)
+            qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, G, hkv, col, scale)
+            qh[ks, 2], ql[ks, 2] = _q_pair(q, row_a, n_rows, G, hkv, col + 8, scale)
+            qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, G, hkv, col + 8, scale)
         m_a = NEG
         m_b = NEG
         l_a = np.float32(0.0)
@@ -209,18 +215,15 @@ def kernel(dim: int, warps: int):
             if window > 0 and j0 + KEYS <= n_ctx and kv_pos[j0 + KEYS - 1] <= min_qpos - window:
                 continue  # uniform over the block: no barrier is skipped by only some threads
             base = ((table[page] * n_layers + layer) * n_kvh + hkv) * KEYS * dim  # uint16 index
-            for c in range(PT):
+            for c in range(PT):  # cp.async: every copy in flight at once, none through registers
                 e = t + c * NT
                 if e < PIECES:
                     kk = e // (dim // 8)
                     w4 = 4 * (e % (dim // 8))
-                    a0 = a1 = a2 = a3 = U(0)  # past the last key: zeros (unwritten memory may be NaN)
-                    v0 = v1 = v2 = v3 = U(0)
-                    if j0 + kk < key_end:
-                        a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + kk * dim + 2 * w4)
-                        v0, v1, v2, v3 = ldg_u16_u32x4(vf, base + kk * dim + 2 * w4)
-                    sts4(kvs, kk * RS + w4, a0, a1, a2, a3)
-                    sts4(kvs, (KEYS + kk) * RS + w4, v0, v1, v2, v3)
+                    nb = 16 if j0 + kk < key_end else 0  # past the last key: zeros (NaN-free)
+                    cp_async16(kvs, kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
+                    cp_async16(kvs, (KEYS + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
+            cp_async_wait()
             cuda.syncthreads()
             masked = j0 + KEYS > n_ctx or window > 0  # pages reaching the new keys, or under a window
 
@@ -233,14 +236,20 @@ def kernel(dim: int, warps: int):
                     kaddr = (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
                     b0, b1, b2, b3 = ldsm_x4(kvs, kaddr, scr, wid, lane)
                     c0, c1, c2, c3 = ldsm_x4(kvs, kaddr + 8 * RS, scr, wid, lane)
-                    sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qf[2 * k2, 0], qf[2 * k2, 1], qf[2 * k2, 2],
-                                                 qf[2 * k2, 3], b0, b1, sa0, sa1, sa2, sa3)
-                    sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qf[2 * k2 + 1, 0], qf[2 * k2 + 1, 1],
-                                                 qf[2 * k2 + 1, 2], qf[2 * k2 + 1, 3], b2, b3, sa0, sa1, sa2, sa3)
-                    sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qf[2 * k2, 0], qf[2 * k2, 1], qf[2 * k2, 2],
-                                                 qf[2 * k2, 3], c0, c1, sb0, sb1, sb2, sb3)
-                    sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qf[2 * k2 + 1, 0], qf[2 * k2 + 1, 1],
-                                                 qf[2 * k2 + 1, 2], qf[2 * k2 + 1, 3], c2, c3, sb0, sb1, sb2, sb3)
+                    for h in range(2):
+                        ks = 2 * k2 + h
+                        bl = b0 if h == 0 else b2
+                        bh = b1 if h == 0 else b3
+                        cl = c0 if h == 0 else c2
+                        ch = c1 if h == 0 else c3
+                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
+                                                     bl, bh, sa0, sa1, sa2, sa3)
+                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                     bl, bh, sa0, sa1, sa2, sa3)
+                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
+                                                     cl, ch, sb0, sb1, sb2, sb3)
+                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                     cl, ch, sb0, sb1, sb2, sb3)
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
                     sa0 = _seen(sa0, ja, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a, kv_pos)
@@ -281,19 +290,22 @@ def kernel(dim: int, warps: int):
                 l_a = l_a * al_a + (sa0 + sa1 + sb0 + sb1)
                 l_b = l_b * al_b + (sa2 + sa3 + sb2 + sb3)
 
-                # O += P V: P's A fragments are the score registers, repacked as f16 pairs
-                pa0 = f32x2_to_f16x2(sa0, sa1)
-                pa1 = f32x2_to_f16x2(sa2, sa3)
-                pa2 = f32x2_to_f16x2(sb0, sb1)
-                pa3 = f32x2_to_f16x2(sb2, sb3)
+                # O += P V: P's A fragments are the score registers, repacked as f16 hi + lo
+                ph0, pl0 = _split(sa0, sa1)
+                ph1, pl1 = _split(sa2, sa3)
+                ph2, pl2 = _split(sb0, sb1)
+                ph3, pl3 = _split(sb2, sb3)
                 vrow = (KEYS + kb * 16 + (mt & 1) * 8 + (lane & 7)) * RS + (mt >> 1) * 4
                 for d2 in range(DN // 2):
                     b0, b1, b2, b3 = ldsm_x4_trans(kvs, vrow + d2 * 8, scr, wid, lane)
-                    d = 2 * d2
-                    o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, pa0, pa1, pa2, pa3, b0, b1,
-                                                                 o[d, 0], o[d, 1], o[d, 2], o[d, 3])
-                    o[d + 1, 0], o[d + 1, 1], o[d + 1, 2], o[d + 1, 3] = mma_f16(
-                        scr, wid, lane, pa0, pa1, pa2, pa3, b2, b3, o[d + 1, 0], o[d + 1, 1], o[d + 1, 2], o[d + 1, 3])
+                    for h in range(2):
+                        d = 2 * d2 + h
+                        bl = b0 if h == 0 else b2
+                        bh = b1 if h == 0 else b3
+                        o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, ph0, ph1, ph2, ph3, bl, bh,
+                                                                     o[d, 0], o[d, 1], o[d, 2], o[d, 3])
+                        o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, pl0, pl1, pl2, pl3, bl, bh,
+                                                                     o[d, 0], o[d, 1], o[d, 2], o[d, 3])
             cuda.syncthreads()
 
         l_a = quad_sum(l_a, scr, wid, lane)

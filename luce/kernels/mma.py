@@ -165,6 +165,17 @@ if SIM:
         return _quad(v, scr, wid, lane, max)
 
     @_dev
+    def cp_async16(sh, idx, src, i, nbytes):
+        """sh[idx : idx + 4] (uint32 words) = the 16 bytes at src[i : i + 8] (uint16 array),
+        or zeros when nbytes is 0 (cp.async's source size)."""
+        for w in range(4):
+            sh[idx + w] = np.uint32(int(src[i + 2 * w]) | (int(src[i + 2 * w + 1]) << 16)) if nbytes else 0
+
+    @_dev
+    def cp_async_wait():
+        pass
+
+    @_dev
     def quad_sum(v, scr, wid, lane):
         return _quad(v, scr, wid, lane, lambda a, b: np.float32(a + b))
 else:
@@ -324,6 +335,34 @@ else:
     # index of row l & 7 of matrix l >> 3 (16-byte aligned); .trans hands out columns
     ldsm_x4 = _ldsm(False)
     ldsm_x4_trans = _ldsm(True)
+
+    @intrinsic
+    def cp_async16(typingctx, sh, idx, src, i, nbytes):
+        """cp.async.cg of 16 bytes from src[i : i + 8] (a global uint16 array) to the uint32
+        shared array sh at word idx (both 16-byte aligned), without passing through
+        registers; nbytes (0 or 16) is the source size: 0 fills zeros. Completes at
+        cp_async_wait()."""
+        sig = types.void(sh, idx, src, i, nbytes)
+
+        def codegen(context, builder, sig, args):
+            dst = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            srcp = _shared_addr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            n = context.cast(builder, args[4], sig.args[4], types.uint32)
+            _asm(builder, "{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+                          "cp.async.cg.shared.global [sa], [ga], 16, $2; }",
+                 "l,l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(64), _I32], [dst, srcp, n], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx):
+        """Wait for this thread's cp.async copies (a barrier must follow before others read)."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, "cp.async.wait_all;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
 
     @cuda.jit(device=True, inline=True)
     def quad_max(v, scr, wid, lane):
