@@ -88,3 +88,24 @@ def test_profile_forward_covers_every_op(tiny_llama):
     assert any(lab.startswith("linear ") and "x" in lab for lab in labels), labels
     # the decode step itself is unchanged by the profiling runs
     np.testing.assert_allclose(gpu.forward(fam, cfg, w, kv, [9], [3]), before, rtol=1e-5, atol=1e-5)
+
+
+def test_device_state_dies_with_its_cache(tiny_llama):
+    """The backend's per-(weights, cache) state (arena, recorded graphs pointing at the
+    cache's pools) goes when the cache goes: a new cache can reuse a dead one's id(), and
+    must not inherit graphs that read freed memory."""
+    import gc
+
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    gpu.forward(fam, cfg, w, kv, [3], [0])
+    keep = gpu.new_cache(cfg, 64)
+    gpu.forward(fam, cfg, w, keep, [3], [0])
+    assert len(gpu._state) == 2
+    del kv
+    gc.collect()
+    assert list(gpu._state) == [(id(w), id(keep))]

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,7 +188,7 @@ class CUDABackend:
         self.stream = cuda.stream()
         self.use_graphs = use_graphs and not cuda.config.ENABLE_CUDASIM  # the simulator has no graphs
         self.kv_dtype = kv_dtype
-        self._state = {}  # id(weights) -> per-model device state
+        self._state = {}  # (id(weights), id(cache)) -> device state of a model and a cache
         # (width, tree, logits rows) forms that have run eagerly on this backend: their kernels
         # are compiled, so a graph may be recorded at once (compiling inside a capture is not safe)
         self._compiled = set()
@@ -225,13 +226,16 @@ class CUDABackend:
         for n in widths:
             self.forward(family, cfg, weights, kv, np.zeros(n, np.int64), np.arange(n), None, [n - 1])
             kv.commit([])
-        self._state = {k: v for k, v in self._state.items() if k[1] != id(kv)}
+        self._forget((id(weights), id(kv)))
 
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
         return PagedKVCache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=True,
                             stream=self.stream)
 
     # -- forward ------------------------------------------------------------------
+    def _forget(self, key) -> None:
+        self._state.pop(key, None)
+
     def _model_state(self, family, cfg, weights, kv):
         key = (id(weights), id(kv))
         st = self._state.get(key)
@@ -241,6 +245,9 @@ class CUDABackend:
             st = self._state[key] = {"ops": ops, "run_ops": ops_with_overrides(ops, family, self.name),
                                      "graphs": {}, "arena_tokens": 0, "inputs": None}
             ops.n_keys = kv.n_ctx
+            # The state (its graphs point at this cache's pools) dies with the cache: a later
+            # cache may get the same id(), and replaying these graphs would read freed memory.
+            weakref.finalize(kv, self._forget, key)
         return st
 
     def _ensure_arena(self, st, cfg, n_tokens: int, kv):
