@@ -480,3 +480,24 @@ def test_the_by_hand_install_fallback_also_works(sites, tmp_path):
     shutil.copytree(PLUGIN_SRC, tree, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     sites.add(_install_by_hand(tree, tmp_path / "site"))
     assert plugins.families()["examplelm"].plugin == PLUGIN_DIST
+
+
+def test_qk_rope_built_from_overridden_parts():
+    """A plugin overriding `rope` (or `rms_norm`) and not `qk_rope`: the forward's fused
+    qk_rope must still run the plugin's kernel."""
+    from luce.backends.cpu import NumpyOps
+    from luce.kernels.qk_rope import qk_rope_ref
+    seen = []
+
+    def my_rope(x, positions, rope_dim, base, style):
+        seen.append(x.shape)
+        return NumpyOps.rope(x, positions, rope_dim, base, style)
+    qk = plugins._qk_rope_from_parts(NumpyOps, {"rope": my_rope})
+    rng = np.random.default_rng(2)
+    q, k = rng.standard_normal((2, 4, 16)).astype(np.float32), rng.standard_normal((2, 2, 16)).astype(np.float32)
+    w = np.ones(16, np.float32)
+    got = qk(q, k, np.array([3, 4]), w, w, 1e-6, 16, 1e4, "halves")
+    want = qk_rope_ref(q, k, np.array([3, 4]), w, w, 1e-6, 16, 1e4, "halves")
+    assert seen == [(2, 4, 16), (2, 2, 16)]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

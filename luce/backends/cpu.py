@@ -13,6 +13,7 @@ from ..kernels.attention import attention_ref, causal_mask
 from ..kernels.dequant import dequantize
 from ..kernels.embedding import embed_ref
 from ..kernels.norm import rms_norm_ref
+from ..kernels.qk_rope import qk_rope_ref
 from ..kernels.rope import rope_ref
 from ..kv.cache import KVCache
 
@@ -23,6 +24,7 @@ class NumpyOps:
     embed = staticmethod(embed_ref)
     rms_norm = staticmethod(rms_norm_ref)
     rope = staticmethod(rope_ref)
+    qk_rope = staticmethod(qk_rope_ref)
     swiglu = staticmethod(swiglu_ref)
 
     @staticmethod

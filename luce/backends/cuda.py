@@ -165,6 +165,10 @@ class CudaOps:
         from ..kernels.rope import rope_cuda
         return rope_cuda(x, positions, rope_dim, base, style, stream=self.stream)
 
+    def qk_rope(self, q, k, positions, q_norm, k_norm, eps, rope_dim, base, style):
+        from ..kernels.qk_rope import qk_rope_cuda
+        return qk_rope_cuda(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, stream=self.stream)
+
     def attention(self, kv: PagedKVCache, layer, q, k, v, positions, mask, window):
         from ..kernels.attention import attention_plan, paged_attention_cuda
         from ..kernels.paging import write_kv_cuda

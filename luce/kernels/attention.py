@@ -592,10 +592,11 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
     wt = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
     buf = cuda.shared.array(MAX_THREADS, np.float32)
     sums = cuda.shared.array(MAX_THREADS, np.float32)
-    mv = -math.inf
+    neg = np.float32(-math.inf)  # a Python float here makes the max and exp float64
+    mv = neg
     for s in range(t, n_splits, nt):
         ls = part_ml[s, i, hq, 1]
-        m = part_ml[s, i, hq, 0] if ls > 0 else -math.inf
+        m = part_ml[s, i, hq, 0] if ls > 0 else neg
         ms[s] = m
         wt[s] = ls
         mv = max(mv, m)

@@ -73,28 +73,27 @@ def _split(x0, x1):
 
 
 @device(inline=True)
-def _q_pair(q, row, n_rows, G, hkv, col, scale):
-    """Query row `row`'s scaled elements col, col + 1 as _split words (zeros past the rows)."""
+def _q_pair(q, row, n_rows, qi, hq, col, scale):
+    """Query row `row` (query qi, head hq)'s scaled elements col, col + 1 as _split words
+    (zeros past the rows)."""
     x0 = np.float32(0.0)
     x1 = np.float32(0.0)
     if row < n_rows:
-        qi = row // G
-        hq = hkv * G + row % G
         x0 = q[qi, hq, col] * scale
         x1 = q[qi, hq, col + 1] * scale
     return _split(x0, x1)
 
 
 @device(inline=True)
-def _seen(sv, j, row, n_rows, n_ctx, key_end, G, causal, bits, window, qpos, kv_pos):
-    """Score sv of (row, key j), or -inf where the row may not see the key: past the keys
-    present, a new key after the row's query (causal) or not its ancestor (tree), or
-    outside the sliding window."""
+def _seen(sv, j, row, n_rows, n_ctx, key_end, qi, causal, bits, window, qpos, kv_pos):
+    """Score sv of (row, key j), or -inf where the row (of query qi) may not see the key:
+    past the keys present, a new key after the query (causal) or not its ancestor (tree),
+    or outside the sliding window."""
     ok = row < n_rows and j < key_end
     if ok and j >= n_ctx:
         mi = j - n_ctx
         if causal:
-            ok = mi <= row // G
+            ok = mi <= qi
         else:
             ok = (bits >> np.uint64(mi)) & np.uint64(1) != np.uint64(0)
     if ok and window > 0:
@@ -138,7 +137,7 @@ def kernel(dim: int, warps: int):
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each page
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
     KV_WORDS = 2 * KEYS * RS  # array shapes must be plain constants, not expressions
-    NEG = -math.inf
+    NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
     U64 = np.uint64
 
     @cuda.jit
@@ -171,6 +170,8 @@ def kernel(dim: int, warps: int):
         row_b = row_a + 8
         qa = min(row_a // G, n_new - 1)
         qb = min(row_b // G, n_new - 1)
+        ha = hkv * G + row_a % G
+        hb = hkv * G + row_b % G
         pos_a = q_pos[qa] if window > 0 else 0
         pos_b = q_pos[qb] if window > 0 else 0
         bits_a = U64(0)
@@ -183,10 +184,10 @@ def kernel(dim: int, warps: int):
         # score by ~1e-3, enough to flip a near-tie between a verified and a decoded token)
         for ks in range(DK):
             col = ks * 16 + 2 * c4
-            qh[ks, 0], ql[ks, 0] = _q_pair(q, row_a, n_rows, G, hkv, col, scale)
-            qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, G, hkv, col, scale)
-            qh[ks, 2], ql[ks, 2] = _q_pair(q, row_a, n_rows, G, hkv, col + 8, scale)
-            qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, G, hkv, col + 8, scale)
+            qh[ks, 0], ql[ks, 0] = _q_pair(q, row_a, n_rows, qa, ha, col, scale)
+            qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, qb, hb, col, scale)
+            qh[ks, 2], ql[ks, 2] = _q_pair(q, row_a, n_rows, qa, ha, col + 8, scale)
+            qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, qb, hb, col + 8, scale)
         m_a = NEG
         m_b = NEG
         l_a = np.float32(0.0)
@@ -252,19 +253,19 @@ def kernel(dim: int, warps: int):
                                                      cl, ch, sb0, sb1, sb2, sb3)
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
-                    sa0 = _seen(sa0, ja, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a, kv_pos)
-                    sa1 = _seen(sa1, ja + 1, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                    sa0 = _seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
+                    sa1 = _seen(sa1, ja + 1, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sa2 = _seen(sa2, ja, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b, kv_pos)
-                    sa3 = _seen(sa3, ja + 1, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                    sa2 = _seen(sa2, ja, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b, kv_pos)
+                    sa3 = _seen(sa3, ja + 1, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
-                    sb0 = _seen(sb0, ja + 8, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                    sb0 = _seen(sb0, ja + 8, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sb1 = _seen(sb1, ja + 9, row_a, n_rows, n_ctx, key_end, G, causal, bits_a, window, pos_a,
+                    sb1 = _seen(sb1, ja + 9, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sb2 = _seen(sb2, ja + 8, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                    sb2 = _seen(sb2, ja + 8, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
-                    sb3 = _seen(sb3, ja + 9, row_b, n_rows, n_ctx, key_end, G, causal, bits_b, window, pos_b,
+                    sb3 = _seen(sb3, ja + 9, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
 
                 # online softmax: row maxima over the row's four lanes

@@ -36,7 +36,7 @@ def _rms_norm_kernel(x, res, w, out, sum_out, eps, has_res):
             sum_out[row, d] = v
         ss += v * v
     tot = block_sum(ss, buf)
-    inv = _np.float32(1.0) / math.sqrt(_np.float32(tot / d_model) + eps)
+    inv = _np.float32(1.0) / math.sqrt(tot / _np.float32(d_model) + eps)  # float32: tot / int is a float64 divide
     for d in range(t, d_model, nt):
         # Re-read what this thread itself wrote: sum_out may alias x (residual in place).
         v = _np.float32(sum_out[row, d]) if has_res else _np.float32(x[row, d])

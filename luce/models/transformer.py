@@ -100,11 +100,8 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         q = ops.split_heads(q, cfg.n_heads, cfg.head_dim)
         k = ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
         v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, lw.q_norm, eps)
-            k = ops.rms_norm(k, lw.k_norm, eps)
-        q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
-        k = ops.rope(k, positions, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
+        q, k = ops.qk_rope(q, k, positions, lw.q_norm if cfg.qk_norm else None, lw.k_norm if cfg.qk_norm else None,
+                           eps, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
         o = ops.attention(kv, li, q, k, v, positions, mask, cfg.sliding_window)
         x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
         h = ops.rms_norm(x, lw.ffn_norm, eps)

@@ -3,7 +3,8 @@ kernels, registered through the same hooks as a third-party plugin's."""
 from .hookspecs import hookimpl
 
 # the op interface of luce.models.transformer.forward
-OPS = ("embed", "rms_norm", "linear", "split_heads", "merge_heads", "rope", "attention", "swiglu", "take_rows")
+OPS = ("embed", "rms_norm", "linear", "split_heads", "merge_heads", "rope", "qk_rope", "attention", "swiglu",
+       "take_rows")
 
 
 @hookimpl

@@ -38,8 +38,9 @@ def register_kernels(register):
     Call `register(family, op, impl, backend="*")`: `family` is a family name (or "*"
     for every family), `op` the name of an operation of the op interface that
     `luce.models.transformer.forward` calls (`embed`, `rms_norm`, `linear`, `rope`,
-    `attention`, `swiglu`, `split_heads`, `merge_heads`, `take_rows`, or a new op your
-    own family's forward calls), `impl` a callable with that op's signature, and
+    `qk_rope` (q and k: per-head norm, then `rope`; a plugin overriding `rms_norm` or
+    `rope` gets `qk_rope` built from them), `attention`, `swiglu`, `split_heads`,
+    `merge_heads`, `take_rows`, or a new op your own family's forward calls), `impl` a callable with that op's signature, and
     `backend` "cpu", "cuda" or "*". Backends look kernels up with
     `luce.plugins.kernels(family, op, backend)`: a family-specific registration beats a
     "*" one, a backend-specific one beats a "*" one, and a third-party plugin's beats

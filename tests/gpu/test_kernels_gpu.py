@@ -67,6 +67,20 @@ def test_rope(style):
     np.testing.assert_allclose(dx.copy_to_host(), rope_ref(x, pos, D, 1e6, style), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("style", ["halves", "adjacent"])
+def test_qk_rope(style):
+    """Fused per-head norm + RoPE of q and k at the Qwen3-8B shape, 5 tokens past 8K."""
+    from luce.kernels.qk_rope import qk_rope_cuda, qk_rope_ref
+    q, k = randn(5, HQ, D, scale=3), randn(5, HKV, D)
+    pos = np.arange(8190, 8195).astype(np.int32)
+    qw, kw = randn(D) + 1, randn(D) + 1
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    qk_rope_cuda(dq, dk, cuda.to_device(pos), cuda.to_device(qw), cuda.to_device(kw), 1e-6, D, 1e6, style)
+    wq, wk = qk_rope_ref(q, k, pos, qw, kw, 1e-6, D, 1e6, style)
+    np.testing.assert_allclose(dq.copy_to_host(), wq, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("kind,ref", [("swiglu", swiglu_ref), ("geglu", geglu_ref)])
 def test_glu(kind, ref):
     g, u = randn(TREE, 12288, scale=3), randn(TREE, 12288)

@@ -213,7 +213,7 @@ def test_graph_sized_grid():
 PTX_CHECK = r'''
 import os, re, sys
 from numba import cuda
-from luce.kernels import activation, attention, embedding, norm, paging, rope, sampling
+from luce.kernels import activation, attention, embedding, norm, paging, qk_rope, rope, sampling
 
 def ptx(kernel, sig):
     return cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))[0]
@@ -226,6 +226,8 @@ for k, sig in [(norm._rms_norm_kernel, f"void({F2}, {F2}, float32[::1], {F2}, {F
                (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])")]:
     assert "shfl.sync" in ptx(k, sig), k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, int64, float64, int64)"),
+               (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
+                                         "float64[::1], int64, int64)"),
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),
                (embedding._embed_kernel, f"void(float16[:, ::1], {I1}, {F2})"),
                (embedding._gather_rows_u16_kernel, f"void(uint16[:, ::1], {I1}, uint16[:, ::1])"),
@@ -249,6 +251,13 @@ for dim, group, qt, mask in [(128, 4, 1, I1), (128, 8, 1, I1), (64, 3, 1, I1), (
            f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._decode_kernel(dim, group, qt), sig)
     assert "ld.global.nc.v4.u32" in code and ".local" not in code, (dim, group, qt)  # registers only
+from luce.kernels import attention_mma
+for dim, warps in [(128, 4), (128, 6), (64, 5), (32, 8)]:
+    sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, uint64[::1], int64, "
+           f"int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
+    code = ptx(attention_mma.kernel(dim, warps), sig)
+    # registers only, tensor cores, async copies, and no float64 (a float64 softmax once cost ~7x)
+    assert ".local" not in code and "mma.sync" in code and "cp.async" in code and ".f64" not in code, (dim, warps)
 print("PTX OK")
 '''
 

@@ -1,0 +1,118 @@
+"""Q and K after their projections, in one launch: per-head RMSNorm (Qwen3's q_norm/k_norm;
+none for Llama) and rotary position embedding, in place.
+
+Why one kernel: unfused that is four launches a layer (q norm, k norm, q rope, k rope),
+each a few microseconds of latency over a few kilobytes (H200, Qwen3-8B decode at d70f71e:
+RMSNorm 3.5 us and RoPE 2.6 us a call; 4 x 36 launches a token). A block is one head of
+one token; each thread owns one rotated pair (or a pair of unrotated dims past rope_dim).
+
+The rotation angle is position x inv_freq, formed in float64 (a float32 product is off by
+~1e-3 rad at 8K positions) from a float64 inv_freq table made on the host, reduced to
+[-pi, pi] in float64, and then only the sine and cosine are float32 (accurate to ~1e-7 on
+that range): the standalone rope kernel computes exp, sin and cos in float64 instead.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..models.config import ROPE_ADJACENT, ROPE_HALVES
+from ._reduce import MAX_THREADS, block_sum
+from .norm import rms_norm_ref
+from .rope import rope_ref
+
+_STYLE_ID = {ROPE_ADJACENT: 0, ROPE_HALVES: 1}
+_TWO_PI = 2.0 * math.pi
+
+
+def qk_rope_ref(q: np.ndarray, k: np.ndarray, positions: np.ndarray, q_norm, k_norm, eps: float,
+                rope_dim: int, base: float, style: str) -> tuple[np.ndarray, np.ndarray]:
+    """q [N, Hq, D], k [N, Hkv, D]: each head RMS-normalized (when its weight is given),
+    then rotated. What the CPU backend runs."""
+    if q_norm is not None:
+        q = rms_norm_ref(q, q_norm, eps)
+    if k_norm is not None:
+        k = rms_norm_ref(k, k_norm, eps)
+    return rope_ref(q, positions, rope_dim, base, style), rope_ref(k, positions, rope_dim, base, style)
+
+
+@cuda.jit
+def _qk_rope_kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style):
+    n = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    n_q = q.shape[1]
+    dim = q.shape[2]
+    half = rope_dim // 2
+    buf = cuda.shared.array(MAX_THREADS, np.float32)
+    is_q = h < n_q
+    hh = h if is_q else h - n_q
+    # this thread's two dims: a rotated pair, or two of the unrotated dims past rope_dim
+    if t < half:
+        ia = 2 * t if style == 0 else t
+        ib = ia + 1 if style == 0 else t + half
+    else:
+        ia = rope_dim + 2 * (t - half)
+        ib = ia + 1
+    live = ib < dim
+    a = np.float32(0.0)
+    b = np.float32(0.0)
+    if live:
+        a = q[n, hh, ia] if is_q else k[n, hh, ia]
+        b = q[n, hh, ib] if is_q else k[n, hh, ib]
+    if has_norm:  # every thread reaches the reduction's barriers
+        inv = np.float32(1.0) / math.sqrt(block_sum(a * a + b * b, buf) / np.float32(dim) + eps)
+        if live:
+            a *= inv * (q_w[ia] if is_q else k_w[ia])
+            b *= inv * (q_w[ib] if is_q else k_w[ib])
+    if live and t < half:
+        ang = float(pos[n]) * inv_freq[t]
+        ang -= _TWO_PI * math.floor(ang / _TWO_PI + 0.5)
+        c = math.cos(np.float32(ang))
+        s = math.sin(np.float32(ang))
+        a, b = a * c - b * s, a * s + b * c
+    if live:
+        if is_q:
+            q[n, hh, ia] = a
+            q[n, hh, ib] = b
+        else:
+            k[n, hh, ia] = a
+            k[n, hh, ib] = b
+
+
+_INV_FREQ: dict = {}
+
+
+def _no_norm():
+    t = _INV_FREQ.get("none")
+    if t is None:
+        t = _INV_FREQ["none"] = cuda.to_device(np.ones(1, np.float32))
+    return t
+
+
+def _inv_freq(rope_dim: int, base: float):
+    key = (rope_dim, float(base))
+    t = _INV_FREQ.get(key)
+    if t is None:
+        t = _INV_FREQ[key] = cuda.to_device(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    return t
+
+
+def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, base: float, style: str, stream=0):
+    """In place on device arrays q [N, Hq, D] and k [N, Hkv, D] (float32); positions: device
+    int32 [N]; q_norm/k_norm: device float32 [D], both or neither. Returns (q, k)."""
+    n_tok, n_q, dim = q.shape
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk_rope: give both q_norm and k_norm or neither")
+    has = 1 if q_norm is not None else 0
+    if not has:
+        q_norm = k_norm = _no_norm()  # never read (numba needs a float32 array here)
+    # a thread a pair of dims, a whole number of warps (the reduction's shuffle path)
+    nt = max(32, -(-(dim // 2) // 32) * 32)
+    if cuda.config.ENABLE_CUDASIM:  # the simulator's reduction wants a power of two
+        nt = 1 << (max(1, dim // 2) - 1).bit_length()
+    _qk_rope_kernel[(n_tok, n_q + k.shape[1]), nt, stream](q, k, positions, q_norm, k_norm, has, np.float32(eps),
+                                                           _inv_freq(rope_dim, base), rope_dim, _STYLE_ID[style])
+    return q, k

@@ -1,0 +1,35 @@
+"""The fused per-head RMSNorm + RoPE of q and k (luce.kernels.qk_rope) against the numpy
+reference (rms_norm_ref then rope_ref), in the CUDA simulator: both rotation styles, a
+partial rotary dim, with and without the norm, GQA (fewer k heads), positions past 8K.
+The GPU check at the Qwen3-8B shape is in tests/gpu/test_kernels_gpu.py."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from luce.kernels.qk_rope import qk_rope_cuda, qk_rope_ref
+
+rng = np.random.default_rng()
+
+
+@pytest.mark.parametrize("style,rope_dim,norm", [("halves", 32, True), ("adjacent", 32, False), ("halves", 16, True),
+                                                 ("adjacent", 16, True)])
+def test_qk_rope_matches_reference(style, rope_dim, norm):
+    n, hq, hkv, d = 3, 4, 2, 32
+    q = (2 * rng.standard_normal((n, hq, d))).astype(np.float32)
+    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    pos = rng.integers(0, 9000, n).astype(np.int32)
+    qw = rng.uniform(0.5, 1.5, d).astype(np.float32) if norm else None
+    kw = rng.uniform(0.5, 1.5, d).astype(np.float32) if norm else None
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    qk_rope_cuda(dq, dk, cuda.to_device(pos), None if qw is None else cuda.to_device(qw),
+                 None if kw is None else cuda.to_device(kw), 1e-6, rope_dim, 1e6, style)
+    wq, wk = qk_rope_ref(q, k, pos, qw, kw, 1e-6, rope_dim, 1e6, style)
+    np.testing.assert_allclose(dq.copy_to_host(), wq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=1e-5)
+
+
+def test_one_norm_weight_is_an_error():
+    q = cuda.to_device(np.zeros((1, 2, 32), np.float32))
+    with pytest.raises(ValueError):
+        qk_rope_cuda(q, q, cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.ones(32, np.float32)), None,
+                     1e-6, 32, 1e4, "halves")
