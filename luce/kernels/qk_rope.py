@@ -25,6 +25,7 @@ from .rope import rope_ref
 
 _STYLE_ID = {ROPE_ADJACENT: 0, ROPE_HALVES: 1}
 _TWO_PI = 2.0 * math.pi
+_INV_TWO_PI = 1.0 / _TWO_PI  # a multiply: a float64 divide is a Newton iteration of DFMAs
 
 
 def qk_rope_ref(q: np.ndarray, k: np.ndarray, positions: np.ndarray, q_norm, k_norm, eps: float,
@@ -69,7 +70,7 @@ def _qk_rope_kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, styl
             b *= inv * (q_w[ib] if is_q else k_w[ib])
     if live and t < half:
         ang = float(pos[n]) * inv_freq[t]
-        ang -= _TWO_PI * math.floor(ang / _TWO_PI + 0.5)
+        ang -= _TWO_PI * math.floor(ang * _INV_TWO_PI + 0.5)
         c = math.cos(np.float32(ang))
         s = math.sin(np.float32(ang))
         a, b = a * c - b * s, a * s + b * c
