@@ -189,23 +189,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
             m_s[0, r] = -math.inf
             l_s[0, r] = 0.0
 
-        # Keys this tile may see: causal rows stop at their own token; a window starts
-        # after (smallest query position in the tile) - window, and committed pages
-        # wholly before that are skipped (their positions are non-decreasing).
-        last_row = min(r0 + qt, n_rows) - 1
-        key_end = n_keys
-        if causal:
-            key_end = min(n_keys, n_ctx + last_row // group + 1)
-        min_qpos = 2147483647
-        if window > 0:
-            for i in range(r0 // group, last_row // group + 1):
-                min_qpos = min(min_qpos, q_pos[i])
-        n_pages = (key_end + BLOCK - 1) // BLOCK
-        pps = (n_pages + cuda.gridDim.x - 1) // cuda.gridDim.x
-        p_lo = split * pps
-        p_hi = min(p_lo + pps, n_pages)
-        if r0 >= n_rows:
-            p_hi = p_lo  # a tile past the queries present (graph-sized grid): nothing to do
+        key_end, min_qpos, p_lo, p_hi = attention_mma.tile_pages(r0, qt, n_rows, group, n_ctx, n_keys, causal,
+                                                                 window, q_pos, split, cuda.gridDim.x)
         cuda.syncthreads()
 
         for page in range(p_lo, p_hi):

@@ -65,6 +65,30 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
 
 
 @device(inline=True)
+def tile_pages(r0, rows, n_rows, G, n_ctx, n_keys, causal, window, q_pos, split, n_splits):
+    """The keys a tile of query rows r0..r0+rows-1 may see and its split's share of their
+    pages: (key_end, min_qpos, first page, end page). Causal rows stop at their own token;
+    a window starts after (smallest query position of the tile) - window, and committed
+    pages wholly before that can be skipped (their positions are non-decreasing). A tile
+    past the queries present (a graph-sized grid) gets no pages."""
+    last_row = min(r0 + rows, n_rows) - 1
+    key_end = n_keys
+    if causal:
+        key_end = min(n_keys, n_ctx + last_row // G + 1)
+    min_qpos = 2147483647
+    if window > 0:
+        for i in range(r0 // G, last_row // G + 1):
+            min_qpos = min(min_qpos, q_pos[i])
+    n_pages = (key_end + KEYS - 1) // KEYS
+    pps = (n_pages + n_splits - 1) // n_splits
+    p_lo = split * pps
+    p_hi = min(p_lo + pps, n_pages)
+    if r0 >= n_rows:
+        p_hi = p_lo
+    return key_end, min_qpos, p_lo, p_hi
+
+
+@device(inline=True)
 def _split(x0, x1):
     """(x0, x1) as an f16x2 word and the f16x2 word of what its rounding lost."""
     hi = f32x2_to_f16x2(x0, x1)
@@ -196,20 +220,8 @@ def kernel(dim: int, warps: int):
             for c in range(4):
                 o[d, c] = 0.0
 
-        last_row = min(r0 + ROWS, n_rows) - 1
-        key_end = n_keys
-        if causal:
-            key_end = min(n_keys, n_ctx + last_row // G + 1)
-        min_qpos = 2147483647
-        if window > 0:
-            for i in range(r0 // G, last_row // G + 1):
-                min_qpos = min(min_qpos, q_pos[i])
-        n_pages = (key_end + KEYS - 1) // KEYS
-        pps = (n_pages + cuda.gridDim.x - 1) // cuda.gridDim.x
-        p_lo = split * pps
-        p_hi = min(p_lo + pps, n_pages)
-        if r0 >= n_rows:
-            p_hi = p_lo  # a tile past the queries present (graph-sized grid): nothing to do
+        key_end, min_qpos, p_lo, p_hi = tile_pages(r0, ROWS, n_rows, G, n_ctx, n_keys, causal, window, q_pos,
+                                                   split, cuda.gridDim.x)
 
         for page in range(p_lo, p_hi):
             j0 = page * KEYS
