@@ -109,3 +109,34 @@ def test_device_state_dies_with_its_cache(tiny_llama):
     del kv
     gc.collect()
     assert list(gpu._state) == [(id(w), id(keep))]
+
+
+def test_failed_graph_capture_runs_eagerly(tiny_llama, monkeypatch):
+    """A forward whose CUDA graph cannot be recorded (the simulator has none; here the
+    recorder fails on purpose) runs eagerly with the same result, once warned, and is not
+    tried again."""
+    import warnings
+
+    from luce.backends import cuda_graph
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    want = gpu.forward(fam, cfg, w, kv, [3], [0])  # eager: compiles, the form is now known
+    tries = []
+
+    class Refused:
+        def __init__(self, stream, fn):
+            tries.append(1)
+            raise RuntimeError("capture refused")
+    monkeypatch.setattr(cuda_graph, "Graph", Refused)
+    gpu.use_graphs = True  # as on a GPU
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = gpu.forward(fam, cfg, w, kv, [3], [0])
+        again = gpu.forward(fam, cfg, w, kv, [3], [0])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(again, want, rtol=1e-6)
+    assert len(tries) == 1 and sum("eagerly" in str(c.message) for c in caught) == 1

@@ -3,8 +3,9 @@
 - Weights are uploaded once and stay quantized (raw GGUF blocks, dequantized in
   registers by the matvec/matmul kernels); norms and biases as float32.
 - Activations live in a workspace arena at fixed addresses: the buffers one forward
-  over N tokens uses are the same every time, which is what lets decode (and each tree
-  width) be captured once as a CUDA graph and replayed per step.
+  over N tokens uses are the same every time, which is what lets decode, each tree width
+  and each power-of-two prefill piece be recorded once as a CUDA graph (on first sight,
+  once its kernels are compiled) and replayed. A form whose recording fails runs eagerly.
 - Rows up to 64 tokens go through the batched matvec (weights read once for all rows);
   longer prefill chunks through the tensor-core matmul.
 """
@@ -196,6 +197,7 @@ class CUDABackend:
         # (width, tree, logits rows) forms that have run eagerly on this backend: their kernels
         # are compiled, so a graph may be recorded at once (compiling inside a capture is not safe)
         self._compiled = set()
+        self._ungraphable = set()  # forward keys whose capture failed
 
     # -- weights ------------------------------------------------------------------
     def load_tensor(self, info):
@@ -308,11 +310,18 @@ class CUDABackend:
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's
             graph.replay()
-        elif self._graphable(n) and form in self._compiled:
-            from .cuda_graph import Graph
-            graph = Graph(self.stream, run)  # records only (as much host work as an eager run) ...
-            st["graphs"][key] = (graph, st["logits"])
-            graph.replay()  # ... then runs
+        elif self._graphable(n) and form in self._compiled and key not in self._ungraphable:
+            from . import cuda_graph
+            try:
+                graph = cuda_graph.Graph(self.stream, run)  # records only (host work of an eager run) ...
+            except Exception as e:  # e.g. a plugin op that synchronizes: this form runs eagerly from now on
+                import warnings
+                warnings.warn(f"luce: no CUDA graph for a {n}-token forward ({e}); running it eagerly")
+                self._ungraphable.add(key)
+                run()
+            else:
+                st["graphs"][key] = (graph, st["logits"])
+                graph.replay()  # ... then runs
         else:
             run()  # eager; also compiles every kernel before any capture
             self._compiled.add(form)
