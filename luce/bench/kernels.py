@@ -9,6 +9,7 @@ MATVEC_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (25600, 5120), (512
 def run(record: bool = True) -> dict:
     from .ceilings import copy_bandwidth_gbs
     from .kernels_attention import bench_attention
+    from .kernels_small import bench_small_ops
     from .kernels_matmul import SMALL_M_SHAPES, bench_matmul
     from ..kernels.matvec_fast import bench_matvec_fast
     from .report import append_to_docs, print_table
@@ -31,6 +32,7 @@ def run(record: bool = True) -> dict:
         "GB/s")
     add("prefill matmul, 512 rows", bench_matmul())
     add("attention over 8K context (Qwen3-8B heads)", bench_attention())
+    add("small per-layer ops (Qwen3-8B shape)", bench_small_ops())
     print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
     if record:
         append_to_docs("luce bench --kernels", sections, notes=f"ceiling: device copy bandwidth {bw:.0f} GB/s "

@@ -262,6 +262,13 @@ def test_bench_attention_rows():
     assert all(r["time_us"] > 0 for r in rows)
 
 
+def test_bench_small_ops_rows():
+    from luce.bench.kernels_small import bench_small_ops
+    rows = bench_small_ops(tokens=(1,), reps=5)
+    assert [r["name"].split()[0] for r in rows] == ["rms_norm", "qk_rope", "q/k"]
+    assert all(r["time_us"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("dim,hq,hkv,n_ctx,window", [(64, 16, 2, 3000, None), (256, 8, 4, 701, None),
                                                      (128, 64, 8, 1000, 300), (128, 32, 8, 37, None)])
 def test_decode_one_query(dim, hq, hkv, n_ctx, window):

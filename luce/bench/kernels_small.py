@@ -1,0 +1,61 @@
+"""The small per-layer ops of a decode step for `luce bench --kernels`: RMSNorm of the
+hidden state, the fused q/k norm + RoPE against its unfused parts (two per-head norms and
+two RoPE launches), at the Qwen3-8B shape for one token (decode) and 512 (a prefill piece).
+Each is a few microseconds of latency, not bandwidth: the rows say what one launch costs
+inside a CUDA graph, which is what the decode step pays per call."""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels_attention import QWEN3_8B, _time_eager, _time_graph
+
+N_EMBD = 4096
+
+
+def bench_small_ops(tokens=(1, 512), reps: int = 50, seed: int = 0) -> list[dict]:
+    """Rows {name, tokens, time_us, mode}."""
+    from numba import cuda
+
+    from ..kernels.norm import rms_norm_cuda
+    from ..kernels.qk_rope import qk_rope_cuda
+    from ..kernels.rope import rope_cuda
+
+    hq, hkv, d = QWEN3_8B["n_heads"], QWEN3_8B["n_kv_heads"], QWEN3_8B["head_dim"]
+    rng = np.random.default_rng(seed)
+    stream = cuda.stream()
+    rows = []
+    for n in tokens:
+        x = cuda.to_device(rng.standard_normal((n, N_EMBD)).astype(np.float32), stream=stream)
+        w = cuda.to_device(rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32), stream=stream)
+        out = cuda.device_array((n, N_EMBD), np.float32, stream=stream)
+        q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
+        k = cuda.to_device(rng.standard_normal((n, hkv, d)).astype(np.float32), stream=stream)
+        qn = cuda.device_array((n, hq, d), np.float32, stream=stream)
+        kn = cuda.device_array((n, hkv, d), np.float32, stream=stream)
+        hw = cuda.to_device(rng.uniform(0.5, 1.5, d).astype(np.float32), stream=stream)
+        pos = cuda.to_device(np.arange(8000, 8000 + n, dtype=np.int32), stream=stream)
+
+        def unfused():
+            rms_norm_cuda(q, hw, 1e-6, out=qn, stream=stream)
+            rms_norm_cuda(k, hw, 1e-6, out=kn, stream=stream)
+            rope_cuda(qn, pos, d, 1e6, "halves", stream=stream)
+            rope_cuda(kn, pos, d, 1e6, "halves", stream=stream)
+
+        cases = [("rms_norm (hidden state)", lambda: rms_norm_cuda(x, w, 1e-6, out=out, stream=stream)),
+                 ("qk_rope (fused q/k norm + rope)",
+                  lambda: qk_rope_cuda(q, k, pos, hw, hw, 1e-6, d, 1e6, "halves", stream=stream)),
+                 ("q/k norm + rope, unfused (4 launches)", unfused)]
+        for name, launch in cases:
+            launch()  # compile
+            stream.synchronize()
+            try:
+                us, mode = _time_graph(launch, stream, reps), "graph"
+            except Exception:  # no cuda.bindings driver API, or capture refused
+                us, mode = _time_eager(launch, stream, reps), "eager"
+            rows.append(dict(name=name, tokens=n, time_us=round(us, 2), mode=mode))
+    return rows
+
+
+if __name__ == "__main__":
+    for row in bench_small_ops():
+        print(row)
