@@ -198,6 +198,26 @@ if SIM:
     WARP_RED_SLOTS = 32
 
     @device
+    def _warp_all(v, red, wid, lane, is_max):
+        red[wid * 32 + lane] = v
+        cuda.syncthreads()
+        r = red[wid * 32]
+        for i in range(1, 32):
+            r = max(r, red[wid * 32 + i]) if is_max else r + red[wid * 32 + i]
+        cuda.syncthreads()
+        return np.float32(r)
+
+    @device
+    def warp_allmax(v, red, wid, lane):
+        """max of v over warp `wid`, in every lane."""
+        return _warp_all(v, red, wid, lane, True)
+
+    @device
+    def warp_allsum(v, red, wid, lane):
+        """sum of v over warp `wid`, in every lane."""
+        return _warp_all(v, red, wid, lane, False)
+
+    @device
     def warp_sum(v, red, wid, lane):
         red[wid * 32 + lane] = v
         cuda.syncthreads()
@@ -215,3 +235,11 @@ else:
         for off in (16, 8, 4, 2, 1):
             v += cuda.shfl_xor_sync(_FULL, v, off)
         return v
+
+    @device
+    def warp_allmax(v, red, wid, lane):
+        return _warp_max(v)
+
+    @device
+    def warp_allsum(v, red, wid, lane):
+        return _warp_sum(v)

@@ -81,8 +81,11 @@ import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 
-from ._reduce import MAX_THREADS, block_max, block_sum, block_threads, ceil_div  # noqa: E402
+from ._reduce import (MAX_THREADS, WARP_RED_SLOTS, block_max, block_sum, block_threads, ceil_div,  # noqa: E402
+                      warp_allmax, warp_allsum)
 from . import attention_mma  # noqa: E402
+from .device import device  # noqa: E402
+from .vector_load import f16_bits_to_f32  # noqa: E402
 from .paging import BLOCK  # noqa: E402
 
 _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
@@ -362,18 +365,20 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # a block is one warp on (split, kv head); its keys go 32 at a time, one key a lane:
 #   scores: each lane reads its key's row with 16-byte loads and dots it with the GQA
 #     group's queries (shared memory, read as broadcasts);
-#   softmax: the chunk's max and sum through shared memory (no shuffles: the same code
-#     runs in the simulator);
-#   values: lanes switch to owning dim/32 output dims each and walk the chunk's keys, so
-#     each V row is one coalesced read by the warp.
-# A warp has nothing else to hide latency behind, so both loops issue their loads in
-# batches (8 K pieces, 8 V rows) before using any: written as one load a loop trip, the
-# sm_90 code waited out every load in turn (H200, 8B shape at 640 tokens: 30.6 -> 18.0 us a
-# layer together with the combine change below).
+#   softmax: the chunk's max and sum across the warp (shuffles; shared memory in the
+#     simulator);
+#   values: the chunk's V rows are copied to shared memory by cp.async as the chunk starts
+#     (their latency hides behind the scores); lanes then own dim/32 output dims each and
+#     walk the chunk's keys.
+# A warp has nothing else to hide latency behind, so the K loop issues 8 pieces before
+# using any: written as one load a loop trip, the sm_90 code waited out every load in turn
+# (H200, 8B shape at 640 tokens: 30.6 -> 18.0 us a layer together with the combine change
+# below). Until 2026-11-30 (third session) the softmax read the chunk's 32 values from
+# shared memory one after another in every lane and V came in four dependent 8-row
+# batches; the shuffles and the cp.async copy replace both (not yet timed on a GPU).
 # Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 512  # splits x kv heads for a long context: ~4 warps an H200 SM
-DECODE_VALUE_KEYS = 8  # V rows a lane loads before using any (divides BLOCK and DECODE_CHUNK)
 
 
 def decode_plan(n_kv_heads: int, n_keys: int) -> int:
@@ -382,11 +387,25 @@ def decode_plan(n_kv_heads: int, n_keys: int) -> int:
     return max(1, min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads), COMBINE_MAX_SPLITS))
 
 
+@device(inline=True)
+def _add_value_word(acc, word, ps, key, wd, R, DL):
+    """acc += p * v for the one or two f16 values of V in `word` (this lane's dims wd*2,
+    +1 of row `key`), for each of the R query rows; p = 0 (unseen or past the end) is
+    selected away rather than multiplied, since such rows may hold anything, NaN included."""
+    for hh in range(min(2, DL)):
+        vx = f16_bits_to_f32(np.uint32(word >> np.uint32(16 * hh)) & np.uint32(0xFFFF))
+        for r in range(R):
+            pg = ps[r, key]
+            pv = pg * vx
+            acc[r * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_kernel(dim: int, group: int, qt: int = 1):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window)."""
-    from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
+    from .mma import cp_async16, cp_async_wait
+    from .vector_load import ldg_u16_u32x4
     CH = DECODE_CHUNK
     G = group
     QT = qt
@@ -394,12 +413,19 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
     NACC = R * DL  # array shapes must be plain constants, not expressions
-    VK = DECODE_VALUE_KEYS if NACC <= 32 else 4  # big accumulators leave fewer registers for loads
+    # The chunk's V rows are copied to shared memory (cp.async, no registers) when the chunk
+    # starts, so their latency hides behind the scores and the softmax: one memory latency a
+    # chunk instead of one for K and one per 8-row batch of V (at 640 tokens a split is one
+    # chunk, so that chain was most of the kernel's time).
+    VWORDS = CH * dim // 2
+    VPIECES = CH * dim // 8  # 16-byte pieces
+    RW = dim // 2  # words a V row
     # K pieces in flight (divides dim // 8: head dims are multiples of 16 up to 256); fewer
     # for many query rows, whose unrolled loops otherwise leave registers for local memory
     KB = min(8 if R <= 4 else 2, dim // 8)
     U = np.uint32
     U64 = np.uint64
+    RED = max(1, WARP_RED_SLOTS)
 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
@@ -418,7 +444,8 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
         m = cuda.local.array(R, np.float32)
         lsum = cuda.local.array(R, np.float32)
         acc = cuda.local.array(NACC, np.float32)
-        vw = cuda.local.array((VK, DW), np.uint32)
+        vsh = cuda.shared.array(VWORDS, np.uint32)
+        red = cuda.shared.array(RED, np.float32)
         kw = cuda.local.array((KB, 4), np.uint32)
         for e in range(lane, R * dim, CH):
             r = e // dim
@@ -435,86 +462,68 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
         c_hi = min(c_lo + cps, n_chunks)
         cuda.syncthreads()
         for c in range(c_lo, c_hi):
-            j = c * CH + lane
+            j0 = c * CH
+            j = j0 + lane
+            # the chunk's keys are consecutive rows of one page (CH divides BLOCK): one table
+            # lookup; rows past the last key are in the page, read, and masked or selected away
+            cbase = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
+            for e in range(lane, VPIECES, CH):
+                cp_async16(vsh, 4 * e, vf, cbase + 8 * e, 16)
             for r in range(R):
-                s[r] = -math.inf
-            if j < n_keys:
-                for r in range(R):
-                    s[r] = 0.0
-                # uint16 index of key j's row in the flat pool [slot, layer, kv head, 64, dim]
-                base = (((table[j // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j % BLOCK) * dim
-                # KB 16-byte pieces of the row in flight at once (a loop of one load an
-                # iteration waited out each load's latency in turn)
-                for b0 in range(0, dim // 8, KB):
-                    for k in range(KB):
-                        a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * (b0 + k))
-                        kw[k, 0] = a0
-                        kw[k, 1] = a1
-                        kw[k, 2] = a2
-                        kw[k, 3] = a3
-                    for k in range(KB):
-                        for h in range(8):
-                            kx = f16_bits_to_f32(U(kw[k, h >> 1] >> U(16 * (h & 1))) & U(0xFFFF))
-                            for r in range(R):
-                                s[r] += qs[r, 8 * (b0 + k) + h] * kx
-                # which rows see key j: all committed keys (inside the window), and of the
-                # new ones the query's ancestors and itself (tree) or its predecessors (chain)
-                kp = kv_pos[j] if window > 0 else 0
-                for r in range(R):
-                    qi = q0 + r // G
-                    ok = qi < n_q
-                    if ok and j >= n_past:
-                        mi = j - n_past
-                        if causal:
-                            ok = mi <= qi
-                        else:
-                            ok = (U64(mask_bits[qi]) >> U64(mi)) & U64(1) != U64(0)
-                    if ok and window > 0:
-                        ok = kp > q_pos[min(qi, n_q - 1)] - window
-                    if not ok:
-                        s[r] = -math.inf
+                s[r] = 0.0
+            base = cbase + lane * dim  # uint16 index of key j's row in the flat pool
+            # KB 16-byte pieces of the row in flight at once (a loop of one load an
+            # iteration waited out each load's latency in turn)
+            for b0 in range(0, dim // 8, KB):
+                for k in range(KB):
+                    a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * (b0 + k))
+                    kw[k, 0] = a0
+                    kw[k, 1] = a1
+                    kw[k, 2] = a2
+                    kw[k, 3] = a3
+                for k in range(KB):
+                    for h in range(8):
+                        kx = f16_bits_to_f32(U(kw[k, h >> 1] >> U(16 * (h & 1))) & U(0xFFFF))
+                        for r in range(R):
+                            s[r] += qs[r, 8 * (b0 + k) + h] * kx
+            # which rows see key j: all committed keys (inside the window), and of the new
+            # ones the query's ancestors and itself (tree) or its predecessors (chain)
+            kp = kv_pos[j] if window > 0 and j < n_keys else 0
             for r in range(R):
-                ps[r, lane] = s[r]
-            cuda.syncthreads()
+                qi = q0 + r // G
+                ok = qi < n_q and j < n_keys
+                if ok and j >= n_past:
+                    mi = j - n_past
+                    if causal:
+                        ok = mi <= qi
+                    else:
+                        ok = (U64(mask_bits[qi]) >> U64(mi)) & U64(1) != U64(0)
+                if ok and window > 0:
+                    ok = kp > q_pos[min(qi, n_q - 1)] - window
+                if not ok:
+                    s[r] = -math.inf
+            # online softmax over the chunk: maxima and sums across the warp (shuffles on a
+            # GPU; before, every lane read the 32 values from shared memory one after another)
             for r in range(R):
-                cm = m[r]
-                for x in range(CH):
-                    cm = max(cm, ps[r, x])
-                s[r] = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
+                cm = max(m[r], warp_allmax(s[r], red, 0, lane))
+                p = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
                 al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
                 m[r] = cm
-                lsum[r] *= al
+                lsum[r] = lsum[r] * al + warp_allsum(p, red, 0, lane)
                 for d in range(DL):
                     acc[r * DL + d] *= al
+                ps[r, lane] = p
+            cp_async_wait()
             cuda.syncthreads()
-            for r in range(R):
-                ps[r, lane] = s[r]
-            cuda.syncthreads()
-            for r in range(R):
-                t = np.float32(0.0)
-                for x in range(CH):
-                    t += ps[r, x]
-                lsum[r] += t
-            # VK keys at a time (consecutive rows of one page), all their loads issued before
-            # the first is used: one key an iteration waited out a table lookup and a V
-            # load per key. Keys past the end or unseen by a row have p = 0 and are
-            # selected away (their rows are in bounds but may hold anything).
-            for x0 in range(0, min(CH, n_keys - c * CH), VK):
-                j0 = c * CH + x0
-                vb = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
-                for k in range(VK):
-                    for wd in range(DW):
-                        vw[k, wd] = ldg_u16_u32(vf, vb + k * dim + (lane * DW + wd) * 2) if DL >= 2 else \
-                            U(vf[vb + k * dim + lane])
-                for k in range(VK):
-                    for wd in range(DW):
-                        word = vw[k, wd]
-                        for hh in range(min(2, DL)):
-                            vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
-                            for r in range(R):
-                                pg = ps[r, x0 + k]
-                                pv = pg * vx
-                                acc[r * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
+            # every key of the chunk (p = 0 past the end or unseen: selected away, since
+            # the rows there may hold anything, NaN included)
+            for k in range(CH):
+                for wd in range(DW):
+                    if DL >= 2:
+                        word = vsh[k * RW + lane * DW + wd]
+                    else:  # head dim 32: a lane owns one half of a word
+                        word = vsh[k * RW + (lane >> 1)] >> U(16 * (lane & 1))
+                    _add_value_word(acc, word, ps, k, wd, R, DL)
             cuda.syncthreads()
         for r in range(R):
             qi = q0 + r // G
