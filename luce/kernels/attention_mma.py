@@ -9,13 +9,19 @@ cores. This is the flash-attention-2 structure with `mma.sync` m16n8k16 (f16 in,
 - a block is (split of the keys, kv head, tile of 16 x WARPS query rows); query row r is
   query r // G, q head r % G of the kv head (G = the GQA group), so the rows of a group
   share every K/V tile the block loads;
-- each warp keeps its 16 rows of Q (scaled, f16) as mma A fragments in registers for the
-  whole kernel, and per page of 64 keys: S = Q K^T (16 x 64, f32 in registers), the mask
-  (only on pages that hold new keys or under a sliding window), the online softmax (row
-  max and sums over the four lanes of a row), then O += P V with P re-packed from the S
-  registers as A fragments (no trip through shared memory) and V read by `ldmatrix.trans`;
-- K and V pages are loaded by the whole block with 16-byte loads into padded shared rows
-  (ldmatrix reads 8 rows at once: a stride of dim/2 + 4 words puts them in distinct banks).
+- each warp keeps its 16 rows of Q (scaled) as mma A fragments in registers for the whole
+  kernel, and per 16 keys of a 64-key page: S = Q K^T (f32, in scalars), the mask (only on
+  pages that hold new keys or under a sliding window), the online softmax (row max and sums
+  over the four lanes of a row), then O += P V with P re-packed from the S registers as A
+  fragments (no trip through shared memory) and V read by `ldmatrix.trans`;
+- Q and P enter the mma as f16 hi + lo pairs (two mma each): one f16 rounding moves a score
+  by ~1e-3 and a weight by 5e-4, enough for a verified token to differ from the decoded one
+  at a near-tie (a DDTree run on SmolLM2 diverged from plain greedy on the H200, 654e268);
+  with the pairs the kernel meets the f32 kernels' tolerances. The softmax state is
+  float32 throughout (a Python -inf once made it float64: a DFMA exp per score);
+- K and V pages are copied by the whole block with cp.async (16 bytes a copy, no registers)
+  into padded shared rows (ldmatrix reads 8 rows at once: a stride of dim/2 + 4 words puts
+  them in distinct banks).
 Splits leave (O, m, l) for attention's combine kernel exactly as the other kernels do.
 
 In the CUDA simulator the mma, ldmatrix and the lane reductions are emulated
