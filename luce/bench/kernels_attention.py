@@ -54,6 +54,17 @@ def _time_graph(launch, stream, reps: int) -> float:
     return ms * 1e3 / reps
 
 
+def time_launch(launch, stream, reps: int) -> tuple[float, str]:
+    """(us per launch, "graph" | "eager"): graph replay where cuda.bindings allows it,
+    back-to-back eager launches (an upper bound) otherwise. Compiles first."""
+    launch()
+    stream.synchronize()
+    try:
+        return _time_graph(launch, stream, reps), "graph"
+    except Exception:  # no cuda.bindings driver API, or capture refused
+        return _time_eager(launch, stream, reps), "eager"
+
+
 def _time_eager(launch, stream, reps: int) -> float:
     from numba import cuda
     start, end = cuda.event(), cuda.event()
@@ -126,12 +137,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                 paged_attention_cuda(q, kp, vp, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n, out=out,
                                      scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, stream=stream)
 
-            launch()  # compile
-            stream.synchronize()
-            try:
-                us, mode = _time_graph(launch, stream, reps), "graph"
-            except Exception:  # no cuda.bindings driver API, or capture refused
-                us, mode = _time_eager(launch, stream, reps), "eager"
+            us, mode = time_launch(launch, stream, reps)
             kv_bytes = (context + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2
             rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{context}+{n}x{hkv}",
                              time_us=round(us, 2), **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode,

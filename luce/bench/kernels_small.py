@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels_attention import QWEN3_8B, _time_eager, _time_graph
+from .kernels_attention import QWEN3_8B, time_launch
 
 N_EMBD = 4096
 
@@ -46,12 +46,7 @@ def bench_small_ops(tokens=(1, 512), reps: int = 50, seed: int = 0) -> list[dict
                   lambda: qk_rope_cuda(q, k, pos, hw, hw, 1e-6, d, 1e6, "halves", stream=stream)),
                  ("q/k norm + rope, unfused (4 launches)", unfused)]
         for name, launch in cases:
-            launch()  # compile
-            stream.synchronize()
-            try:
-                us, mode = _time_graph(launch, stream, reps), "graph"
-            except Exception:  # no cuda.bindings driver API, or capture refused
-                us, mode = _time_eager(launch, stream, reps), "eager"
+            us, mode = time_launch(launch, stream, reps)
             rows.append(dict(name=name, tokens=n, time_us=round(us, 2), mode=mode))
     return rows
 

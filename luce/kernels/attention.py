@@ -488,20 +488,12 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
                             s[r] += qs[r, 8 * (b0 + k) + h] * kx
             # which rows see key j: all committed keys (inside the window), and of the new
             # ones the query's ancestors and itself (tree) or its predecessors (chain)
-            kp = kv_pos[j] if window > 0 and j < n_keys else 0
             for r in range(R):
                 qi = q0 + r // G
-                ok = qi < n_q and j < n_keys
-                if ok and j >= n_past:
-                    mi = j - n_past
-                    if causal:
-                        ok = mi <= qi
-                    else:
-                        ok = (U64(mask_bits[qi]) >> U64(mi)) & U64(1) != U64(0)
-                if ok and window > 0:
-                    ok = kp > q_pos[min(qi, n_q - 1)] - window
-                if not ok:
-                    s[r] = -math.inf
+                qc = min(qi, n_q - 1)
+                bits = U64(0) if causal else U64(mask_bits[qc])
+                qp = q_pos[qc] if window > 0 else 0
+                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, n_keys, qi, causal, bits, window, qp, kv_pos)
             # online softmax over the chunk: maxima and sums across the warp (shuffles on a
             # GPU; before, every lane read the 32 values from shared memory one after another)
             for r in range(R):

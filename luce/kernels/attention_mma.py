@@ -115,7 +115,7 @@ def _q_pair(q, row, n_rows, qi, hq, col, scale):
 
 
 @device(inline=True)
-def _seen(sv, j, row, n_rows, n_ctx, key_end, qi, causal, bits, window, qpos, kv_pos):
+def seen(sv, j, row, n_rows, n_ctx, key_end, qi, causal, bits, window, qpos, kv_pos):
     """Score sv of (row, key j), or -inf where the row (of query qi) may not see the key:
     past the keys present, a new key after the query (causal) or not its ancestor (tree),
     or outside the sliding window."""
@@ -271,19 +271,19 @@ def kernel(dim: int, warps: int):
                                                      cl, ch, sb0, sb1, sb2, sb3)
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
-                    sa0 = _seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
-                    sa1 = _seen(sa1, ja + 1, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
+                    sa0 = seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
+                    sa1 = seen(sa1, ja + 1, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sa2 = _seen(sa2, ja, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b, kv_pos)
-                    sa3 = _seen(sa3, ja + 1, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
+                    sa2 = seen(sa2, ja, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b, kv_pos)
+                    sa3 = seen(sa3, ja + 1, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
-                    sb0 = _seen(sb0, ja + 8, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
+                    sb0 = seen(sb0, ja + 8, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sb1 = _seen(sb1, ja + 9, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
+                    sb1 = seen(sb1, ja + 9, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a,
                                 kv_pos)
-                    sb2 = _seen(sb2, ja + 8, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
+                    sb2 = seen(sb2, ja + 8, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
-                    sb3 = _seen(sb3, ja + 9, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
+                    sb3 = seen(sb3, ja + 9, row_b, n_rows, n_ctx, key_end, qb, causal, bits_b, window, pos_b,
                                 kv_pos)
 
                 # online softmax: row maxima over the row's four lanes
