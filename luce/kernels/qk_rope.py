@@ -9,7 +9,7 @@ one token; each thread owns one rotated pair (or a pair of unrotated dims past r
 The rotation angle is position x inv_freq, formed in float64 (a float32 product is off by
 ~1e-3 rad at 8K positions) from a float64 inv_freq table made on the host, reduced to
 [-pi, pi] in float64, and then only the sine and cosine are float32 (accurate to ~1e-7 on
-that range): the standalone rope kernel computes exp, sin and cos in float64 instead.
+that range). The standalone rope kernel (luce.kernels.rope) rotates the same way.
 """
 from __future__ import annotations
 
@@ -18,14 +18,11 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..models.config import ROPE_ADJACENT, ROPE_HALVES
 from ._reduce import MAX_THREADS, block_sum
 from .norm import rms_norm_ref
-from .rope import rope_ref
+from .rope import _STYLE_ID, inv_freq_table, rope_ref, rotate
 
-_STYLE_ID = {ROPE_ADJACENT: 0, ROPE_HALVES: 1}
-_TWO_PI = 2.0 * math.pi
-_INV_TWO_PI = 1.0 / _TWO_PI  # a multiply: a float64 divide is a Newton iteration of DFMAs
+_NO_NORM: dict = {}
 
 
 def qk_rope_ref(q: np.ndarray, k: np.ndarray, positions: np.ndarray, q_norm, k_norm, eps: float,
@@ -69,11 +66,7 @@ def _qk_rope_kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, styl
             a *= inv * (q_w[ia] if is_q else k_w[ia])
             b *= inv * (q_w[ib] if is_q else k_w[ib])
     if live and t < half:
-        ang = float(pos[n]) * inv_freq[t]
-        ang -= _TWO_PI * math.floor(ang * _INV_TWO_PI + 0.5)
-        c = math.cos(np.float32(ang))
-        s = math.sin(np.float32(ang))
-        a, b = a * c - b * s, a * s + b * c
+        a, b = rotate(a, b, pos[n], inv_freq[t])
     if live:
         if is_q:
             q[n, hh, ia] = a
@@ -83,21 +76,10 @@ def _qk_rope_kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, styl
             k[n, hh, ib] = b
 
 
-_INV_FREQ: dict = {}
-
-
 def _no_norm():
-    t = _INV_FREQ.get("none")
+    t = _NO_NORM.get("w")
     if t is None:
-        t = _INV_FREQ["none"] = cuda.to_device(np.ones(1, np.float32))
-    return t
-
-
-def _inv_freq(rope_dim: int, base: float):
-    key = (rope_dim, float(base))
-    t = _INV_FREQ.get(key)
-    if t is None:
-        t = _INV_FREQ[key] = cuda.to_device(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+        t = _NO_NORM["w"] = cuda.to_device(np.ones(1, np.float32))
     return t
 
 
@@ -115,5 +97,5 @@ def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, bas
     if cuda.config.ENABLE_CUDASIM:  # the simulator's reduction wants a power of two
         nt = 1 << (max(1, dim // 2) - 1).bit_length()
     _qk_rope_kernel[(n_tok, n_q + k.shape[1]), nt, stream](q, k, positions, q_norm, k_norm, has, np.float32(eps),
-                                                           _inv_freq(rope_dim, base), rope_dim, _STYLE_ID[style])
+                                                           inv_freq_table(rope_dim, base), rope_dim, _STYLE_ID[style])
     return q, k

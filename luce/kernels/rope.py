@@ -37,14 +37,38 @@ import math  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from ._reduce import block_threads, ceil_div  # noqa: E402
+from .device import device  # noqa: E402
 
 _STYLE_ID = {ROPE_ADJACENT: 0, ROPE_HALVES: 1}
+_TWO_PI = 2.0 * math.pi
+_INV_TWO_PI = 1.0 / _TWO_PI  # a multiply: a float64 divide is a Newton iteration of DFMAs
+_INV_FREQ: dict = {}  # (rope_dim, base) -> device inv_freq table
+
+
+@device(inline=True)
+def rotate(a, b, pos, inv_freq):
+    """(a, b) rotated by pos * inv_freq: the product and its reduction to [-pi, pi] in
+    float64, the sine and cosine in float32."""
+    ang = float(pos) * inv_freq
+    ang -= _TWO_PI * math.floor(ang * _INV_TWO_PI + 0.5)
+    c = math.cos(np.float32(ang))
+    s = math.sin(np.float32(ang))
+    return a * c - b * s, a * s + b * c
+
+
+def inv_freq_table(rope_dim: int, base: float):
+    """The device float64 table base^(-2i/rope_dim), i < rope_dim / 2, made once per shape."""
+    key = (rope_dim, float(base))
+    t = _INV_FREQ.get(key)
+    if t is None:
+        t = _INV_FREQ[key] = cuda.to_device(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    return t
 
 
 @cuda.jit
-def _rope_kernel(x, pos, rope_dim, log_base, style):
-    # One thread per rotated pair. The angle is formed in float64 like rope_angles:
-    # at 8K+ positions a float32 product is off by ~1e-3 rad.
+def _rope_kernel(x, pos, inv_freq, rope_dim, style):
+    # One thread per rotated pair; the angle as in qk_rope.rotate (float64 product and range
+    # reduction: at 8K+ positions a float32 product is off by ~1e-3 rad; float32 sin/cos).
     i = cuda.grid(1)
     n_tok, n_heads, _ = x.shape
     half = rope_dim // 2
@@ -54,20 +78,13 @@ def _rope_kernel(x, pos, rope_dim, log_base, style):
     nh = i // half
     h = nh % n_heads
     n = nh // n_heads
-    inv_freq = math.exp(-log_base * (2.0 * k) / rope_dim)
-    ang = float(pos[n]) * inv_freq
-    c = np.float32(math.cos(ang))
-    s = np.float32(math.sin(ang))
     if style == 0:
         ia = 2 * k
         ib = ia + 1
     else:
         ia = k
         ib = k + half
-    a = x[n, h, ia]
-    b = x[n, h, ib]
-    x[n, h, ia] = a * c - b * s
-    x[n, h, ib] = a * s + b * c
+    x[n, h, ia], x[n, h, ib] = rotate(x[n, h, ia], x[n, h, ib], pos[n], inv_freq[k])
 
 
 def rope_cuda(x, positions, rope_dim: int, base: float, style: str, stream=0):
@@ -75,5 +92,6 @@ def rope_cuda(x, positions, rope_dim: int, base: float, style: str, stream=0):
     n_tok, n_heads, _ = x.shape
     total = n_tok * n_heads * (rope_dim // 2)
     nt = block_threads(256)
-    _rope_kernel[ceil_div(total, nt), nt, stream](x, positions, rope_dim, math.log(base), _STYLE_ID[style])
+    _rope_kernel[ceil_div(total, nt), nt, stream](x, positions, inv_freq_table(rope_dim, base), rope_dim,
+                                                  _STYLE_ID[style])
     return x

@@ -225,7 +225,7 @@ for k, sig in [(norm._rms_norm_kernel, f"void({F2}, {F2}, float32[::1], {F2}, {F
                (sampling._argmax_kernel, f"void({F2}, {I1})"),
                (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])")]:
     assert "shfl.sync" in ptx(k, sig), k
-for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, int64, float64, int64)"),
+for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
                                          "float64[::1], int64, int64)"),
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),
