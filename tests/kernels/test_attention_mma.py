@@ -29,6 +29,7 @@ def _close(got, want):
     (32, 4, 1, 70, None, None),   # 7 nodes x GQA 4 = 28 rows: two warps, splits + combine
     (64, 4, 2, 30, None, 1),      # direct write, context inside the first page
     (32, 2, 2, 100, 40, None),    # sliding window over the committed rows
+    (32, 3, 1, 40, None, None),   # GQA 3 (SmolLM2): rows of a query straddle the 8-row halves
 ])
 def test_tree(d, hq, hkv, n_ctx, window, max_splits):
     parents = np.array([-1, 0, 0, 1, 1, 2, 3])
