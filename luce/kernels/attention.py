@@ -404,7 +404,7 @@ def _add_value_word(acc, word, ps, key, wd, R, DL):
 def _decode_kernel(dim: int, group: int, qt: int = 1):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window)."""
-    from .mma import cp_async16, cp_async_wait
+    from .mma import SHARED16, cp_async16, cp_async_wait
     from .vector_load import ldg_u16_u32x4
     CH = DECODE_CHUNK
     G = group
@@ -444,7 +444,7 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
         m = cuda.local.array(R, np.float32)
         lsum = cuda.local.array(R, np.float32)
         acc = cuda.local.array(NACC, np.float32)
-        vsh = cuda.shared.array(VWORDS, np.uint32)
+        vsh = cuda.shared.array(VWORDS, np.uint32, alignment=SHARED16)
         red = cuda.shared.array(RED, np.float32)
         kw = cuda.local.array((KB, 4), np.uint32)
         for e in range(lane, R * dim, CH):

@@ -37,7 +37,7 @@ from numba import cuda
 
 from ._reduce import ceil_div
 from .device import device
-from .mma import SCRATCH, cp_async16, cp_async_wait, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum
+from .mma import SCRATCH, SHARED16, cp_async16, cp_async_wait, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
 
@@ -189,7 +189,7 @@ def kernel(dim: int, warps: int):
         G = q.shape[1] // n_kvh
         n_rows = n_new * G
 
-        kvs = cuda.shared.array(KV_WORDS, np.uint32)  # K page then V page; Q staging first
+        kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # K page then V page; Q staging first
         scr = cuda.shared.array(SCR, np.uint32)
         qh = cuda.local.array((DK, 4), np.uint32)
         ql = cuda.local.array((DK, 4), np.uint32)

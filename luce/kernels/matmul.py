@@ -49,7 +49,7 @@ from numba import cuda
 
 from .device import device
 from .dequant import dequantize
-from .mma import SCRATCH, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32, sts4
+from .mma import SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32, sts4
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 
@@ -536,8 +536,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
 
     @jit
     def kernel(x, w, y, bias, res, ws, cnt, M, N, K, rowh_w, nsplit):
-        As = cuda.shared.array(ASH, np.uint32)
-        Bs = cuda.shared.array(BSH, np.uint32)
+        As = cuda.shared.array(ASH, np.uint32, alignment=SHARED16)  # 16-byte stores, ldmatrix
+        Bs = cuda.shared.array(BSH, np.uint32, alignment=SHARED16)
         scr = cuda.shared.array(SCR, np.uint32)
         flag = cuda.shared.array(1, np.int32)
         xr = cuda.local.array((XU, XR), np.uint32)

@@ -19,6 +19,11 @@ from .vector_load import SIM
 
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
+# `alignment=` for shared arrays that ldmatrix, cp.async or 16-byte stores touch: numba
+# declares shared arrays 4-byte aligned, and their placement is ptxas's choice (the
+# simulator rejects the argument, and has no alignment to get wrong)
+SHARED16 = None if SIM else 16
+
 # ----------------------------------------------------------------------------------------
 # 32-bit primitives. numba promotes uint32 arithmetic to 64 bits, which doubles the cost
 # of the bit manipulation that dequantization is made of, so the hot operations are
