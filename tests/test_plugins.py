@@ -492,7 +492,10 @@ def test_qk_rope_built_from_overridden_parts():
     def my_rope(x, positions, rope_dim, base, style):
         seen.append(x.shape)
         return NumpyOps.rope(x, positions, rope_dim, base, style)
-    qk = plugins._qk_rope_from_parts(NumpyOps, {"rope": my_rope})
+    qk = plugins.ops_with_overrides(NumpyOps, "qwen3", "cpu").qk_rope  # no plugin: the built-in
+    assert qk is NumpyOps.qk_rope
+    from luce.kernels.qk_rope import qk_rope_from
+    qk = qk_rope_from(NumpyOps.rms_norm, my_rope)
     rng = np.random.default_rng(2)
     q, k = rng.standard_normal((2, 4, 16)).astype(np.float32), rng.standard_normal((2, 2, 16)).astype(np.float32)
     w = np.ones(16, np.float32)

@@ -81,16 +81,20 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         first = int(np.argmax(logits[-1]))
         best_prefill = min(best_prefill, time.perf_counter() - t0)
     ttft = best_prefill
-    eager_prefill_s = None
-    if getattr(be, "use_graphs", False):  # what a prompt costs without its graphs (Python launches)
+
+    def eager_prefill():  # a prompt's first sight: no graphs, every launch is a Python call
         kv.truncate(0)
         be.use_graphs = False
         try:
-            t0 = time.perf_counter()
             prefill(prompt)
-            eager_prefill_s = time.perf_counter() - t0
         finally:
             be.use_graphs = True
+
+    eager_prefill_s = None
+    if getattr(be, "use_graphs", False):
+        t0 = time.perf_counter()
+        eager_prefill()
+        eager_prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
@@ -104,14 +108,6 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         host = host_profile(step)
         breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
             {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
-
-        def eager_prefill():  # a prompt's first sight: every launch is a Python call
-            kv.truncate(0)
-            be.use_graphs = False
-            try:
-                prefill(prompt)
-            finally:
-                be.use_graphs = True
         prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
 
     long_tok_s = None

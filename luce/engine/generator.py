@@ -95,8 +95,9 @@ class Session:
         self.tokens = self.tokens[:common]
         rest = prompt[common:]
         logits = None
+        pow2 = getattr(getattr(self.model, "backend", None), "graph_prefill", False)
         s = 0
-        for size in prefill_pieces(len(rest), pow2=getattr(getattr(self.model, "backend", None), "graph_prefill", False)):
+        for size in prefill_pieces(len(rest), pow2=pow2):
             chunk = rest[s:s + size]
             s += size
             logits = self.forward(chunk, logits_rows=[len(chunk) - 1])

@@ -451,9 +451,14 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
             r = e // dim
             qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
             qs[r, e % dim] = q[qi, hkv * G + r % G, e % dim] * scale
+        rbits = cuda.local.array(R, np.uint64)  # each row's tree-mask word and query position
+        rpos = cuda.local.array(R, np.int32)
         for r in range(R):
             m[r] = -math.inf
             lsum[r] = 0.0
+            qc = min(q0 + r // G, n_q - 1)
+            rbits[r] = U64(0) if causal else U64(mask_bits[qc])
+            rpos[r] = q_pos[qc] if window > 0 else 0
         for e in range(NACC):
             acc[e] = 0.0
         n_chunks = (n_keys + CH - 1) // CH
@@ -490,10 +495,8 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
             # ones the query's ancestors and itself (tree) or its predecessors (chain)
             for r in range(R):
                 qi = q0 + r // G
-                qc = min(qi, n_q - 1)
-                bits = U64(0) if causal else U64(mask_bits[qc])
-                qp = q_pos[qc] if window > 0 else 0
-                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, n_keys, qi, causal, bits, window, qp, kv_pos)
+                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, n_keys, qi, causal, rbits[r], window, rpos[r],
+                                          kv_pos)
             # online softmax over the chunk: maxima and sums across the warp (shuffles on a
             # GPU; before, every lane read the 32 values from shared memory one after another)
             for r in range(R):

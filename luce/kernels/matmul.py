@@ -49,7 +49,8 @@ from numba import cuda
 
 from .device import device
 from .dequant import dequantize
-from .mma import SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32, sts4
+from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32,
+                  sts4)
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 

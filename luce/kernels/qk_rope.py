@@ -25,15 +25,21 @@ from .rope import _STYLE_ID, inv_freq_table, rope_ref, rotate
 _NO_NORM: dict = {}
 
 
-def qk_rope_ref(q: np.ndarray, k: np.ndarray, positions: np.ndarray, q_norm, k_norm, eps: float,
-                rope_dim: int, base: float, style: str) -> tuple[np.ndarray, np.ndarray]:
-    """q [N, Hq, D], k [N, Hkv, D]: each head RMS-normalized (when its weight is given),
-    then rotated. What the CPU backend runs."""
-    if q_norm is not None:
-        q = rms_norm_ref(q, q_norm, eps)
-    if k_norm is not None:
-        k = rms_norm_ref(k, k_norm, eps)
-    return rope_ref(q, positions, rope_dim, base, style), rope_ref(k, positions, rope_dim, base, style)
+def qk_rope_from(norm, rope):
+    """qk_rope as its parts: `norm(x, w, eps)` on each head (when its weight is given), then
+    `rope(x, positions, rope_dim, base, style)`. The reference below, and what a plugin
+    that overrides `rms_norm` or `rope` gets (luce.plugins.ops_with_overrides)."""
+    def qk_rope(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style):
+        if q_norm is not None:
+            q = norm(q, q_norm, eps)
+        if k_norm is not None:
+            k = norm(k, k_norm, eps)
+        return rope(q, positions, rope_dim, base, style), rope(k, positions, rope_dim, base, style)
+    return qk_rope
+
+
+# q [N, Hq, D], k [N, Hkv, D] -> (q, k): what the CPU backend runs
+qk_rope_ref = qk_rope_from(rms_norm_ref, rope_ref)
 
 
 @cuda.jit

@@ -402,19 +402,6 @@ class _OverriddenOps:
         return getattr(self._base, name)
 
 
-def _qk_rope_from_parts(base_ops, overrides):
-    """`qk_rope` (per-head norm + rotary embedding of q and k, fused on the GPU) as its
-    parts, so that a plugin's `rms_norm` or `rope` kernel is still the one that runs."""
-    norm = overrides.get("rms_norm") or getattr(base_ops, "rms_norm")
-    rope = overrides.get("rope") or getattr(base_ops, "rope")
-
-    def qk_rope(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style):
-        if q_norm is not None:
-            q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
-        return rope(q, positions, rope_dim, base, style), rope(k, positions, rope_dim, base, style)
-    return qk_rope
-
-
 def ops_with_overrides(base_ops, family, backend: str):
     """`base_ops` (a backend's op interface) with the ops that third-party plugins
     registered for `family` on `backend` swapped in; `base_ops` itself when none."""
@@ -429,7 +416,9 @@ def ops_with_overrides(base_ops, family, backend: str):
     if not overrides:
         return base_ops
     if ("rms_norm" in overrides or "rope" in overrides) and "qk_rope" not in overrides:
-        overrides["qk_rope"] = _qk_rope_from_parts(base_ops, overrides)  # the fused op would bypass them
+        from ..kernels.qk_rope import qk_rope_from  # the fused op would bypass them
+        overrides["qk_rope"] = qk_rope_from(overrides.get("rms_norm") or getattr(base_ops, "rms_norm"),
+                                            overrides.get("rope") or getattr(base_ops, "rope"))
     if isinstance(base_ops, type):
         return _OverriddenOps(base_ops, overrides)
     # an ops instance: a copy whose own methods also reach the overrides through self
