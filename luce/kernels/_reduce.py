@@ -227,8 +227,18 @@ if SIM:
                 s += red[wid * 32 + i]
         cuda.syncthreads()
         return s
+
+    @device
+    def warp_barrier():
+        """A barrier for one warp's lanes. The simulator has no __syncwarp: there it is the
+        block's barrier, so every warp of the block must reach it the same number of times."""
+        cuda.syncthreads()
 else:
     WARP_RED_SLOTS = 0
+
+    @device
+    def warp_barrier():
+        cuda.syncwarp()
 
     @device
     def warp_sum(v, red, wid, lane):

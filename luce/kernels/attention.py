@@ -360,72 +360,81 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # ------------------------------------------------------------------ decode: one query
 #
 # The tiled kernel above serves one query (decode) with a 4-row tile and four barriers a
-# page: on the H200 that cost ~38 us a layer at any context length (Qwen3-8B shape:
-# 1.4 ms of a 10 ms step), latency of a chain that has little work to hide behind. Here
-# a block is one warp on (split, kv head); its keys go 32 at a time, one key a lane:
-#   scores: each lane reads its key's row with 16-byte loads and dots it with the GQA
-#     group's queries (shared memory, read as broadcasts);
+# page: on the H200 that cost ~38 us a layer at any context length, latency of a chain
+# with little work to hide behind. Here a warp walks its keys 32 at a time, one key a lane:
+#   copies: the chunk's K and V rows go to the warp's shared buffers by cp.async (no
+#     registers: a K row read into registers with 16-byte loads was, in the sm_90 code,
+#     16 loads issued one after another, each waited out before the next: ptxas sank them
+#     to their uses. That was most of the kernel's time: 43 us over 8K tokens on the H200
+#     at cf144b4, ~4 chunks a warp). Rows past the last key are zero-filled, so the value
+#     pass needs no guard against what unwritten rows hold;
+#   scores: each lane dots its key's row (16-byte shared loads; rows padded by 16 bytes so
+#     that the 8 lanes of a load phase hit different banks) with the GQA group's queries;
 #   softmax: the chunk's max and sum across the warp (shuffles; shared memory in the
 #     simulator);
-#   values: the chunk's V rows are copied to shared memory by cp.async as the chunk starts
-#     (their latency hides behind the scores); lanes then own dim/32 output dims each and
-#     walk the chunk's keys.
-# A warp has nothing else to hide latency behind, so the K loop issues 8 pieces before
-# using any: written as one load a loop trip, the sm_90 code waited out every load in turn
-# (H200, 8B shape at 640 tokens: 30.6 -> 18.0 us a layer together with the combine change
-# below). Until 2026-11-30 (third session) the softmax read the chunk's 32 values from
-# shared memory one after another in every lane and V came in four dependent 8-row
-# batches; the shuffles and the cp.async copy replace both (not yet timed on a GPU).
-# Splits leave (acc, m, l) for _combine_kernel exactly as the tiled kernel does.
+#   values: lanes own dim/32 output dims each and walk the chunk's keys with FMAs (p = 0
+#     for unseen keys: their rows are written ones or zeros).
+# A block holds W warps that take consecutive runs of chunks and merge their (m, l, acc)
+# through shared memory at the end, so a long context spreads over W times more warps
+# with the same number of splits for the combine kernel to add up. Every warp runs the
+# same number of loop trips (a warp without a chunk walks an empty one), so the per-warp
+# barriers can be the block's in the simulator. Splits leave (acc, m, l) for
+# _combine_kernel exactly as the tiled kernel does.
 DECODE_CHUNK = 32  # keys per step: one per lane
-DECODE_TARGET_WARPS = 512  # splits x kv heads for a long context: ~4 warps an H200 SM
+DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
+DECODE_MAX_WARPS = 4  # warps a block
 
 
-def decode_plan(n_kv_heads: int, n_keys: int) -> int:
-    """Splits of the decode kernel for a grid sized for n_keys keys."""
+def _decode_smem(dim: int, rows: int, warps: int) -> int:
+    """Shared bytes of the decode kernel: the queries, and per warp the K rows (padded), the
+    V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
+    ch = DECODE_CHUNK
+    per_warp = ch * (dim + 8) * 2 + ch * dim * 2 + ch * rows * 4 + rows * dim * 4 + rows * 8
+    return rows * dim * 4 + warps * (per_warp + 4 * WARP_RED_SLOTS)
+
+
+def decode_warps(dim: int, rows: int) -> int:
+    """Warps a block of the decode kernel takes (the most whose buffers fit in static
+    shared memory); 0 when not even one fits."""
+    w = DECODE_MAX_WARPS
+    while w and _decode_smem(dim, rows, w) > _SMEM:
+        w //= 2
+    return w
+
+
+def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1) -> int:
+    """Splits (blocks along the keys) of the decode kernel for a grid sized for n_keys keys:
+    about a chunk a warp up to DECODE_TARGET_WARPS warps in all."""
     chunks = max(1, ceil_div(n_keys, DECODE_CHUNK))
-    return max(1, min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads), COMBINE_MAX_SPLITS))
-
-
-@device(inline=True)
-def _add_value_word(acc, word, ps, key, wd, R, DL):
-    """acc += p * v for the one or two f16 values of V in `word` (this lane's dims wd*2,
-    +1 of row `key`), for each of the R query rows; p = 0 (unseen or past the end) is
-    selected away rather than multiplied, since such rows may hold anything, NaN included."""
-    for hh in range(min(2, DL)):
-        vx = f16_bits_to_f32(np.uint32(word >> np.uint32(16 * hh)) & np.uint32(0xFFFF))
-        for r in range(R):
-            pg = ps[r, key]
-            pv = pg * vx
-            acc[r * DL + wd * 2 + hh] += pv if pg != 0.0 else np.float32(0.0)
+    want = min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads))
+    return max(1, min(ceil_div(want, warps), COMBINE_MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int = 1):
+def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
-    the new tokens, each with its own mask over the new keys and its own window)."""
-    from .mma import SHARED16, cp_async16, cp_async_wait
-    from .vector_load import ldg_u16_u32x4
+    the new tokens, each with its own mask over the new keys and its own window), `warps`
+    warps a block."""
+    from ._reduce import warp_barrier
+    from .mma import SHARED16, cp_async16, cp_async_wait, lds4
     CH = DECODE_CHUNK
     G = group
     QT = qt
+    W = warps
     R = QT * G  # query rows of a block: row r is query r // G, q head r % G of the kv head
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
     NACC = R * DL  # array shapes must be plain constants, not expressions
-    # The chunk's V rows are copied to shared memory (cp.async, no registers) when the chunk
-    # starts, so their latency hides behind the scores and the softmax: one memory latency a
-    # chunk instead of one for K and one per 8-row batch of V (at 640 tokens a split is one
-    # chunk, so that chain was most of the kernel's time).
-    VWORDS = CH * dim // 2
-    VPIECES = CH * dim // 8  # 16-byte pieces
-    RW = dim // 2  # words a V row
-    # K pieces in flight (divides dim // 8: head dims are multiples of 16 up to 256); fewer
-    # for many query rows, whose unrolled loops otherwise leave registers for local memory
-    KB = min(8 if R <= 4 else 2, dim // 8)
+    PIECES = dim // 8  # 16-byte pieces of a row
+    RW = dim // 2  # uint32 words of a V row
+    KROW = RW + 4  # of a K row in shared memory: 16 bytes of padding (bank conflicts)
+    KWORDS = CH * KROW
+    VWORDS = CH * RW
     U = np.uint32
     U64 = np.uint64
-    RED = max(1, WARP_RED_SLOTS)
+    KSH, VSH = W * KWORDS, W * VWORDS  # array shapes must be plain constants, not expressions
+    RED = W * max(1, WARP_RED_SLOTS)
+    assert _decode_smem(dim, R, W) <= _SMEM, (dim, R, W)
 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
@@ -433,21 +442,25 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         q0 = cuda.blockIdx.z * QT
-        lane = cuda.threadIdx.x
+        tid = cuda.threadIdx.x
+        wid = tid // 32
+        lane = tid % 32
         n_kvh = cuda.gridDim.y
         n_past = meta[0]
         n_q = meta[1]
         n_keys = n_past + n_q
         qs = cuda.shared.array((R, dim), np.float32)
-        ps = cuda.shared.array((R, CH), np.float32)
+        ksh = cuda.shared.array(KSH, np.uint32, alignment=SHARED16)
+        vsh = cuda.shared.array(VSH, np.uint32, alignment=SHARED16)
+        ps = cuda.shared.array((W, CH, R), np.float32)
+        mo = cuda.shared.array((W, R, dim), np.float32)
+        mml = cuda.shared.array((W, R, 2), np.float32)
+        red = cuda.shared.array(RED, np.float32)
         s = cuda.local.array(R, np.float32)
         m = cuda.local.array(R, np.float32)
         lsum = cuda.local.array(R, np.float32)
         acc = cuda.local.array(NACC, np.float32)
-        vsh = cuda.shared.array(VWORDS, np.uint32, alignment=SHARED16)
-        red = cuda.shared.array(RED, np.float32)
-        kw = cuda.local.array((KB, 4), np.uint32)
-        for e in range(lane, R * dim, CH):
+        for e in range(tid, R * dim, W * 32):
             r = e // dim
             qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
             qs[r, e % dim] = q[qi, hkv * G + r % G, e % dim] * scale
@@ -462,76 +475,94 @@ def _decode_kernel(dim: int, group: int, qt: int = 1):
         for e in range(NACC):
             acc[e] = 0.0
         n_chunks = (n_keys + CH - 1) // CH
-        cps = (n_chunks + cuda.gridDim.x - 1) // cuda.gridDim.x
-        c_lo = split * cps
-        c_hi = min(c_lo + cps, n_chunks)
+        cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
+        c_lo = (split * W + wid) * cps
+        kb = wid * KWORDS
+        vb = wid * VWORDS
         cuda.syncthreads()
-        for c in range(c_lo, c_hi):
-            j0 = c * CH
-            j = j0 + lane
-            # the chunk's keys are consecutive rows of one page (CH divides BLOCK): one table
-            # lookup; rows past the last key are in the page, read, and masked or selected away
+        for it in range(cps):
+            c = c_lo + it
+            live = c < n_chunks
+            j0 = c * CH if live else 0
+            key_end = n_keys if live else 0  # an empty chunk: no key is present
+            # the chunk's keys are consecutive rows of one page (CH divides BLOCK)
             cbase = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
-            for e in range(lane, VPIECES, CH):
-                cp_async16(vsh, 4 * e, vf, cbase + 8 * e, 16)
+            for e in range(lane, CH * PIECES, 32):
+                row = e // PIECES
+                nb = 16 if j0 + row < key_end else 0
+                cp_async16(ksh, kb + row * KROW + 4 * (e % PIECES), kf, cbase + 8 * e, nb)
+                cp_async16(vsh, vb + 4 * e, vf, cbase + 8 * e, nb)
+            cp_async_wait()
+            warp_barrier()
             for r in range(R):
                 s[r] = 0.0
-            base = cbase + lane * dim  # uint16 index of key j's row in the flat pool
-            # KB 16-byte pieces of the row in flight at once (a loop of one load an
-            # iteration waited out each load's latency in turn)
-            for b0 in range(0, dim // 8, KB):
-                for k in range(KB):
-                    a0, a1, a2, a3 = ldg_u16_u32x4(kf, base + 8 * (b0 + k))
-                    kw[k, 0] = a0
-                    kw[k, 1] = a1
-                    kw[k, 2] = a2
-                    kw[k, 3] = a3
-                for k in range(KB):
-                    for h in range(8):
-                        kx = f16_bits_to_f32(U(kw[k, h >> 1] >> U(16 * (h & 1))) & U(0xFFFF))
-                        for r in range(R):
-                            s[r] += qs[r, 8 * (b0 + k) + h] * kx
+            for pc in range(PIECES):
+                w0, w1, w2, w3 = lds4(ksh, kb + lane * KROW + 4 * pc)
+                for h in range(8):
+                    word = w0 if h < 2 else (w1 if h < 4 else (w2 if h < 6 else w3))
+                    kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
+                    for r in range(R):
+                        s[r] += qs[r, 8 * pc + h] * kx
             # which rows see key j: all committed keys (inside the window), and of the new
             # ones the query's ancestors and itself (tree) or its predecessors (chain)
+            j = j0 + lane
             for r in range(R):
                 qi = q0 + r // G
-                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, n_keys, qi, causal, rbits[r], window, rpos[r],
+                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, key_end, qi, causal, rbits[r], window, rpos[r],
                                           kv_pos)
-            # online softmax over the chunk: maxima and sums across the warp (shuffles on a
-            # GPU; before, every lane read the 32 values from shared memory one after another)
             for r in range(R):
-                cm = max(m[r], warp_allmax(s[r], red, 0, lane))
+                cm = max(m[r], warp_allmax(s[r], red, wid, lane))
                 p = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
                 al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
                 m[r] = cm
-                lsum[r] = lsum[r] * al + warp_allsum(p, red, 0, lane)
+                lsum[r] = lsum[r] * al + warp_allsum(p, red, wid, lane)
                 for d in range(DL):
                     acc[r * DL + d] *= al
-                ps[r, lane] = p
-            cp_async_wait()
-            cuda.syncthreads()
-            # every key of the chunk (p = 0 past the end or unseen: selected away, since
-            # the rows there may hold anything, NaN included)
+                ps[wid, lane, r] = p
+            warp_barrier()
             for k in range(CH):
                 for wd in range(DW):
                     if DL >= 2:
-                        word = vsh[k * RW + lane * DW + wd]
+                        word = vsh[vb + k * RW + lane * DW + wd]
                     else:  # head dim 32: a lane owns one half of a word
-                        word = vsh[k * RW + (lane >> 1)] >> U(16 * (lane & 1))
-                    _add_value_word(acc, word, ps, k, wd, R, DL)
-            cuda.syncthreads()
+                        word = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
+                    for hh in range(min(2, DL)):
+                        vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
+                        for r in range(R):
+                            acc[r * DL + wd * 2 + hh] += ps[wid, k, r] * vx
+            warp_barrier()  # the next chunk's copies overwrite these buffers
+        # merge the block's warps: each leaves (m, l, acc) in shared memory
         for r in range(R):
+            for d in range(DL):
+                mo[wid, r, lane * DL + d] = acc[r * DL + d]
+            if lane == 0:
+                mml[wid, r, 0] = m[r]
+                mml[wid, r, 1] = lsum[r]
+        cuda.syncthreads()
+        for e in range(tid, R * dim, W * 32):
+            r = e // dim
+            d = e % dim
             qi = q0 + r // G
             if qi < n_q:
+                big = np.float32(-math.inf)
+                for w in range(W):
+                    if mml[w, r, 1] > 0:
+                        big = max(big, mml[w, r, 0])
+                o = np.float32(0.0)
+                ll = np.float32(0.0)
+                for w in range(W):
+                    if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
+                        f = math.exp(mml[w, r, 0] - big)
+                        o += mo[w, r, d] * f
+                        ll += mml[w, r, 1] * f
                 hq = hkv * G + r % G
-                for d in range(DL):
-                    if direct:
-                        out[qi, hq, lane * DL + d] = acc[r * DL + d] / lsum[r]
-                    else:
-                        part_o[split, qi, hq, lane * DL + d] = acc[r * DL + d]
-                if not direct and lane == 0:
-                    part_ml[split, qi, hq, 0] = m[r]
-                    part_ml[split, qi, hq, 1] = lsum[r]
+                if direct:
+                    out[qi, hq, d] = o / ll
+                else:
+                    part_o[split, qi, hq, d] = o
+                    if d == 0:
+                        part_ml[split, qi, hq, 0] = big
+                        part_ml[split, qi, hq, 1] = ll
 
     return kernel
 
@@ -552,8 +583,9 @@ def row_tile(n_q: int, group: int) -> int:
     return 1 if n_q == 1 else max(1, ROW_TILE_ROWS // group)
 
 
-def _row_kernel_applies(n_q: int, dim: int, q8: bool) -> bool:
-    return n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
+def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1) -> bool:
+    return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
+            and decode_warps(dim, row_tile(n_q, group) * group) > 0)
 
 
 COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
@@ -645,17 +677,20 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
-    if not _row_kernel_applies(n_q, head_dim, q8) and attention_mma.applies(n_q, head_dim, q8):
+    row_kernel = _row_kernel_applies(n_q, head_dim, q8, group)
+    if not row_kernel and attention_mma.applies(n_q, head_dim, q8):
         p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits)
         return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
                     n_splits=p["n_splits"], pages_per_split=None)
-    if _row_kernel_applies(n_q, head_dim, q8):
+    if row_kernel:
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
-        ns = decode_plan(n_kv_heads * n_tiles, n_keys)
+        warps = decode_warps(head_dim, qt * group)
+        ns = decode_plan(n_kv_heads * n_tiles, n_keys, warps)
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
-        return dict(qt=qt, nt=DECODE_CHUNK, n_tiles=n_tiles, n_splits=ns, pages_per_split=None)
+        return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, n_tiles=n_tiles, n_splits=ns,
+                    pages_per_split=None)
     nt = block_threads(128)
     rows = n_q * group
     # at least one score and one output element per thread
@@ -708,8 +743,9 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
-    elif _row_kernel_applies(n_q, dim, q8):
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+    elif plan.get("kind") == "row":
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"],
+                                                                         stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
     else:

@@ -181,6 +181,11 @@ if SIM:
         pass
 
     @_dev
+    def lds4(sh, idx):
+        """sh[idx : idx + 4] (uint32 words) in one 16-byte shared load (idx % 4 == 0)."""
+        return sh[idx], sh[idx + 1], sh[idx + 2], sh[idx + 3]
+
+    @_dev
     def quad_sum(v, scr, wid, lane):
         return _quad(v, scr, wid, lane, lambda a, b: np.float32(a + b))
 else:
@@ -312,6 +317,23 @@ else:
             _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; st.shared.v4.u32 [sa], {$1,$2,$3,$4}; }",
                  "l,r,r,r,r", ir.VoidType(), [ir.IntType(64)] + [_I32] * 4, [addr] + vals, side_effect=True)
             return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def lds4(typingctx, sh, idx):
+        """sh[idx : idx + 4] (uint32 words) in one 16-byte shared load (idx % 4 == 0).
+        Volatile, like ldmatrix: the barriers around it order it against the copies that
+        fill the array."""
+        sig = types.UniTuple(types.uint32, 4)(sh, idx)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            s = _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }",
+                     "=r,=r,=r,=r,l", ir.LiteralStructType([_I32] * 4), [ir.IntType(64)], [addr], side_effect=True)
+            out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+            for k in range(4):
+                out = builder.insert_value(out, builder.extract_value(s, k), k)
+            return out
         return sig, codegen
 
     def _ldsm(trans: bool):

@@ -66,15 +66,20 @@ def test_decode(max_splits):
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, np.ones((1, 1), bool)), rtol=2e-4, atol=2e-5)
 
 
-# The one-query kernel (head_dim a multiple of 32): one warp per (split, kv head), a key
-# per lane. 150 context rows: chunks of 32 keys, the last partial; split over several
-# warps + combine, or direct; GQA groups of 1, 2 and 4; a sliding window that masks keys
-# inside a chunk; a grid planned for the whole context (a captured graph's).
-@pytest.mark.parametrize("d,hq,hkv,max_splits", [(32, 4, 2, None), (32, 4, 2, 1), (64, 4, 1, None),
-                                                 (32, 2, 2, 3)])
-def test_decode_one_query_kernel(d, hq, hkv, max_splits):
+# The one-query kernel (head_dim a multiple of 32): warps of (split, kv head) walking
+# chunks of 32 keys, a key per lane. 150 context rows: 5 chunks, the last partial; split
+# over several blocks + combine, or direct; GQA groups of 1, 2 and 4; 1, 2 or 4 warps a
+# block, merged in the block (one split of 4 warps: runs of 2, 2, 1 and no chunks); a
+# sliding window that masks keys inside a chunk; a grid planned for the whole context (a
+# captured graph's).
+@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps", [
+    (32, 4, 2, None, 4), (32, 4, 2, 1, 4), (64, 4, 1, None, 2), (32, 2, 2, 3, 1), (64, 2, 1, 1, 2)])
+def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps):
+    monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
-    assert A._row_kernel_applies(1, d, False)
+    assert A._row_kernel_applies(1, d, False, hq // hkv)
+    plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
+    assert plan["kind"] == "row" and plan["warps"] == max_warps
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
@@ -85,8 +90,9 @@ def test_decode_one_query_window_and_graph_grid():
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, None, window=40)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one, window=40), rtol=2e-4, atol=2e-5)
-    ns = A.attention_plan(1, 4, 2, 32, cache.n_ctx)["n_splits"]
-    assert ns == A.decode_plan(2, cache.n_ctx) == 8  # 256 keys: 8 chunks, each its own split
+    plan = A.attention_plan(1, 4, 2, 32, cache.n_ctx)
+    # 256 keys: 8 chunks, a chunk a warp, 4 warps a block
+    assert plan["n_splits"] == A.decode_plan(2, cache.n_ctx, plan["warps"]) == 2 and plan["warps"] == 4
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
     A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
                            cuda.to_device(npos.astype(np.int32)), n_keys=cache.n_ctx, out=out)
@@ -101,7 +107,7 @@ def test_decode_one_query_window_and_graph_grid():
     ("tree", 7, 4, 1, None, None), ("tree", 5, 4, 2, 30, 1), ("chain", 3, 2, 2, None, 2)])
 def test_row_kernel_several_queries(monkeypatch, kind, n_new, hq, hkv, window, max_splits):
     monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
-    assert A._row_kernel_applies(n_new, 32, False)
+    assert A._row_kernel_applies(n_new, 32, False, hq // hkv)
     parents = np.array([-1, 0, 0, 1, 1, 2, 3][:n_new]) if kind == "tree" else np.arange(-1, n_new - 1)
     depth = np.zeros(n_new, int)
     for i, p in enumerate(parents):
@@ -249,8 +255,10 @@ for dim, group, qt, mask in [(128, 4, 1, I1), (128, 8, 1, I1), (64, 3, 1, I1), (
                              (128, 4, 2, "uint64[::1]"), (128, 2, 4, "uint64[::1]"), (128, 4, 2, I1)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
            f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
-    code = ptx(attention._decode_kernel(dim, group, qt), sig)
-    assert "ld.global.nc.v4.u32" in code and ".local" not in code, (dim, group, qt)  # registers only
+    warps = attention.decode_warps(dim, qt * group)
+    code = ptx(attention._decode_kernel(dim, group, qt, warps), sig)
+    # registers only; K and V rows by cp.async, K read back 16 bytes at a time
+    assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
 from luce.kernels import attention_mma
 for dim, warps in [(128, 4), (128, 6), (64, 5), (32, 8)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, uint64[::1], int64, "
