@@ -362,12 +362,14 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # The tiled kernel above serves one query (decode) with a 4-row tile and four barriers a
 # page: on the H200 that cost ~38 us a layer at any context length, latency of a chain
 # with little work to hide behind. Here a warp walks its keys 32 at a time, one key a lane:
-#   copies: the chunk's K and V rows go to the warp's shared buffers by cp.async (no
-#     registers: a K row read into registers with 16-byte loads was, in the sm_90 code,
-#     16 loads issued one after another, each waited out before the next: ptxas sank them
-#     to their uses. That was most of the kernel's time: 43 us over 8K tokens on the H200
-#     at cf144b4, ~4 chunks a warp). Rows past the last key are zero-filled, so the value
-#     pass needs no guard against what unwritten rows hold;
+#   copies: the chunk's K and V rows go to one of the warp's two shared buffers by
+#     cp.async while the previous chunk is computed from the other (no registers: a K row
+#     read into registers with 16-byte loads was, in the sm_90 code, 16 loads issued one
+#     after another, each waited out before the next: ptxas sank them to their uses. That
+#     was most of the kernel's time: 43 us over 8K tokens on the H200 at cf144b4, ~4
+#     chunks a warp; copies into one buffer, waited out a chunk at a time: 31.5 us at
+#     58f5dc3). Rows past the last key are zero-filled, so the value pass needs no guard
+#     against what unwritten rows hold;
 #   scores: each lane dots its key's row (16-byte shared loads; rows padded by 16 bytes so
 #     that the 8 lanes of a load phase hit different banks) with the GQA group's queries;
 #   softmax: the chunk's max and sum across the warp (shuffles; shared memory in the
@@ -383,23 +385,28 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
+DECODE_BUFS = (2, 1)  # K/V buffers a warp, in order of preference
 
 
-def _decode_smem(dim: int, rows: int, warps: int) -> int:
-    """Shared bytes of the decode kernel: the queries, and per warp the K rows (padded), the
-    V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
+def _decode_smem(dim: int, rows: int, warps: int, bufs: int = 2) -> int:
+    """Shared bytes of the decode kernel: the queries, and per warp `bufs` buffers of K rows
+    (padded) and V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
     ch = DECODE_CHUNK
-    per_warp = ch * (dim + 8) * 2 + ch * dim * 2 + ch * rows * 4 + rows * dim * 4 + rows * 8
+    per_warp = bufs * (ch * (dim + 8) * 2 + ch * dim * 2) + ch * rows * 4 + rows * dim * 4 + rows * 8
     return rows * dim * 4 + warps * (per_warp + 4 * WARP_RED_SLOTS)
 
 
-def decode_warps(dim: int, rows: int) -> int:
-    """Warps a block of the decode kernel takes (the most whose buffers fit in static
-    shared memory); 0 when not even one fits."""
-    w = DECODE_MAX_WARPS
-    while w and _decode_smem(dim, rows, w) > _SMEM:
-        w //= 2
-    return w
+def decode_shape(dim: int, rows: int) -> tuple[int, int]:
+    """(warps a block, buffers a warp) of the decode kernel: double buffering first, then
+    the most warps whose buffers fit in static shared memory; (0, 0) when nothing fits
+    (head dim 256 gets one warp, single-buffered)."""
+    for bufs in DECODE_BUFS:
+        w = DECODE_MAX_WARPS
+        while w and _decode_smem(dim, rows, w, bufs) > _SMEM:
+            w //= 2
+        if w:
+            return w, bufs
+    return 0, 0
 
 
 def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1) -> int:
@@ -411,12 +418,12 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1):
+def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int = 2):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
-    warps a block."""
+    warps a block, `bufs` (1 or 2) K/V buffers a warp."""
     from ._reduce import warp_barrier
-    from .mma import SHARED16, cp_async16, cp_async_wait, lds4
+    from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds4
     CH = DECODE_CHUNK
     G = group
     QT = qt
@@ -432,9 +439,28 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1):
     VWORDS = CH * RW
     U = np.uint32
     U64 = np.uint64
-    KSH, VSH = W * KWORDS, W * VWORDS  # array shapes must be plain constants, not expressions
+    NB = bufs
+    KSH, VSH = NB * W * KWORDS, NB * W * VWORDS  # array shapes must be plain constants
+
     RED = W * max(1, WARP_RED_SLOTS)
-    assert _decode_smem(dim, R, W) <= _SMEM, (dim, R, W)
+    assert NB in (1, 2) and _decode_smem(dim, R, W, NB) <= _SMEM, (dim, R, W, NB)
+
+    @device(inline=True)
+    def _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid, lane, buf):
+        """Start the copies of chunk c's K and V rows into buffer `buf` of warp `wid`; rows
+        past the last key (all of them past the last chunk) are zero-filled."""
+        live = c < n_chunks
+        j0 = c * CH if live else 0
+        key_end = n_keys if live else 0
+        # the chunk's keys are consecutive rows of one page (CH divides BLOCK)
+        cbase = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
+        kb = (wid * NB + buf) * KWORDS
+        vb = (wid * NB + buf) * VWORDS
+        for e in range(lane, CH * PIECES, 32):
+            row = e // PIECES
+            nb = 16 if j0 + row < key_end else 0
+            cp_async16(ksh, kb + row * KROW + 4 * (e % PIECES), kf, cbase + 8 * e, nb)
+            cp_async16(vsh, vb + 4 * e, vf, cbase + 8 * e, nb)
 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
@@ -477,23 +503,32 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1):
         n_chunks = (n_keys + CH - 1) // CH
         cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
         c_lo = (split * W + wid) * cps
-        kb = wid * KWORDS
-        vb = wid * VWORDS
+        # trips of every warp of the block: its first warp's live chunks (the most any of
+        # its warps has); a block past the last chunk skips the loop and leaves l = 0
+        trips = max(0, min(cps, n_chunks - split * W * cps))
         cuda.syncthreads()
-        for it in range(cps):
+        if NB == 2 and trips > 0:
+            _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
+        cp_async_commit()
+        for it in range(trips):
             c = c_lo + it
             live = c < n_chunks
             j0 = c * CH if live else 0
             key_end = n_keys if live else 0  # an empty chunk: no key is present
-            # the chunk's keys are consecutive rows of one page (CH divides BLOCK)
-            cbase = (((table[j0 // BLOCK] * n_layers + layer) * n_kvh + hkv) * BLOCK + j0 % BLOCK) * dim
-            for e in range(lane, CH * PIECES, 32):
-                row = e // PIECES
-                nb = 16 if j0 + row < key_end else 0
-                cp_async16(ksh, kb + row * KROW + 4 * (e % PIECES), kf, cbase + 8 * e, nb)
-                cp_async16(vsh, vb + 4 * e, vf, cbase + 8 * e, nb)
-            cp_async_wait()
+            if NB == 1:
+                _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid, lane, 0)
+                cp_async_commit()
+                cp_async_wait()
+            else:  # double buffering: the next chunk's copies run while this one is computed
+                if it + 1 < trips:
+                    _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c + 1, n_chunks, n_keys, wid,
+                                 lane, (it + 1) & 1)
+                cp_async_commit()
+                cp_async_wait_prior()
             warp_barrier()
+            b = it & 1 if NB == 2 else 0
+            kb = (wid * NB + b) * KWORDS
+            vb = (wid * NB + b) * VWORDS
             for r in range(R):
                 s[r] = 0.0
             for pc in range(PIECES):
@@ -530,7 +565,7 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1):
                         vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
                         for r in range(R):
                             acc[r * DL + wd * 2 + hh] += ps[wid, k, r] * vx
-            warp_barrier()  # the next chunk's copies overwrite these buffers
+            warp_barrier()  # later copies overwrite these buffers
         # merge the block's warps: each leaves (m, l, acc) in shared memory
         for r in range(R):
             for d in range(DL):
@@ -585,7 +620,7 @@ def row_tile(n_q: int, group: int) -> int:
 
 def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1) -> bool:
     return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
-            and decode_warps(dim, row_tile(n_q, group) * group) > 0)
+            and decode_shape(dim, row_tile(n_q, group) * group)[0] > 0)
 
 
 COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
@@ -616,13 +651,19 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
     sums = cuda.shared.array(MAX_THREADS, np.float32)
     neg = np.float32(-math.inf)  # a Python float here makes the max and exp float64
     mv = neg
+    last = np.float32(-1.0)
     for s in range(t, n_splits, nt):
         ls = part_ml[s, i, hq, 1]
         m = part_ml[s, i, hq, 0] if ls > 0 else neg
         ms[s] = m
         wt[s] = ls
         mv = max(mv, m)
+        if ls > 0:
+            last = max(last, np.float32(s))
     big_m = block_max(mv, buf)
+    # a graph's grid is sized for the whole context: at a short one most splits saw no key,
+    # and the output loop below stops after the last split that did
+    n_used = int(block_max(last, buf)) + 1
     dv = np.float32(0.0)
     for s in range(t, n_splits, nt):
         if wt[s] > 0:
@@ -638,7 +679,7 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
         s = e // dim
         d = e - s * dim
         o = z
-        while s + 3 * step < n_splits:
+        while s + 3 * step < n_used:
             v0 = part_o[s, i, hq, d]
             v1 = part_o[s + step, i, hq, d]
             v2 = part_o[s + 2 * step, i, hq, d]
@@ -650,7 +691,7 @@ def _combine_kernel(part_o, part_ml, n_splits, meta, out):
             o += ((v0 * w0 if w0 != 0 else z) + (v1 * w1 if w1 != 0 else z)) + \
                 ((v2 * w2 if w2 != 0 else z) + (v3 * w3 if w3 != 0 else z))
             s += 4 * step
-        while s < n_splits:
+        while s < n_used:
             v0 = part_o[s, i, hq, d]
             w0 = wt[s]
             o += v0 * w0 if w0 != 0 else z
@@ -685,11 +726,11 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if row_kernel:
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
-        warps = decode_warps(head_dim, qt * group)
+        warps, bufs = decode_shape(head_dim, qt * group)
         ns = decode_plan(n_kv_heads * n_tiles, n_keys, warps)
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
-        return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, n_tiles=n_tiles, n_splits=ns,
+        return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, bufs=bufs, n_tiles=n_tiles, n_splits=ns,
                     pages_per_split=None)
     nt = block_threads(128)
     rows = n_q * group
@@ -744,8 +785,8 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
     elif plan.get("kind") == "row":
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"],
-                                                                         stream](
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"])[
+            (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
     else:

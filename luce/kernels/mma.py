@@ -181,6 +181,14 @@ if SIM:
         pass
 
     @_dev
+    def cp_async_commit():
+        pass
+
+    @_dev
+    def cp_async_wait_prior():
+        pass
+
+    @_dev
     def lds4(sh, idx):
         """sh[idx : idx + 4] (uint32 words) in one 16-byte shared load (idx % 4 == 0)."""
         return sh[idx], sh[idx + 1], sh[idx + 2], sh[idx + 3]
@@ -388,6 +396,27 @@ else:
 
         def codegen(context, builder, sig, args):
             _asm(builder, "cp.async.wait_all;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        """Close this thread's cp.async copies issued so far into a group."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, "cp.async.commit_group;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait_prior(typingctx):
+        """Wait for every committed group but the latest (double buffering: the copies of
+        the buffer about to be read are done, those of the next one may still run)."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, "cp.async.wait_group 1;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 
