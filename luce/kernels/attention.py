@@ -385,7 +385,10 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
-DECODE_BUFS = (2, 1)  # K/V buffers a warp, in order of preference
+# K/V buffers a warp, in order of preference. Two (the next chunk copied while one is
+# computed) halve the warps an SM holds; at 4653f47 on the H200 (8B shape, 8K keys) one
+# buffer and two warps a block took 31.6 us, two buffers and one warp 38.4.
+DECODE_BUFS = (1,)
 
 
 def _decode_smem(dim: int, rows: int, warps: int, bufs: int = 2) -> int:
@@ -423,7 +426,7 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp."""
     from ._reduce import warp_barrier
-    from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds4
+    from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
     CH = DECODE_CHUNK
     G = group
     QT = qt
@@ -440,6 +443,7 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
     U = np.uint32
     U64 = np.uint64
     NB = bufs
+    PSN = W * CH * R
     KSH, VSH = NB * W * KWORDS, NB * W * VWORDS  # array shapes must be plain constants
 
     RED = W * max(1, WARP_RED_SLOTS)
@@ -478,14 +482,33 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
         qs = cuda.shared.array((R, dim), np.float32)
         ksh = cuda.shared.array(KSH, np.uint32, alignment=SHARED16)
         vsh = cuda.shared.array(VSH, np.uint32, alignment=SHARED16)
-        ps = cuda.shared.array((W, CH, R), np.float32)
+        ps = cuda.shared.array(PSN, np.float32, alignment=SHARED16)
         mo = cuda.shared.array((W, R, dim), np.float32)
         mml = cuda.shared.array((W, R, 2), np.float32)
         red = cuda.shared.array(RED, np.float32)
+        n_chunks = (n_keys + CH - 1) // CH
+        cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
+        c_lo = (split * W + wid) * cps
+        # trips of every warp of the block: its first warp's live chunks (the most any of
+        # its warps has)
+        trips = max(0, min(cps, n_chunks - split * W * cps))
+        if trips == 0:
+            # past the last chunk (a graph's grid is sized for the whole context): only the
+            # combine's l = 0. The same for the whole block, so no barrier is skipped alone.
+            for r in range(tid, R, W * 32):
+                qi = q0 + r // G
+                if qi < n_q:
+                    part_ml[split, qi, hkv * G + r % G, 0] = -math.inf
+                    part_ml[split, qi, hkv * G + r % G, 1] = 0.0
+            return
+        # the first chunk's copies run while the queries load
+        _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
         s = cuda.local.array(R, np.float32)
         m = cuda.local.array(R, np.float32)
         lsum = cuda.local.array(R, np.float32)
         acc = cuda.local.array(NACC, np.float32)
+        pk = cuda.local.array(R, np.float32)
+        vw = cuda.local.array(DW, np.uint32)
         for e in range(tid, R * dim, W * 32):
             r = e // dim
             qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
@@ -500,15 +523,8 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
             rpos[r] = q_pos[qc] if window > 0 else 0
         for e in range(NACC):
             acc[e] = 0.0
-        n_chunks = (n_keys + CH - 1) // CH
-        cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
-        c_lo = (split * W + wid) * cps
-        # trips of every warp of the block: its first warp's live chunks (the most any of
-        # its warps has); a block past the last chunk skips the loop and leaves l = 0
-        trips = max(0, min(cps, n_chunks - split * W * cps))
+        pb = wid * CH * R
         cuda.syncthreads()
-        if NB == 2 and trips > 0:
-            _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
         cp_async_commit()
         for it in range(trips):
             c = c_lo + it
@@ -516,8 +532,10 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
             j0 = c * CH if live else 0
             key_end = n_keys if live else 0  # an empty chunk: no key is present
             if NB == 1:
-                _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid, lane, 0)
-                cp_async_commit()
+                if it > 0:
+                    _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid,
+                                 lane, 0)
+                    cp_async_commit()
                 cp_async_wait()
             else:  # double buffering: the next chunk's copies run while this one is computed
                 if it + 1 < trips:
@@ -553,18 +571,30 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
                 lsum[r] = lsum[r] * al + warp_allsum(p, red, wid, lane)
                 for d in range(DL):
                     acc[r * DL + d] *= al
-                ps[wid, lane, r] = p
+                ps[pb + lane * R + r] = p
             warp_barrier()
+            # shared loads of 8 or 16 bytes with no index arithmetic beyond a base and an
+            # offset: numba's indexing costs ~24 integer instructions a key here
             for k in range(CH):
+                if R % 4 == 0:
+                    for r4 in range(R // 4):
+                        pk[4 * r4], pk[4 * r4 + 1], pk[4 * r4 + 2], pk[4 * r4 + 3] = lds4(ps, pb + k * R + 4 * r4)
+                else:
+                    for r in range(R):
+                        pk[r] = ps[pb + k * R + r]
+                if DW == 4:
+                    vw[0], vw[1], vw[2], vw[3] = lds4(vsh, vb + k * RW + lane * 4)
+                elif DW == 2:
+                    vw[0], vw[1] = lds2(vsh, vb + k * RW + lane * 2)
+                elif DL >= 2:
+                    vw[0] = vsh[vb + k * RW + lane]
+                else:  # head dim 32: a lane owns one half of a word
+                    vw[0] = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
                 for wd in range(DW):
-                    if DL >= 2:
-                        word = vsh[vb + k * RW + lane * DW + wd]
-                    else:  # head dim 32: a lane owns one half of a word
-                        word = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
                     for hh in range(min(2, DL)):
-                        vx = f16_bits_to_f32(U(word >> U(16 * hh)) & U(0xFFFF))
+                        vx = f16_bits_to_f32(U(vw[wd] >> U(16 * hh)) & U(0xFFFF))
                         for r in range(R):
-                            acc[r * DL + wd * 2 + hh] += ps[wid, k, r] * vx
+                            acc[r * DL + wd * 2 + hh] += pk[r] * vx
             warp_barrier()  # later copies overwrite these buffers
         # merge the block's warps: each leaves (m, l, acc) in shared memory
         for r in range(R):

@@ -190,8 +190,13 @@ if SIM:
 
     @_dev
     def lds4(sh, idx):
-        """sh[idx : idx + 4] (uint32 words) in one 16-byte shared load (idx % 4 == 0)."""
+        """sh[idx : idx + 4] (uint32 or float32) in one 16-byte shared load (idx % 4 == 0)."""
         return sh[idx], sh[idx + 1], sh[idx + 2], sh[idx + 3]
+
+    @_dev
+    def lds2(sh, idx):
+        """sh[idx : idx + 2] (uint32 or float32) in one 8-byte shared load (idx % 2 == 0)."""
+        return sh[idx], sh[idx + 1]
 
     @_dev
     def quad_sum(v, scr, wid, lane):
@@ -327,22 +332,31 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @intrinsic
-    def lds4(typingctx, sh, idx):
-        """sh[idx : idx + 4] (uint32 words) in one 16-byte shared load (idx % 4 == 0).
-        Volatile, like ldmatrix: the barriers around it order it against the copies that
-        fill the array."""
-        sig = types.UniTuple(types.uint32, 4)(sh, idx)
+    def _lds(n: int):
+        def lds(typingctx, sh, idx):
+            # Volatile, like ldmatrix: the barriers around it order it against the copies
+            # and stores that fill the array. No index wraparound: idx is non-negative.
+            f32 = sh.dtype == types.float32
+            sig = types.UniTuple(sh.dtype, n)(sh, idx)
 
-        def codegen(context, builder, sig, args):
-            addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            s = _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }",
-                     "=r,=r,=r,=r,l", ir.LiteralStructType([_I32] * 4), [ir.IntType(64)], [addr], side_effect=True)
-            out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
-            for k in range(4):
-                out = builder.insert_value(out, builder.extract_value(s, k), k)
-            return out
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                regs = ",".join(f"${k}" for k in range(n))
+                s = _asm(builder, f"{{ .reg .u64 sa; cvta.to.shared.u64 sa, ${n}; "
+                                  f"ld.shared.v{n}.{'f32' if f32 else 'u32'} {{{regs}}}, [sa]; }}",
+                         ",".join(["=f" if f32 else "=r"] * n) + ",l", ir.LiteralStructType([_F32 if f32 else _I32] * n),
+                         [ir.IntType(64)], [addr], side_effect=True)
+                out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+                for k in range(n):
+                    out = builder.insert_value(out, builder.extract_value(s, k), k)
+                return out
+            return sig, codegen
+        return intrinsic(lds)
+
+    # sh[idx : idx + n] of a uint32 or float32 shared array in one 8- or 16-byte load
+    # (idx % n == 0)
+    lds2 = _lds(2)
+    lds4 = _lds(4)
 
     def _ldsm(trans: bool):
         shape = "m8n8.x4.trans" if trans else "m8n8.x4"

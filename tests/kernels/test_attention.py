@@ -73,11 +73,12 @@ def test_decode(max_splits):
 # K/V buffers a warp (the next chunk copied while one is computed), or one at head dim
 # 256; a sliding window that masks keys inside a chunk; a grid planned for the whole
 # context (a captured graph's).
-@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,shape", [
-    (32, 4, 2, None, 4, (4, 2)), (32, 4, 2, 1, 4, (4, 2)), (64, 4, 1, None, 2, (2, 2)), (32, 2, 2, 3, 1, (1, 2)),
-    (64, 2, 1, 1, 2, (2, 2)), (256, 2, 1, None, 4, (1, 1))])
-def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, shape):
+@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,bufs,shape", [
+    (32, 4, 2, None, 4, (2, 1), (4, 2)), (32, 4, 2, 1, 4, (1,), (4, 1)), (64, 4, 1, None, 2, (2, 1), (2, 2)),
+    (32, 2, 2, 3, 1, (2, 1), (1, 2)), (64, 2, 1, 1, 2, (1,), (2, 1)), (256, 2, 1, None, 4, (2, 1), (1, 1))])
+def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, shape):
     monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
+    monkeypatch.setattr(A, "DECODE_BUFS", bufs)
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
     assert A._row_kernel_applies(1, d, False, hq // hkv)
     plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
