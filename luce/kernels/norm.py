@@ -17,30 +17,49 @@ import math  # noqa: E402
 import numpy as _np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from ._reduce import MAX_THREADS, block_sum, block_threads  # noqa: E402
+from ._reduce import MAX_THREADS, SIM, block_sum, block_threads  # noqa: E402
+
+
+# elements of a row a thread holds in registers: rows up to VPT x 1024 (16384) wide; the
+# simulator runs one warp a block, so it holds more
+VPT = 64 if SIM else 16
 
 
 @cuda.jit
 def _rms_norm_kernel(x, res, w, out, sum_out, eps, has_res):
     # One block per row; a row is a hidden state or one head (q/k norm), so D is 64..8192.
+    # Every load of the row is issued before the first store (a store to sum_out, which may
+    # alias x, kept the next load from being issued before it), and the weights load while
+    # the block reduces: each is one memory latency, not one a loop trip.
     row = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     d_model = x.shape[1]
     buf = cuda.shared.array(MAX_THREADS, _np.float32)
+    xv = cuda.local.array(VPT, _np.float32)
+    rv = cuda.local.array(VPT, _np.float32)
+    wv = cuda.local.array(VPT, _np.float32)
+    for i in range(VPT):
+        d = t + i * nt
+        xv[i] = _np.float32(x[row, d]) if d < d_model else _np.float32(0.0)
+        rv[i] = _np.float32(res[row, d]) if has_res and d < d_model else _np.float32(0.0)
     ss = _np.float32(0.0)
-    for d in range(t, d_model, nt):
-        v = _np.float32(x[row, d])
-        if has_res:
-            v += _np.float32(res[row, d])
+    for i in range(VPT):
+        d = t + i * nt
+        v = xv[i] + rv[i]
+        xv[i] = v
+        if has_res and d < d_model:
             sum_out[row, d] = v
         ss += v * v
+    for i in range(VPT):
+        d = t + i * nt
+        wv[i] = w[d] if d < d_model else _np.float32(0.0)
     tot = block_sum(ss, buf)
     inv = _np.float32(1.0) / math.sqrt(tot / _np.float32(d_model) + eps)  # float32: tot / int is a float64 divide
-    for d in range(t, d_model, nt):
-        # Re-read what this thread itself wrote: sum_out may alias x (residual in place).
-        v = _np.float32(sum_out[row, d]) if has_res else _np.float32(x[row, d])
-        out[row, d] = v * inv * w[d]
+    for i in range(VPT):
+        d = t + i * nt
+        if d < d_model:
+            out[row, d] = xv[i] * inv * wv[i]
 
 
 def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=None, stream=0):
@@ -66,5 +85,7 @@ def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=N
     # 16 dependent trips at 256 threads for a 4096-wide row), so a one-row norm is all
     # latency; H200, Qwen3-8B decode at 256 threads: 4.3 us a call, 145 calls a token.
     nt = block_threads(min(MAX_THREADS, max(32, 1 << (d_model - 1).bit_length())))
+    if d_model > VPT * nt:
+        raise ValueError(f"rms_norm: rows of {d_model} are wider than {VPT * nt} ({VPT} a thread)")
     _rms_norm_kernel[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has)
     return out
