@@ -270,12 +270,24 @@ def test_bench_small_ops_rows():
 
 
 @pytest.mark.parametrize("dim,hq,hkv,n_ctx,window", [(64, 16, 2, 3000, None), (256, 8, 4, 701, None),
-                                                     (128, 64, 8, 1000, 300), (128, 32, 8, 37, None)])
+                                                     (128, 64, 8, 1000, 300), (128, 32, 8, 37, None),
+                                                     (64, 9, 3, 530, None)])
 def test_decode_one_query(dim, hq, hkv, n_ctx, window):
-    """The one-query kernel at other head dims and GQA groups, a sliding window, and
-    contexts ending mid-page: the pool is NaN outside the written rows, so a key past the
-    end or outside the window that leaked into a sum would show."""
+    """The one-query kernel at other head dims and GQA groups (3: SmolLM2's, whose
+    probabilities are read one at a time), a sliding window, and contexts ending mid-page:
+    the pool is NaN outside the written rows, so a key past the end or outside the window
+    that leaked into a sum would show."""
     _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
+
+
+@pytest.mark.parametrize("bufs,max_warps", [((2, 1), 4), ((1,), 1)])
+def test_decode_8k_other_shapes(monkeypatch, bufs, max_warps):
+    """The decode kernel's other block shapes at 8K: two K/V buffers a warp (the next
+    chunk copied while one is computed), and one warp a block (no merge)."""
+    from luce.kernels import attention as A
+    monkeypatch.setattr(A, "DECODE_BUFS", bufs)
+    monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
+    test_decode_8k()
 
 
 def test_tree23_8k_row_kernel(monkeypatch):
