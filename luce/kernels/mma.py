@@ -403,36 +403,24 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @intrinsic
-    def cp_async_wait(typingctx):
-        """Wait for this thread's cp.async copies (a barrier must follow before others read)."""
-        sig = types.void()
+    def _barrier_asm(ptx: str):
+        """An intrinsic of no arguments that emits `ptx`, ordered against memory accesses."""
+        def fn(typingctx):
+            sig = types.void()
 
-        def codegen(context, builder, sig, args):
-            _asm(builder, "cp.async.wait_all;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
-            return context.get_dummy_value()
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                _asm(builder, ptx, "~{memory}", ir.VoidType(), [], [], side_effect=True)
+                return context.get_dummy_value()
+            return sig, codegen
+        return intrinsic(fn)
 
-    @intrinsic
-    def cp_async_commit(typingctx):
-        """Close this thread's cp.async copies issued so far into a group."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _asm(builder, "cp.async.commit_group;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @intrinsic
-    def cp_async_wait_prior(typingctx):
-        """Wait for every committed group but the latest (double buffering: the copies of
-        the buffer about to be read are done, those of the next one may still run)."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _asm(builder, "cp.async.wait_group 1;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
-            return context.get_dummy_value()
-        return sig, codegen
+    # wait for this thread's cp.async copies (a barrier must follow before others read)
+    cp_async_wait = _barrier_asm("cp.async.wait_all;")
+    # close this thread's cp.async copies issued so far into a group
+    cp_async_commit = _barrier_asm("cp.async.commit_group;")
+    # wait for every committed group but the latest (double buffering: the copies of the
+    # buffer about to be read are done, those of the next one may still run)
+    cp_async_wait_prior = _barrier_asm("cp.async.wait_group 1;")
 
     @cuda.jit(device=True, inline=True)
     def quad_max(v, scr, wid, lane):
