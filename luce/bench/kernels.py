@@ -9,6 +9,7 @@ MATVEC_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (25600, 5120), (512
 def run(record: bool = True) -> dict:
     from .ceilings import copy_bandwidth_gbs
     from .kernels_attention import bench_attention
+    from .kernels_matvec_mma import bench_matvec_mma
     from .kernels_small import bench_small_ops
     from .kernels_matmul import SMALL_M_SHAPES, bench_matmul
     from ..kernels.matvec_fast import bench_matvec_fast
@@ -31,6 +32,7 @@ def run(record: bool = True) -> dict:
     add("verification widths: small-M tensor-core matmul vs 1-row matvec", bench_matmul(SMALL_M_SHAPES, baseline=True),
         "GB/s")
     add("prefill matmul, 512 rows", bench_matmul())
+    add("tensor-core Q4_K matvec (not yet routed) vs what runs now", bench_matvec_mma(), "GB/s")
     add("attention over 8K context (Qwen3-8B heads)", bench_attention())
     add("small per-layer ops (Qwen3-8B shape)", bench_small_ops())
     print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")

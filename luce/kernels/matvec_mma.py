@@ -35,8 +35,8 @@ from numba import cuda
 
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
-from .mma import SCRATCH, f32x2_to_f16x2, hsub2, mma_f16, prmt
-from .vector_load import f16_bits_to_f32, ldg_u16_u32
+from .mma import SCRATCH, f32x2_to_f16x2, hsub2, mma_f16
+from .vector_load import f16_bits_to_f32, ldg_u16_u32x2, ldg_u16_u32x4
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "x_halves"]
 
@@ -51,47 +51,95 @@ LOW4 = U(0x000F000F)
 
 
 @device(inline=True)
-def _quants(word, sel, high):
-    """Two quants of `word` as an exact f16x2: bytes picked by prmt selector `sel` (0x4140:
-    bytes 0 and 1, 0x4342: bytes 2 and 3), their low or (high) high nibbles."""
-    p = prmt(word, U(0), U(sel))
-    if high:
-        p = U(p >> U(4))
-    return hsub2(U(U(p & LOW4) | ONES), ONES)
+def _quants(word, odd, high):
+    """Two quants of `word` as an exact f16x2 A-fragment word: bytes 0 and 2 (odd=0) or 1
+    and 3 (odd=1), their low nibbles as q or (high) their high nibbles as 16 q, which the
+    sub-block's scale divides out again. Bytes 0 and 2 already sit in the two f16 halves,
+    so a mask and an or make 1024 + q (1024 + 16 q), and a subtraction of 1024 q."""
+    v = U(word >> U(8)) if odd else word
+    v = U(v & (U(0x00F000F0) if high else LOW4)) | ONES
+    return hsub2(v, ONES)
 
 
 @device(inline=True)
-def _byte(s0, s1, s2, k):
-    """Byte k (0..11) of the Q4_K scales, whose words are s0, s1, s2."""
-    w = s0 if k < 4 else (s1 if k < 8 else s2)
-    return U(w >> U(8 * (k & 3))) & U(0xFF)
-
-
-@device(inline=True)
-def _scale_min(h0, s0, s1, s2, i):
-    """(d * scale, dmin * min) of sub-block i of a Q4_K block (header word h0 = d | dmin)."""
-    if i < 4:
-        sc = _byte(s0, s1, s2, i) & U(63)
-        mn = _byte(s0, s1, s2, i + 4) & U(63)
+def _pair_scales(h0, s0, s1, s2, j):
+    """(d sc, dmin m) of sub-blocks 2j and 2j + 1 of a Q4_K block (header word h0 = d |
+    dmin, scale words s0..s2), the second scale over 16 (its quants enter as 16 q). The two
+    scale bytes of a pair are adjacent in every word; j is the same across the warp."""
+    sh = U(16 * (j & 1))
+    u0 = U(s0 >> sh)
+    u1 = U(s1 >> sh)
+    if j < 2:
+        sc = u0 & U(0x3F3F)
+        mn = u1 & U(0x3F3F)
     else:
-        sc = (_byte(s0, s1, s2, i + 4) & U(0xF)) | ((_byte(s0, s1, s2, i - 4) >> U(6)) << U(4))
-        mn = (_byte(s0, s1, s2, i + 4) >> U(4)) | ((_byte(s0, s1, s2, i) >> U(6)) << U(4))
+        u2 = U(s2 >> sh)
+        sc = (u2 & U(0x0F0F)) | (U(u0 >> U(2)) & U(0x3030))
+        mn = (U(u2 >> U(4)) & U(0x0F0F)) | (U(u1 >> U(2)) & U(0x3030))
     d = f16_bits_to_f32(h0 & U(0xFFFF))
     dm = f16_bits_to_f32(h0 >> U(16))
-    return d * np.float32(sc), dm * np.float32(mn)
+    return (d * np.float32(sc & U(0xFF)), d * np.float32(U(sc >> U(8)) & U(0xFF)) * np.float32(1.0 / 16),
+            dm * np.float32(mn & U(0xFF)), dm * np.float32(U(mn >> U(8)) & U(0xFF)))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int):
-    """The kernel for nt B fragments (8 nt rows of x)."""
+def _kernel(nt: int, tiles: int, warps: int):
+    """The kernel for nt B fragments (8 nt rows of x), `tiles` 16-row tiles a warp (they
+    share each x fragment) and `warps` warps a block splitting K."""
     NT = nt
-    NACC = 4 * NT
-    SCR = (WARPS, 32, SCRATCH) if SIM else (1,)
-    RED = (WARPS, 32, NACC)
+    TL = tiles
+    W = warps
+    NACC = 4 * NT * TL
+    SCR = (W, 32, SCRATCH) if SIM else (1,)
+    RED = (W, 32, NACC)
+    ROWS = 16 * TL
+    R2 = 2 * TL  # weight rows a lane reads; array shapes must be plain constants
+
+    @device(inline=True)
+    def sub_block(hi, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab):
+        """Sub-block 2j + hi of block b: two 16-column mma steps for every tile and x
+        fragment, then the scales and mins on the f32 sums."""
+        r = lane >> 2
+        c = lane & 3
+        for e in range(NACC):
+            cf[e] = 0.0
+        for a in range(2):
+            for tl in range(TL):
+                ab[tl, 0] = _quants(qw[2 * tl, a], 0, hi)
+                ab[tl, 1] = _quants(qw[2 * tl + 1, a], 0, hi)
+                ab[tl, 2] = _quants(qw[2 * tl, a], 1, hi)
+                ab[tl, 3] = _quants(qw[2 * tl + 1, a], 1, hi)
+            # x columns of the step: b QK + 64j + 32hi + 8c + 4a .. + 3, as (hi 02, hi 13,
+            # lo 02, lo 13) in one 16-byte load
+            grp = (b * QK + 64 * j + 32 * hi + 8 * c + 4 * a) >> 2
+            for f in range(NT):
+                bh0, bh1, bl0, bl1 = ldg_u16_u32x4(xq, ((f * 8 + r) * (k >> 2) + grp) * 8)
+                for tl in range(TL):
+                    e = 4 * (f * TL + tl)
+                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
+                        scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bh0, bh1,
+                        cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
+                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
+                        scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bl0, bl1,
+                        cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
+        # this lane's sums: rows r (e, e + 1) and r + 8 (e + 2, e + 3) of each tile, for
+        # rows of x 8f + 2c and 8f + 2c + 1
+        for f in range(NT):
+            xs0 = live * xs[f * 8 + 2 * c, b * 8 + 2 * j + hi]
+            xs1 = live * xs[f * 8 + 2 * c + 1, b * 8 + 2 * j + hi]
+            for tl in range(TL):
+                e = 4 * (f * TL + tl)
+                ds0 = live * sc[2 * tl, hi]
+                ds1 = live * sc[2 * tl + 1, hi]
+                dm0 = sc[2 * tl, 2 + hi]
+                dm1 = sc[2 * tl + 1, 2 + hi]
+                acc[e] += ds0 * cf[e] - dm0 * xs0
+                acc[e + 1] += ds0 * cf[e + 1] - dm0 * xs1
+                acc[e + 2] += ds1 * cf[e + 2] - dm1 * xs0
+                acc[e + 3] += ds1 * cf[e + 3] - dm1 * xs1
 
     @cuda.jit
-    def kernel(w, xh, xl, xs, n_out, k, n_x, out):
-        tile = cuda.blockIdx.x
+    def kernel(w, xq, xs, n_out, k, n_x, out):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -102,88 +150,55 @@ def _kernel(nt: int):
         red = cuda.shared.array(RED, np.float32)
         acc = cuda.local.array(NACC, np.float32)
         cf = cuda.local.array(NACC, np.float32)
+        rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: r, r + 8 of each tile
+        hd = cuda.local.array((R2, 4), np.uint32)  # their blocks' headers: d | dmin, scales
+        qw = cuda.local.array((R2, 2), np.uint32)  # their quants of the current chunk
+        sc = cuda.local.array((R2, 4), np.float32)  # the chunk's two sub-blocks' d sc, dmin m
+        ab = cuda.local.array((TL, 4), np.uint32)  # A fragments of a step
         for e in range(NACC):
             acc[e] = 0.0
-        n0 = min(tile * 16 + r, n_out - 1)  # rows past the end: computed, never stored
-        n1 = min(tile * 16 + r + 8, n_out - 1)
-        trips = (nb + WARPS - 1) // WARPS  # the same for every warp (the simulator's mma has barriers)
+        for i in range(R2):  # rows past the end: computed, never stored
+            rows[i] = min(cuda.blockIdx.x * ROWS + 16 * (i >> 1) + r + 8 * (i & 1), n_out - 1)
+        trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
         for it in range(trips):
-            b = wid + it * WARPS
+            b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            base0 = (n0 * nb + b) * BLOCK_U16
-            base1 = (n1 * nb + b) * BLOCK_U16
-            h0 = ldg_u16_u32(w, base0)
-            h1 = ldg_u16_u32(w, base1)
-            s00 = ldg_u16_u32(w, base0 + 2)
-            s01 = ldg_u16_u32(w, base0 + 4)
-            s02 = ldg_u16_u32(w, base0 + 6)
-            s10 = ldg_u16_u32(w, base1 + 2)
-            s11 = ldg_u16_u32(w, base1 + 4)
-            s12 = ldg_u16_u32(w, base1 + 6)
+            for i in range(R2):
+                hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldg_u16_u32x4(w, (rows[i] * nb + b) * BLOCK_U16)
             for j in range(4):
-                # qs bytes 32j + 4c (first 16 columns of both sub-blocks) and 32j + 16 + 4c
-                wa0 = ldg_u16_u32(w, base0 + 8 + 16 * j + 2 * c)
-                wb0 = ldg_u16_u32(w, base0 + 16 + 16 * j + 2 * c)
-                wa1 = ldg_u16_u32(w, base1 + 8 + 16 * j + 2 * c)
-                wb1 = ldg_u16_u32(w, base1 + 16 + 16 * j + 2 * c)
-                for hi in range(2):  # sub-block 2j + hi: the low, then the high nibbles
-                    for e in range(NACC):
-                        cf[e] = 0.0
-                    for a in range(2):
-                        q0 = wa0 if a == 0 else wb0
-                        q1 = wa1 if a == 0 else wb1
-                        a0 = _quants(q0, 0x4140, hi)
-                        a2 = _quants(q0, 0x4342, hi)
-                        a1 = _quants(q1, 0x4140, hi)
-                        a3 = _quants(q1, 0x4342, hi)
-                        col = b * QK + 64 * j + 32 * hi + 16 * a + 4 * c
-                        for f in range(NT):
-                            xi = (f * 8 + r) * k + col
-                            bh0 = ldg_u16_u32(xh, xi)
-                            bh1 = ldg_u16_u32(xh, xi + 2)
-                            bl0 = ldg_u16_u32(xl, xi)
-                            bl1 = ldg_u16_u32(xl, xi + 2)
-                            e = 4 * f
-                            cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
-                                scr, wid, lane, a0, a1, a2, a3, bh0, bh1, cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
-                            cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
-                                scr, wid, lane, a0, a1, a2, a3, bl0, bl1, cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
-                    # this lane's results: rows n0 (e, e + 1) and n1 (e + 2, e + 3) for rows of x
-                    # 8f + 2c and 8f + 2c + 1
-                    sb = b * 8 + 2 * j + hi
-                    ds0, dm0 = _scale_min(h0, s00, s01, s02, 2 * j + hi)
-                    ds1, dm1 = _scale_min(h1, s10, s11, s12, 2 * j + hi)
-                    for f in range(NT):
-                        e = 4 * f
-                        xs0 = xs[f * 8 + 2 * c, sb]
-                        xs1 = xs[f * 8 + 2 * c + 1, sb]
-                        acc[e] += live * (ds0 * cf[e] - dm0 * xs0)
-                        acc[e + 1] += live * (ds0 * cf[e + 1] - dm0 * xs1)
-                        acc[e + 2] += live * (ds1 * cf[e + 2] - dm1 * xs0)
-                        acc[e + 3] += live * (ds1 * cf[e + 3] - dm1 * xs1)
+                # qs bytes 32j + 8c .. + 7 of each row: the low nibbles are sub-block 2j, the
+                # high ones 2j + 1; word a holds the step-a columns of both
+                for i in range(R2):
+                    qw[i, 0], qw[i, 1] = ldg_u16_u32x2(w, (rows[i] * nb + b) * BLOCK_U16 + 8 + 16 * j + 4 * c)
+                    sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3] = _pair_scales(hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3], j)
+                sub_block(0, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
+                sub_block(1, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
         cuda.syncthreads()
-        if wid == 0:
-            for f in range(NT):
-                for e4 in range(4):
-                    e = 4 * f + e4
-                    v = red[0, lane, e]
-                    for ww in range(1, WARPS):
-                        v += red[ww, lane, e]
-                    t = f * 8 + 2 * c + (e4 & 1)
-                    n = tile * 16 + r + 8 * (e4 >> 1)
-                    if t < n_x and n < n_out:
-                        out[t, n] = v
+        # the block's warps' partial sums, one output each a thread
+        for o in range(tid, 32 * NACC, 32 * W):
+            ln = o % 32
+            e = o // 32
+            v = red[0, ln, e]
+            for ww in range(1, W):
+                v += red[ww, ln, e]
+            e4 = e % 4
+            ft = e // 4
+            t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
+            n = cuda.blockIdx.x * ROWS + 16 * (ft % TL) + (ln >> 2) + 8 * (e4 >> 1)
+            if t < n_x and n < n_out:
+                out[t, n] = v
 
     return kernel
 
 
 @cuda.jit
-def _halves_kernel(x, n_x, xh, xl, xs):
-    # one thread per (row of x, 32-column sub-block): f16 hi + lo of each element, and the
-    # sub-block's f32 sum; rows from n_x up to the fragments' 8 are zeros
+def _halves_kernel(x, n_x, xq, xs):
+    # one thread per (row of x, 32-column sub-block): each group of 4 columns as f16 words
+    # (hi 02, hi 13, lo 02, lo 13) with lo = x - hi (the pairs the A fragments hold), and the sub-block's f32 sum; rows from
+    # n_x up to the fragments' 8 are zeros
     g = cuda.grid(1)
     n_sub = xs.shape[1]
     if g >= xs.shape[0] * n_sub:
@@ -191,33 +206,51 @@ def _halves_kernel(x, n_x, xh, xl, xs):
     t = g // n_sub
     s = g - t * n_sub
     tot = np.float32(0.0)
-    for i in range(32):
-        col = s * 32 + i
-        v = x[t, col] if t < n_x else np.float32(0.0)
-        h = f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF)
-        xh[t, col] = h
-        xl[t, col] = f32x2_to_f16x2(v - f16_bits_to_f32(h), np.float32(0.0)) & U(0xFFFF)
-        tot += v
+    for q in range(8):
+        col = s * 32 + 4 * q
+        v = cuda.local.array(4, np.float32)
+        for i in range(4):
+            v[i] = x[t, col + i] if t < n_x else np.float32(0.0)
+            tot += v[i]
+        h02 = f32x2_to_f16x2(v[0], v[2])
+        h13 = f32x2_to_f16x2(v[1], v[3])
+        l02 = f32x2_to_f16x2(v[0] - f16_bits_to_f32(h02 & U(0xFFFF)), v[2] - f16_bits_to_f32(h02 >> U(16)))
+        l13 = f32x2_to_f16x2(v[1] - f16_bits_to_f32(h13 & U(0xFFFF)), v[3] - f16_bits_to_f32(h13 >> U(16)))
+        grp = col >> 2
+        xq[t, grp, 0] = h02
+        xq[t, grp, 1] = h13
+        xq[t, grp, 2] = l02
+        xq[t, grp, 3] = l13
     xs[t, s] = tot
 
 
 def x_halves(x_dev, stream=0):
-    """(x hi, x lo as flat uint16 views, x sums [rows8, K/32]) of x [n_x, K] for the kernel,
-    rows padded to a multiple of 8."""
+    """(x as flat uint16: per row, per 4 columns the f16 words hi 02, hi 13, lo 02, lo 13;
+    the sums of x over 32-column sub-blocks [rows8, K/32]) for the kernel, rows padded to a
+    multiple of 8 with zeros."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    xh = cuda.device_array((rows8, k), np.uint16, stream=stream)
-    xl = cuda.device_array((rows8, k), np.uint16, stream=stream)
+    xq = cuda.device_array((rows8, k // 4, 4), np.uint32, stream=stream)
     xs = cuda.device_array((rows8, k // 32), np.float32, stream=stream)
     n = rows8 * (k // 32)
     threads = 32 if SIM else 128
-    _halves_kernel[-(-n // threads), threads, stream](x_dev, n_x, xh, xl, xs)
-    return xh.reshape(xh.size), xl.reshape(xl.size), xs
+    _halves_kernel[-(-n // threads), threads, stream](x_dev, n_x, xq, xs)
+    return xq.reshape(xq.size).view(np.uint16), xs
 
 
-def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, stream=0):
+def plan(n_x: int, n_out: int, k: int) -> tuple[int, int]:
+    """(tiles a warp, warps a block): two tiles share each x fragment where the grid still
+    fills the GPU (about 8 warps an SM) and registers allow (up to 24 rows of x: with 32,
+    sm_90 code spills), else one; 8 warps split K for short outputs."""
+    tiles = 2 if -(-n_out // 32) * WARPS >= 8 * 132 and n_x <= 24 else 1
+    warps = WARPS if -(-n_out // (16 * tiles)) * WARPS >= 4 * 132 else 2 * WARPS
+    return tiles, min(warps, max(1, k // QK))
+
+
+def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, stream=0, tiles=None, warps=None):
     """y [n_x, n_out] = x [n_x, K] @ W^T for a Q4_K weight (raw uint8 rows) and 1..MAX_ROWS
-    rows of x (float32, on the device). Same semantics as matvec_ref; not yet routed."""
+    rows of x (float32, on the device). Same semantics as matvec_ref; not yet routed.
+    tiles, warps: see plan (its choice by default)."""
     qtype = as_qtype(qtype)
     if qtype not in MMA_TYPES:
         raise ValueError(f"matvec_mma: {qtype.name} weights are not supported (Q4_K only)")
@@ -225,9 +258,11 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, stream=0):
     if not 1 <= n_x <= MAX_ROWS or k % QK:
         raise ValueError(f"matvec_mma: x of {n_x} rows x {k} (1..{MAX_ROWS} rows, K a multiple of {QK})")
     w16, _ = weight_u16(w_dev, qtype, k)
-    xh, xl, xs = x_halves(x_dev, stream)
+    xq, xs = x_halves(x_dev, stream)
     if out is None:
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
-    nt = -(-n_x // 8)
-    _kernel(nt)[-(-n_out // 16), 32 * WARPS, stream](w16, xh, xl, xs, n_out, k, n_x, out)
+    pt, pw = plan(n_x, n_out, k)
+    tiles, warps = tiles or pt, warps or pw
+    _kernel(-(-n_x // 8), tiles, warps)[-(-n_out // (16 * tiles)), 32 * warps, stream](w16, xq, xs, n_out, k, n_x,
+                                                                                        out)
     return out

@@ -18,7 +18,7 @@ from .device import device
 
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
-__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
+__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
 
 if SIM:
     @device
@@ -33,6 +33,12 @@ if SIM:
     def ldg_u16_u32(a, i):
         """One uint32 word from a[i : i + 2] (uint16 array)."""
         return np.uint32(a[i] | (np.uint32(a[i + 1]) << 16))
+
+    @device
+    def ldg_u16_u32x2(a, i):
+        """Two little-endian uint32 words from a[i : i + 4] (uint16 array)."""
+        return (np.uint32(a[i] | (np.uint32(a[i + 1]) << 16)),
+                np.uint32(a[i + 2] | (np.uint32(a[i + 3]) << 16)))
 
     @device
     def ldg_f32x4(a, i):
@@ -84,6 +90,16 @@ else:
         def codegen(context, builder, sig, args):
             return _vector_load(context, builder, sig, args,
                                 "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "r", ir.IntType(32), 4)
+        return sig, codegen
+
+    @intrinsic
+    def ldg_u16_u32x2(typingctx, a, i):
+        """Two little-endian uint32 words from a[i : i + 4] (uint16 array, 8-byte aligned)."""
+        sig = types.UniTuple(types.uint32, 2)(a, types.intp)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args,
+                                "ld.global.nc.v2.u32 {$0,$1}, [$2];", "r", ir.IntType(32), 2)
         return sig, codegen
 
     @intrinsic

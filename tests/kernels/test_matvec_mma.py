@@ -1,7 +1,8 @@
-"""The tensor-core Q4_K matvec (luce.kernels.matvec_mma) in the CUDA simulator: 1, 5 and
-11 rows of x (one and two B fragments, partial), output rows that end inside a 16-row
-tile, K split over the block's warps unevenly (5 blocks over 4 warps), against the f64
-reference of dequantized weights; a NaN-filled output shows unwritten elements."""
+"""The tensor-core Q4_K matvec (luce.kernels.matvec_mma) in the CUDA simulator: 1, 3, 5
+and 11 rows of x (one and two B fragments, partial), output rows that end inside a tile
+(one or two 16-row tiles a warp), K split over the block's warps unevenly (5 blocks over
+4 warps, 3 over 2), against the f64 reference of dequantized weights; a NaN-filled output
+shows unwritten elements."""
 import numpy as np
 import pytest
 from numba import cuda
@@ -14,12 +15,14 @@ from tests.test_dequant import random_tensor
 rng = np.random.default_rng(7)
 
 
-@pytest.mark.parametrize("n_x,n_out,k", [(1, 24, 512), (5, 16, 1280), (11, 40, 256)])
-def test_matvec_mma_q4_k(n_x, n_out, k):
+@pytest.mark.parametrize("n_x,n_out,k,tiles,warps", [(1, 24, 512, 1, 2), (5, 16, 1280, 1, 4), (11, 40, 256, 2, 1),
+                                                     (3, 56, 768, 2, 2)])
+def test_matvec_mma_q4_k(n_x, n_out, k, tiles, warps):
     raw = random_tensor(rng, T.Q4_K, (n_out, k)).reshape(n_out, -1)
     x = rng.standard_normal((n_x, k)).astype(np.float32)
     out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-    got = matvec_mma(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), n_out, out=out).copy_to_host()
+    got = matvec_mma(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), n_out, out=out, tiles=tiles,
+                     warps=warps).copy_to_host()
     want = matvec_ref(raw, T.Q4_K, x)
     bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (n_out, k))).T  # sum |x| |w|
     assert not np.isnan(got).any()
