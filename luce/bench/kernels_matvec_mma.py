@@ -57,7 +57,6 @@ def bench_matvec_mma(rows=ROWS, shapes=SHAPES, reps: int = 20, rotate_mb: float 
             out_rows.append(dict(rows=m, K=k, N=n, time_us=round(us, 2), **{"GB/s": round(wbytes / (us * 1e-6) / 1e9)},
                                  current="matvec_fast" if m == 1 else "matmul", current_us=round(cur, 2),
                                  x_current=round(us / cur, 2)))
-        del ws, w0
     return out_rows
 
 

@@ -197,8 +197,8 @@ def _kernel(nt: int, tiles: int, warps: int):
 @cuda.jit
 def _halves_kernel(x, n_x, xq, xs):
     # one thread per (row of x, 32-column sub-block): each group of 4 columns as f16 words
-    # (hi 02, hi 13, lo 02, lo 13) with lo = x - hi (the pairs the A fragments hold), and the sub-block's f32 sum; rows from
-    # n_x up to the fragments' 8 are zeros
+    # (hi 02, hi 13, lo 02, lo 13) with lo = x - hi (the pairs the A fragments hold), and
+    # the sub-block's f32 sum; rows from n_x up to the fragments' 8 are zeros
     g = cuda.grid(1)
     n_sub = xs.shape[1]
     if g >= xs.shape[0] * n_sub:

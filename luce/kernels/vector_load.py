@@ -82,34 +82,22 @@ else:
             out = builder.insert_value(out, builder.extract_value(val, k), k)
         return out
 
-    @intrinsic
-    def ldg_u16_u32x4(typingctx, a, i):
-        """Four little-endian uint32 words from a[i : i + 8] (uint16 array, 16-byte aligned)."""
-        sig = types.UniTuple(types.uint32, 4)(a, types.intp)
+    def _ldg_u32(n: int):
+        regs = ",".join(f"${k}" for k in range(n))
+        ptx = (f"ld.global.nc.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else "ld.global.nc.u32 $0, [$1];")
 
-        def codegen(context, builder, sig, args):
-            return _vector_load(context, builder, sig, args,
-                                "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "r", ir.IntType(32), 4)
-        return sig, codegen
+        def ldg(typingctx, a, i):
+            sig = (types.UniTuple(types.uint32, n) if n > 1 else types.uint32)(a, types.intp)
 
-    @intrinsic
-    def ldg_u16_u32x2(typingctx, a, i):
-        """Two little-endian uint32 words from a[i : i + 4] (uint16 array, 8-byte aligned)."""
-        sig = types.UniTuple(types.uint32, 2)(a, types.intp)
+            def codegen(context, builder, sig, args):
+                return _vector_load(context, builder, sig, args, ptx, "r", ir.IntType(32), n)
+            return sig, codegen
+        return intrinsic(ldg)
 
-        def codegen(context, builder, sig, args):
-            return _vector_load(context, builder, sig, args,
-                                "ld.global.nc.v2.u32 {$0,$1}, [$2];", "r", ir.IntType(32), 2)
-        return sig, codegen
-
-    @intrinsic
-    def ldg_u16_u32(typingctx, a, i):
-        """One uint32 word from a[i : i + 2] (uint16 array, 4-byte aligned)."""
-        sig = types.uint32(a, types.intp)
-
-        def codegen(context, builder, sig, args):
-            return _vector_load(context, builder, sig, args, "ld.global.nc.u32 $0, [$1];", "r", ir.IntType(32), 1)
-        return sig, codegen
+    # n little-endian uint32 words from a[i : i + 2n] (uint16 array, aligned to 4n bytes)
+    ldg_u16_u32x4 = _ldg_u32(4)
+    ldg_u16_u32x2 = _ldg_u32(2)
+    ldg_u16_u32 = _ldg_u32(1)
 
     @intrinsic
     def ldg_f32x4(typingctx, a, i):
