@@ -140,3 +140,43 @@ def test_failed_graph_capture_runs_eagerly(tiny_llama, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(again, want, rtol=1e-6)
     assert len(tries) == 1 and sum("eagerly" in str(c.message) for c in caught) == 1
+
+
+def test_matvec_mma_routing_matches_cpu(tmp_path, monkeypatch):
+    """With the tensor-core Q4_K matvec routed for 1-8 tokens (luce.backends.cuda.
+    MATVEC_MMA_ROWS; off by default until timed), a tiny Q4_K model's 3-token forward on the
+    simulated device matches the CPU backend: the gated FFN, the down
+    projection with its in-place residual add and the output head go through it."""
+    import gguf
+    from luce.backends import cuda as C
+    from luce.backends.cpu import CPUBackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    monkeypatch.setattr(C, "MATVEC_MMA_ROWS", range(1, 9))
+    shape = tiny("llama", 64, n_layers=1, n_embd=256, n_ff=256, n_heads=2, n_kv_heads=1, head_dim=32)
+    from luce.kernels import matvec_mma as M
+    calls, real = [], M.matvec_mma
+    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    path = write_gguf(tmp_path / "tiny.gguf", shape, seed=5,
+                      types=lambda n: Q.F32 if "norm" in n else Q.Q8_0 if "attn_output" in n else Q.Q4_K)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    cpu, gpu = CPUBackend(), C.CUDABackend(use_graphs=False)
+    w_cpu, w_gpu = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
+    kv_cpu, kv_gpu = cpu.new_cache(cfg, 64), gpu.new_cache(cfg, 64)
+    for tokens, positions, mask in [([3, 17, 42], np.arange(3), None)]:  # (each forward: ~80 s simulated)
+        a = cpu.forward(fam, cfg, w_cpu, kv_cpu, tokens, positions, mask, None)
+        b = gpu.forward(fam, cfg, w_gpu, kv_gpu, tokens, positions, mask, None)
+        kv_cpu.commit(None)
+        kv_gpu.commit(None)
+        # random Q4_K weights give logits up to ~100 that f16 KV moves by up to 0.3 with or
+        # without this kernel (the default routing: 2.7e-3 of the largest; a wrong fragment
+        # layout: order 1)
+        assert np.abs(b - a).max() <= 1e-2 * np.abs(a).max(), np.abs(b - a).max()
+    # every weight with 256-multiple columns: gate, up, down (n_ff 256) and q, k, v and the
+    # head (n_embd 256); the output projection (64 columns, Q8_0) takes the other kernels
+    assert sorted(set(calls)) == [32, 64, 256] and len(calls) == 7, calls

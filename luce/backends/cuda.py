@@ -32,6 +32,10 @@ MATMUL_MIN_ROWS = 2
 # through the matmul cost 2.1-2.3x a decode step: so 2 rows only. The 2-token forward with
 # this routing was not timed end to end.
 FAST_MATVEC_MAX_ROWS = 2
+# Forwards of this many tokens (inclusive range) take the tensor-core matvec for Q4_K
+# weights (luce.kernels.matvec_mma: each weight read once, straight into mma fragments).
+# Empty until it is timed on a GPU: it was written without GPU time left (2026-11-30).
+MATVEC_MMA_ROWS = range(0)
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -115,9 +119,13 @@ class CudaOps:
         from ..kernels.matmul import MATMUL_TYPES, matmul
         from ..kernels.matvec import matvec
         from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
+        from ..kernels.matvec_mma import MMA_TYPES, QK as MMA_QK, matvec_mma
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
+        if n in MATVEC_MMA_ROWS and w.qtype in MMA_TYPES and w.shape[1] % MMA_QK == 0:
+            return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
+                              stream=self.stream)
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
         if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
@@ -133,8 +141,10 @@ class CudaOps:
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
+        from ..kernels.matvec_mma import MMA_TYPES
         n = x.shape[0]
-        if w_gate.qtype == w_up.qtype:
+        mma = n in MATVEC_MMA_ROWS and w_gate.qtype in MMA_TYPES and w_up.qtype in MMA_TYPES
+        if w_gate.qtype == w_up.qtype and not mma:  # else both through linear's matvec_mma
             qt = w_gate.qtype
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),

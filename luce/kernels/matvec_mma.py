@@ -22,9 +22,10 @@ ca39022). Here the weights go from global memory straight into `mma.sync` A frag
 Weight traffic is W once for all rows; instructions per weight and lane: ~1 for the
 quants and, per 16-column step, two 32-bit x loads and two mma per 8 rows of x.
 
-Not yet routed by the CUDA backend and not yet timed on a GPU (written 2026-11-30 without
-GPU time left): `luce bench --kernels` and the GPU tests decide whether it replaces the
-matvec for decode and the small-M matmul for verification.
+Not yet timed on a GPU (written 2026-11-30 without GPU time left), so the CUDA backend
+routes nothing to it by default (luce.backends.cuda.MATVEC_MMA_ROWS): `luce bench
+--kernels` and the GPU tests decide whether it replaces the matvec for decode and the
+small-M matmul for verification.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def _kernel(nt: int, tiles: int, warps: int):
                 acc[e + 3] += ds1 * cf[e + 3] - dm1 * xs1
 
     @cuda.jit
-    def kernel(w, xq, xs, n_out, k, n_x, out):
+    def kernel(w, xq, xs, n_out, k, n_x, bias, res, has_bias, has_res, out):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -189,6 +190,10 @@ def _kernel(nt: int, tiles: int, warps: int):
             t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
             n = cuda.blockIdx.x * ROWS + 16 * (ft % TL) + (ln >> 2) + 8 * (e4 >> 1)
             if t < n_x and n < n_out:
+                if has_bias:
+                    v += bias[n]
+                if has_res:  # may be out itself (the residual stream, in place)
+                    v += res[t, n]
                 out[t, n] = v
 
     return kernel
@@ -224,14 +229,20 @@ def _halves_kernel(x, n_x, xq, xs):
     xs[t, s] = tot
 
 
+_SCRATCH: dict = {}  # (rows8, K) -> (xq, xs): fixed addresses, so captured graphs stay valid
+
+
 def x_halves(x_dev, stream=0):
     """(x as flat uint16: per row, per 4 columns the f16 words hi 02, hi 13, lo 02, lo 13;
     the sums of x over 32-column sub-blocks [rows8, K/32]) for the kernel, rows padded to a
-    multiple of 8 with zeros."""
+    multiple of 8 with zeros. The buffers are kept per shape and reused by every call (one
+    stream orders the calls)."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    xq = cuda.device_array((rows8, k // 4, 4), np.uint32, stream=stream)
-    xs = cuda.device_array((rows8, k // 32), np.float32, stream=stream)
+    if (rows8, k) not in _SCRATCH:
+        _SCRATCH[(rows8, k)] = (cuda.device_array((rows8, k // 4, 4), np.uint32),
+                                cuda.device_array((rows8, k // 32), np.float32))
+    xq, xs = _SCRATCH[(rows8, k)]
     n = rows8 * (k // 32)
     threads = 32 if SIM else 128
     _halves_kernel[-(-n // threads), threads, stream](x_dev, n_x, xq, xs)
@@ -247,10 +258,11 @@ def plan(n_x: int, n_out: int, k: int) -> tuple[int, int]:
     return tiles, min(warps, max(1, k // QK))
 
 
-def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, stream=0, tiles=None, warps=None):
-    """y [n_x, n_out] = x [n_x, K] @ W^T for a Q4_K weight (raw uint8 rows) and 1..MAX_ROWS
-    rows of x (float32, on the device). Same semantics as matvec_ref; not yet routed.
-    tiles, warps: see plan (its choice by default)."""
+def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=None, stream=0, tiles=None,
+               warps=None):
+    """y [n_x, n_out] = x [n_x, K] @ W^T (+ bias) (+ residual) for a Q4_K weight (raw uint8
+    rows) and 1..MAX_ROWS rows of x (float32, on the device); residual may be out itself.
+    Same semantics as matvec_ref. tiles, warps: see plan (its choice by default)."""
     qtype = as_qtype(qtype)
     if qtype not in MMA_TYPES:
         raise ValueError(f"matvec_mma: {qtype.name} weights are not supported (Q4_K only)")
@@ -263,6 +275,9 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, stream=0, tiles=None, 
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
     pt, pw = plan(n_x, n_out, k)
     tiles, warps = tiles or pt, warps or pw
-    _kernel(-(-n_x // 8), tiles, warps)[-(-n_out // (16 * tiles)), 32 * warps, stream](w16, xq, xs, n_out, k, n_x,
-                                                                                        out)
+    # absent epilogues: never read, but numba needs arrays of the right kinds
+    b = bias if bias is not None else out.reshape(out.size)
+    r = residual if residual is not None else out
+    _kernel(-(-n_x // 8), tiles, warps)[-(-n_out // (16 * tiles)), 32 * warps, stream](
+        w16, xq, xs, n_out, k, n_x, b, r, int(bias is not None), int(residual is not None), out)
     return out
