@@ -1,4 +1,5 @@
-"""Q4_K matrix-vector products on tensor cores for 1-32 activation rows: y[t] = W x[t].
+"""Q4_K and Q6_K matrix-vector products on tensor cores for 1-32 activation rows:
+y[t] = W x[t].
 
 Why: the FMA matvec (matvec_fast) spends ~4.6 instructions a weight and row and reaches
 42-48% of copy bandwidth on the H200 with no single unit saturated; the small-M matmul
@@ -18,6 +19,9 @@ ca39022). Here the weights go from global memory straight into `mma.sync` A frag
   (sum x), with the sums of x over each sub-block made once per call (x_sums);
 - x enters as f16 hi + lo pairs (two mma), so the products keep ~22 bits of x: results
   agree with the f32 reference to ~1e-6 of sum |w| |x|;
+- Q6_K the same way: a step is one of its 16-column sub-blocks, a lane's quants are one
+  word of low nibbles and one of high bits (its 210-byte blocks are only 2-byte aligned,
+  so words come from two 16-bit loads), q - 32 enters exactly, the int8 scale after;
 - the warps of a block split K and add their partial tiles in shared memory.
 Weight traffic is W once for all rows; instructions per weight and lane: ~1 for the
 quants and, per 16-column step, two 32-bit x loads and two mma per 8 rows of x.
@@ -41,11 +45,10 @@ from .vector_load import f16_bits_to_f32, ldg_u16_u32x2, ldg_u16_u32x4
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "x_halves"]
 
-MMA_TYPES = frozenset({T.Q4_K})
+MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
 WARPS = 4  # a block: 16 output rows, K split four ways
 QK = 256  # columns a Q4_K block
-BLOCK_U16 = 72  # its 144 bytes as uint16
 U = np.uint32
 ONES = U(0x64006400)  # f16x2 (1024, 1024)
 LOW4 = U(0x000F000F)
@@ -83,10 +86,28 @@ def _pair_scales(h0, s0, s1, s2, j):
             dm * np.float32(mn & U(0xFF)), dm * np.float32(U(mn >> U(8)) & U(0xFF)))
 
 
+@device(inline=True)
+def _u32_at(w, i):
+    """A 32-bit word from two uint16 (Q6_K's 210-byte blocks are only 2-byte aligned)."""
+    return U(w[i]) | U(U(w[i + 1]) << U(16))
+
+
+@device(inline=True)
+def _quants6(lw, hw, odd, g):
+    """Two Q6_K quants as an exact f16x2 of q - 32: bytes 0 and 2 (odd=0) or 1 and 3 of the
+    ql word lw (nibble g >> 1: the low 4 bits) and of the qh word hw (bits 2g, 2g + 1)."""
+    if odd:
+        lw = U(lw >> U(8))
+        hw = U(hw >> U(8))
+    nib = U(lw >> U(4 * (g >> 1))) & LOW4
+    hb = U(U(U(hw >> U(2 * g)) & U(0x00030003)) << U(4))
+    return hsub2(U(nib | hb | ONES), U(0x64206420))  # 1024 + q - (1024 + 32)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, tiles: int, warps: int):
-    """The kernel for nt B fragments (8 nt rows of x), `tiles` 16-row tiles a warp (they
-    share each x fragment) and `warps` warps a block splitting K."""
+def _kernel(qtype, nt: int, tiles: int, warps: int):
+    """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
+    a warp (they share each x fragment) and `warps` warps a block splitting K."""
     NT = nt
     TL = tiles
     W = warps
@@ -97,10 +118,26 @@ def _kernel(nt: int, tiles: int, warps: int):
     R2 = 2 * TL  # weight rows a lane reads; array shapes must be plain constants
 
     @device(inline=True)
-    def sub_block(hi, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab):
-        """Sub-block 2j + hi of block b: two 16-column mma steps for every tile and x
-        fragment, then the scales and mins on the f32 sums."""
+    def step(grp, k, xq, scr, wid, lane, cf, ab):
+        """One 16-column mma step for every tile (A fragments in ab) and x fragment: x's
+        columns 4 grp .. + 3 of this lane's rows, as (hi 02, hi 13, lo 02, lo 13) in one
+        16-byte load, hi and lo each an mma into cf."""
         r = lane >> 2
+        for f in range(NT):
+            bh0, bh1, bl0, bl1 = ldg_u16_u32x4(xq, ((f * 8 + r) * (k >> 2) + grp) * 8)
+            for tl in range(TL):
+                e = 4 * (f * TL + tl)
+                cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
+                    scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bh0, bh1,
+                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
+                cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
+                    scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bl0, bl1,
+                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
+
+    @device(inline=True)
+    def sub_block4(hi, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab):
+        """Q4_K sub-block 2j + hi of block b: two steps, then the scales and mins on the
+        f32 sums."""
         c = lane & 3
         for e in range(NACC):
             cf[e] = 0.0
@@ -110,19 +147,8 @@ def _kernel(nt: int, tiles: int, warps: int):
                 ab[tl, 1] = _quants(qw[2 * tl + 1, a], 0, hi)
                 ab[tl, 2] = _quants(qw[2 * tl, a], 1, hi)
                 ab[tl, 3] = _quants(qw[2 * tl + 1, a], 1, hi)
-            # x columns of the step: b QK + 64j + 32hi + 8c + 4a .. + 3, as (hi 02, hi 13,
-            # lo 02, lo 13) in one 16-byte load
-            grp = (b * QK + 64 * j + 32 * hi + 8 * c + 4 * a) >> 2
-            for f in range(NT):
-                bh0, bh1, bl0, bl1 = ldg_u16_u32x4(xq, ((f * 8 + r) * (k >> 2) + grp) * 8)
-                for tl in range(TL):
-                    e = 4 * (f * TL + tl)
-                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
-                        scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bh0, bh1,
-                        cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
-                    cf[e], cf[e + 1], cf[e + 2], cf[e + 3] = mma_f16(
-                        scr, wid, lane, ab[tl, 0], ab[tl, 1], ab[tl, 2], ab[tl, 3], bl0, bl1,
-                        cf[e], cf[e + 1], cf[e + 2], cf[e + 3])
+            # the step's columns of this lane: b QK + 64j + 32hi + 8c + 4a .. + 3
+            step((b * QK + 64 * j + 32 * hi + 8 * c + 4 * a) >> 2, k, xq, scr, wid, lane, cf, ab)
         # this lane's sums: rows r (e, e + 1) and r + 8 (e + 2, e + 3) of each tile, for
         # rows of x 8f + 2c and 8f + 2c + 1
         for f in range(NT):
@@ -139,22 +165,73 @@ def _kernel(nt: int, tiles: int, warps: int):
                 acc[e + 2] += ds1 * cf[e + 2] - dm1 * xs0
                 acc[e + 3] += ds1 * cf[e + 3] - dm1 * xs1
 
+    @device(inline=True)
+    def block_q4_k(w, rows, nb, b, k, live, xq, xs, scr, wid, lane, cf, acc, ab, hd, qw, sc):
+        c = lane & 3
+        for i in range(R2):
+            hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldg_u16_u32x4(w, (rows[i] * nb + b) * 72)
+        for j in range(4):
+            # qs bytes 32j + 8c .. + 7 of each row: the low nibbles are sub-block 2j, the
+            # high ones 2j + 1; word a holds the step-a columns of both
+            for i in range(R2):
+                qw[i, 0], qw[i, 1] = ldg_u16_u32x2(w, (rows[i] * nb + b) * 72 + 8 + 16 * j + 4 * c)
+                sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3] = _pair_scales(hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3], j)
+            sub_block4(0, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
+            sub_block4(1, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
+
+    @device(inline=True)
+    def block_q6_k(w, rows, nb, b, k, live, xq, xs, scr, wid, lane, cf, acc, ab, hd, qw, sc):
+        # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
+        # ql byte 64n + 32(g & 1) + l, bits 2g of qh byte 32n + l; sub-block (16 columns)
+        # 8n + 2g + l // 16. A step is one sub-block: lane c takes l = 16 half + 4c .. + 3.
+        c = lane & 3
+        for i in range(R2):
+            sc[i, 0] = f16_bits_to_f32(U(w[(rows[i] * nb + b) * 105 + 104])) * live  # d
+        for n in range(2):
+            for half in range(2):
+                for i in range(R2):
+                    base = (rows[i] * nb + b) * 105
+                    qw[i, 0] = _u32_at(w, base + 32 * n + 8 * half + 2 * c)  # ql, g even
+                    qw[i, 1] = _u32_at(w, base + 32 * n + 16 + 8 * half + 2 * c)  # ql, g odd
+                    qw[i, 2] = _u32_at(w, base + 64 + 16 * n + 8 * half + 2 * c)  # qh
+                for g in range(4):
+                    for e in range(NACC):
+                        cf[e] = 0.0
+                    for tl in range(TL):
+                        ab[tl, 0] = _quants6(qw[2 * tl, g & 1], qw[2 * tl, 2], 0, g)
+                        ab[tl, 1] = _quants6(qw[2 * tl + 1, g & 1], qw[2 * tl + 1, 2], 0, g)
+                        ab[tl, 2] = _quants6(qw[2 * tl, g & 1], qw[2 * tl, 2], 1, g)
+                        ab[tl, 3] = _quants6(qw[2 * tl + 1, g & 1], qw[2 * tl + 1, 2], 1, g)
+                    step((b * QK + 128 * n + 32 * g + 16 * half + 4 * c) >> 2, k, xq, scr, wid, lane, cf, ab)
+                    sb = 8 * n + 2 * g + half
+                    for i in range(R2):  # the sub-block's int8 scale times d
+                        v = np.int32(U(w[(rows[i] * nb + b) * 105 + 96 + (sb >> 1)]) >> U(8 * (sb & 1)) & U(0xFF))
+                        sc[i, 1] = sc[i, 0] * np.float32(v - 256 if v > 127 else v)
+                    for f in range(NT):
+                        for tl in range(TL):
+                            e = 4 * (f * TL + tl)
+                            acc[e] += sc[2 * tl, 1] * cf[e]
+                            acc[e + 1] += sc[2 * tl, 1] * cf[e + 1]
+                            acc[e + 2] += sc[2 * tl + 1, 1] * cf[e + 2]
+                            acc[e + 3] += sc[2 * tl + 1, 1] * cf[e + 3]
+
+    block = block_q4_k if qtype == T.Q4_K else block_q6_k
+
     @cuda.jit
     def kernel(w, xq, xs, n_out, k, n_x, bias, res, has_bias, has_res, out):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
         r = lane >> 2
-        c = lane & 3
         nb = k // QK
         scr = cuda.shared.array(SCR, np.uint32)
         red = cuda.shared.array(RED, np.float32)
         acc = cuda.local.array(NACC, np.float32)
         cf = cuda.local.array(NACC, np.float32)
         rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: r, r + 8 of each tile
-        hd = cuda.local.array((R2, 4), np.uint32)  # their blocks' headers: d | dmin, scales
-        qw = cuda.local.array((R2, 2), np.uint32)  # their quants of the current chunk
-        sc = cuda.local.array((R2, 4), np.float32)  # the chunk's two sub-blocks' d sc, dmin m
+        hd = cuda.local.array((R2, 4), np.uint32)  # Q4_K: their blocks' headers (d | dmin, scales)
+        qw = cuda.local.array((R2, 4), np.uint32)  # their quant words of the current chunk
+        sc = cuda.local.array((R2, 4), np.float32)  # scales (and Q4_K's mins) of the chunk
         ab = cuda.local.array((TL, 4), np.uint32)  # A fragments of a step
         for e in range(NACC):
             acc[e] = 0.0
@@ -165,16 +242,7 @@ def _kernel(nt: int, tiles: int, warps: int):
             b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            for i in range(R2):
-                hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldg_u16_u32x4(w, (rows[i] * nb + b) * BLOCK_U16)
-            for j in range(4):
-                # qs bytes 32j + 8c .. + 7 of each row: the low nibbles are sub-block 2j, the
-                # high ones 2j + 1; word a holds the step-a columns of both
-                for i in range(R2):
-                    qw[i, 0], qw[i, 1] = ldg_u16_u32x2(w, (rows[i] * nb + b) * BLOCK_U16 + 8 + 16 * j + 4 * c)
-                    sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3] = _pair_scales(hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3], j)
-                sub_block(0, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
-                sub_block(1, j, b, k, live, qw, sc, xq, xs, scr, wid, lane, cf, acc, ab)
+            block(w, rows, nb, b, k, live, xq, xs, scr, wid, lane, cf, acc, ab, hd, qw, sc)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
         cuda.syncthreads()
@@ -265,7 +333,7 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     Same semantics as matvec_ref. tiles, warps: see plan (its choice by default)."""
     qtype = as_qtype(qtype)
     if qtype not in MMA_TYPES:
-        raise ValueError(f"matvec_mma: {qtype.name} weights are not supported (Q4_K only)")
+        raise ValueError(f"matvec_mma: {qtype.name} weights are not supported (Q4_K and Q6_K only)")
     n_x, k = x_dev.shape
     if not 1 <= n_x <= MAX_ROWS or k % QK:
         raise ValueError(f"matvec_mma: x of {n_x} rows x {k} (1..{MAX_ROWS} rows, K a multiple of {QK})")
@@ -278,6 +346,6 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
     r = residual if residual is not None else out
-    _kernel(-(-n_x // 8), tiles, warps)[-(-n_out // (16 * tiles)), 32 * warps, stream](
+    _kernel(qtype, -(-n_x // 8), tiles, warps)[-(-n_out // (16 * tiles)), 32 * warps, stream](
         w16, xq, xs, n_out, k, n_x, b, r, int(bias is not None), int(residual is not None), out)
     return out

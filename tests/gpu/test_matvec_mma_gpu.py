@@ -1,4 +1,4 @@
-"""The tensor-core Q4_K matvec on the GPU at Qwen3-8B's FFN shapes, 1 to 32 rows of x (one
+"""The tensor-core Q4_K / Q6_K matvec on the GPU at Qwen3-8B's FFN shapes, 1 to 32 rows of x (one
 to four B fragments, one or two tiles a warp, 4 or 8 warps a block), against the float64
 reference; and its bench rows."""
 import sys
@@ -21,16 +21,17 @@ from luce.kernels.matvec import matvec_ref  # noqa: E402
 from luce.kernels.matvec_mma import matvec_mma  # noqa: E402
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_x", [1, 8, 23, 32])
 @pytest.mark.parametrize("n_out,k", [(12288, 4096), (4096, 12288), (1000, 4096)])
-def test_matvec_mma_gpu(n_x, n_out, k):
+def test_matvec_mma_gpu(qtype, n_x, n_out, k):
     rng = np.random.default_rng(n_x + n_out)
-    raw = random_tensor(rng, T.Q4_K, (n_out, k)).reshape(n_out, -1)
+    raw = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
     x = rng.standard_normal((n_x, k)).astype(np.float32)
     out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-    got = matvec_mma(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), n_out, out=out).copy_to_host()
-    want = matvec_ref(raw, T.Q4_K, x)
-    bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (n_out, k))).T
+    got = matvec_mma(cuda.to_device(raw), qtype, cuda.to_device(x), n_out, out=out).copy_to_host()
+    want = matvec_ref(raw, qtype, x)
+    bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), qtype, (n_out, k))).T
     assert np.isfinite(got).all()
     err = np.abs(got - want)
     assert (err <= 2e-6 * bound + 1e-5).all(), float((err / bound).max())

@@ -1,4 +1,4 @@
-"""The tensor-core Q4_K matvec (luce.kernels.matvec_mma) in the CUDA simulator: 1, 3, 5
+"""The tensor-core Q4_K / Q6_K matvec (luce.kernels.matvec_mma) in the CUDA simulator: 1, 3, 5
 and 11 rows of x (one and two B fragments, partial), output rows that end inside a tile
 (one or two 16-row tiles a warp), K split over the block's warps unevenly (5 blocks over
 4 warps, 3 over 2), against the f64 reference of dequantized weights; a NaN-filled output
@@ -15,16 +15,17 @@ from tests.test_dequant import random_tensor
 rng = np.random.default_rng(7)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_x,n_out,k,tiles,warps", [(1, 24, 512, 1, 2), (5, 16, 1280, 1, 4), (11, 40, 256, 2, 1),
                                                      (3, 56, 768, 2, 2)])
-def test_matvec_mma_q4_k(n_x, n_out, k, tiles, warps):
-    raw = random_tensor(rng, T.Q4_K, (n_out, k)).reshape(n_out, -1)
+def test_matvec_mma(qtype, n_x, n_out, k, tiles, warps):
+    raw = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
     x = rng.standard_normal((n_x, k)).astype(np.float32)
     out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-    got = matvec_mma(cuda.to_device(raw), T.Q4_K, cuda.to_device(x), n_out, out=out, tiles=tiles,
+    got = matvec_mma(cuda.to_device(raw), qtype, cuda.to_device(x), n_out, out=out, tiles=tiles,
                      warps=warps).copy_to_host()
-    want = matvec_ref(raw, T.Q4_K, x)
-    bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (n_out, k))).T  # sum |x| |w|
+    want = matvec_ref(raw, qtype, x)
+    bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), qtype, (n_out, k))).T  # sum |x| |w|
     assert not np.isnan(got).any()
     err = np.abs(got - want)
     assert np.all(err <= 2e-6 * bound + 1e-6), (err / bound).max()
@@ -32,8 +33,8 @@ def test_matvec_mma_q4_k(n_x, n_out, k, tiles, warps):
 
 def test_matvec_mma_rejects():
     raw = random_tensor(rng, T.Q4_K, (16, 256)).reshape(16, -1)
-    with pytest.raises(ValueError, match="Q4_K only"):
-        matvec_mma(cuda.to_device(raw), T.Q6_K, cuda.to_device(np.zeros((1, 256), np.float32)), 16)
+    with pytest.raises(ValueError, match="Q4_K and Q6_K only"):
+        matvec_mma(cuda.to_device(raw), T.Q8_0, cuda.to_device(np.zeros((1, 256), np.float32)), 16)
     with pytest.raises(ValueError, match="rows"):
         matvec_mma(cuda.to_device(raw), T.Q4_K, cuda.to_device(np.zeros((33, 256), np.float32)), 16)
 
@@ -41,11 +42,13 @@ def test_matvec_mma_rejects():
 PTX_CHECK = """
 from numba import cuda
 from luce.kernels import matvec_mma as M
-sig = "void(uint16[::1], uint16[::1], float32[:, ::1], int64, int64, int64, float32[:, ::1])"
-for nt, tiles, warps in [(1, 1, 4), (1, 2, 4), (3, 2, 4), (4, 1, 8)]:  # the shapes plan() picks
-    code = cuda.compile_ptx(M._kernel(nt, tiles, warps).py_func, sig, cc=(9, 0))[0]
-    assert code.count("mma.sync") == 8 * nt * tiles and "ld.global.nc.v2.u32" in code, (nt, tiles)
-    assert ".local" not in code and ".f64" not in code, (nt, tiles)  # registers only, float32
+from luce.kernels.dequant import T
+sig = ("void(uint16[::1], uint16[::1], float32[:, ::1], int64, int64, int64, float32[::1], float32[:, ::1], int64, "
+       "int64, float32[:, ::1])")
+for qt, nt, tiles, warps in [(T.Q4_K, 1, 1, 4), (T.Q4_K, 1, 2, 4), (T.Q4_K, 3, 2, 4), (T.Q4_K, 4, 1, 8),
+                            (T.Q6_K, 1, 2, 4), (T.Q6_K, 3, 2, 4), (T.Q6_K, 4, 1, 8)]:  # what plan() picks
+    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps).py_func, sig, cc=(9, 0))[0]
+    assert "mma.sync" in code and ".local" not in code and ".f64" not in code, (qt, nt, tiles)  # registers, f32
 print("PTX OK")
 """
 
