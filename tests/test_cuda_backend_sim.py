@@ -180,3 +180,17 @@ def test_matvec_mma_routing_matches_cpu(tmp_path, monkeypatch):
     # every weight with 256-multiple columns: gate, up, down (n_ff 256) and q, k, v and the
     # head (n_embd 256); the output projection (64 columns, Q8_0) takes the other kernels
     assert sorted(set(calls)) == [32, 64, 256] and len(calls) == 7, calls
+
+
+def test_matvec_mma_rows_from_env(monkeypatch):
+    from luce.backends.cuda import rows_from_env
+    from luce.errors import LuceError
+    monkeypatch.setenv("LUCE_X_ROWS", "3-32")
+    assert rows_from_env("LUCE_X_ROWS", range(0)) == range(3, 33)
+    monkeypatch.setenv("LUCE_X_ROWS", "23")
+    assert rows_from_env("LUCE_X_ROWS", range(0)) == range(23, 24)
+    monkeypatch.delenv("LUCE_X_ROWS")
+    assert rows_from_env("LUCE_X_ROWS", range(0)) == range(0)
+    monkeypatch.setenv("LUCE_X_ROWS", "three")
+    with pytest.raises(LuceError, match="LUCE_X_ROWS: expected"):
+        rows_from_env("LUCE_X_ROWS", range(0))

@@ -32,10 +32,27 @@ MATMUL_MIN_ROWS = 2
 # through the matmul cost 2.1-2.3x a decode step: so 2 rows only. The 2-token forward with
 # this routing was not timed end to end.
 FAST_MATVEC_MAX_ROWS = 2
-# Forwards of this many tokens (inclusive range) take the tensor-core matvec for Q4_K
-# weights (luce.kernels.matvec_mma: each weight read once, straight into mma fragments).
-# Empty until it is timed on a GPU: it was written without GPU time left (2026-11-30).
-MATVEC_MMA_ROWS = range(0)
+
+
+def rows_from_env(name: str, default: range) -> range:
+    """A range of forward widths from environment variable `name`: "N" or "N-M"."""
+    import os
+    spec = os.environ.get(name, "").strip()
+    if not spec:
+        return default
+    lo, _, hi = spec.partition("-")
+    try:
+        return range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        from ..errors import LuceError
+        raise LuceError(f"{name}: expected a width N or a range N-M, got {spec!r}") from None
+
+
+# Forwards of these widths (tokens) take the tensor-core matvec for Q4_K and Q6_K weights
+# (luce.kernels.matvec_mma: each weight read once, straight into mma fragments). Empty by
+# default until it is timed on a GPU (it was written without GPU time left, 2026-11-30);
+# LUCE_MATVEC_MMA_ROWS=3-32 routes verification widths to it, to measure.
+MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(0))
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
