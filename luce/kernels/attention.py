@@ -362,8 +362,9 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # The tiled kernel above serves one query (decode) with a 4-row tile and four barriers a
 # page: on the H200 that cost ~38 us a layer at any context length, latency of a chain
 # with little work to hide behind. Here a warp walks its keys 32 at a time, one key a lane:
-#   copies: the chunk's K and V rows go to one of the warp's two shared buffers by
-#     cp.async while the previous chunk is computed from the other (no registers: a K row
+#   copies: the chunk's K and V rows go to the warp's shared buffer by cp.async (with
+#     DECODE_BUFS = (2,), to one of two while the previous chunk is computed from the
+#     other: measured slower, it halves the warps an SM holds) (no registers: a K row
 #     read into registers with 16-byte loads was, in the sm_90 code, 16 loads issued one
 #     after another, each waited out before the next: ptxas sank them to their uses. That
 #     was most of the kernel's time: 43 us over 8K tokens on the H200 at cf144b4, ~4
@@ -386,8 +387,9 @@ DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
 # K/V buffers a warp, in order of preference. Two (the next chunk copied while one is
-# computed) halve the warps an SM holds; at 4653f47 on the H200 (8B shape, 8K keys) one
-# buffer and two warps a block took 31.6 us, two buffers and one warp 38.4.
+# computed) halve the warps an SM holds; on the H200 (8B shape, 8K keys, 64 splits) one
+# buffer and two warps a block took 31.6 us at 4653f47 and 30.9 at ca39022, two buffers
+# and one warp 38.4 and 36.6.
 DECODE_BUFS = (1,)
 
 
@@ -635,8 +637,9 @@ def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int 
 # Queries up to which attention takes the one-query kernel's structure in tiles of
 # row_tile(group) queries (trees and chains of verification). 1: decode only. Wider forms
 # are correct (GPU test at 8K) but slower: H200, 23-node tree over 8K at d70f71e, 693 us
-# against 662 us for the tiled kernel, and 188 us for attention_mma (654e268), which is what
-# several queries over an f16 pool take now.
+# against 662 us for the tiled kernel, and 188 us for attention_mma (654e268; 82 us at
+# cf144b4), which is what several queries over an f16 pool take now (the row kernel at
+# 58f5dc3: 941 us).
 ROW_KERNEL_MAX_QUERIES = 1
 # query rows (queries x GQA group) a block of the row kernel holds: at 16 the sm_90 code
 # kept ~450 bytes of accumulators in local memory, at 8 none (112-158 registers)
