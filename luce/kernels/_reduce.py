@@ -219,14 +219,7 @@ if SIM:
 
     @device
     def warp_sum(v, red, wid, lane):
-        red[wid * 32 + lane] = v
-        cuda.syncthreads()
-        s = np.float32(0.0)
-        if lane == 0:
-            for i in range(32):
-                s += red[wid * 32 + i]
-        cuda.syncthreads()
-        return s
+        return _warp_all(v, red, wid, lane, False)
 
     @device
     def warp_barrier():

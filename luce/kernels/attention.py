@@ -393,7 +393,7 @@ DECODE_MAX_WARPS = 4  # warps a block
 DECODE_BUFS = (1,)
 
 
-def _decode_smem(dim: int, rows: int, warps: int, bufs: int = 2) -> int:
+def _decode_smem(dim: int, rows: int, warps: int, bufs: int) -> int:
     """Shared bytes of the decode kernel: the queries, and per warp `bufs` buffers of K rows
     (padded) and V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
     ch = DECODE_CHUNK
@@ -402,9 +402,9 @@ def _decode_smem(dim: int, rows: int, warps: int, bufs: int = 2) -> int:
 
 
 def decode_shape(dim: int, rows: int) -> tuple[int, int]:
-    """(warps a block, buffers a warp) of the decode kernel: double buffering first, then
-    the most warps whose buffers fit in static shared memory; (0, 0) when nothing fits
-    (head dim 256 gets one warp, single-buffered)."""
+    """(warps a block, buffers a warp) of the decode kernel: the first buffer count of
+    DECODE_BUFS with the most warps whose buffers fit in static shared memory; (0, 0) when
+    nothing fits."""
     for bufs in DECODE_BUFS:
         w = DECODE_MAX_WARPS
         while w and _decode_smem(dim, rows, w, bufs) > _SMEM:
@@ -423,7 +423,7 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int = 1, warps: int = 1, bufs: int = 2):
+def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp."""

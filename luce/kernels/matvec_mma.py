@@ -7,24 +7,27 @@ that verification widths take stages dequantized tiles in shared memory and read
 weight at ~0.7 TB/s for 23 rows (8B gated FFN: 80 us against 27 us for one row,
 ca39022). Here the weights go from global memory straight into `mma.sync` A fragments:
 
-- a warp owns 16 output rows (A's rows) and walks a share of the Q4_K blocks along K; x^T
-  is B (16 columns x 8 rows of x a fragment, NT fragments for up to 8 NT rows);
-- K is permuted inside every 16-column mma step so that lane 4r + c brings the 4
-  consecutive columns 4c..4c+3 of the step, for rows r and r + 8: that is one 32-bit word
-  of Q4_K quants a row (the low or high nibbles of 4 consecutive bytes), and for x the same
-  4 columns of row r of x. A and B use the same permutation, so the products are the same;
+- a warp owns one or two tiles of 16 output rows (A's rows) and walks a share of the
+  blocks along K; x^T is B (16 columns x 8 rows of x a fragment, NT fragments for up to
+  8 NT rows), shared by the tiles;
+- K is permuted inside every 16-column mma step so that lane 4r + c brings 4 consecutive
+  columns for rows r and r + 8: one 32-bit word of quants a row (the low or high nibbles
+  of 4 consecutive bytes; Q4_K: bytes 8c + 4a of a 32-byte chunk in step a), paired as
+  bytes 0, 2 and 1, 3 (they already sit in the two f16 halves), and for x the same 4
+  columns of row r of x, paired the same way. A and B use the same permutation, so the
+  products are the same;
 - a step's 16 columns lie in one 32-column sub-block, so the quants enter the mma as exact
   small integers (nibble | 0x6400 is 1024 + q in f16; minus 1024, exact) and the
   sub-block's scale and min are applied to the f32 result: y += d sc (sum q x) - dmin m
   (sum x), with the sums of x over each sub-block made once per call (x_sums);
 - x enters as f16 hi + lo pairs (two mma), so the products keep ~22 bits of x: results
-  agree with the f32 reference to ~1e-6 of sum |w| |x|;
+  agree with the f64 reference to ~3e-8 of sum |w| |x| (simulator);
 - Q6_K the same way: a step is one of its 16-column sub-blocks, a lane's quants are one
   word of low nibbles and one of high bits (its 210-byte blocks are only 2-byte aligned,
   so words come from two 16-bit loads), q - 32 enters exactly, the int8 scale after;
 - the warps of a block split K and add their partial tiles in shared memory.
 Weight traffic is W once for all rows; instructions per weight and lane: ~1 for the
-quants and, per 16-column step, two 32-bit x loads and two mma per 8 rows of x.
+quants and, per 16-column step, one 16-byte x load and two mma per 8 rows of x.
 
 Not yet timed on a GPU (written 2026-11-30 without GPU time left), so the CUDA backend
 routes nothing to it by default (luce.backends.cuda.MATVEC_MMA_ROWS): `luce bench
@@ -40,14 +43,15 @@ from numba import cuda
 
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
+from .matvec_fast import F_MAGIC, MAGIC, fmm, k4_scales
 from .mma import SCRATCH, f32x2_to_f16x2, hsub2, mma_f16
-from .vector_load import f16_bits_to_f32, ldg_u16_u32x2, ldg_u16_u32x4, u32_bits_to_f32
+from .vector_load import f16_bits_to_f32, ldg_u16_u32x2, ldg_u16_u32x4
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "x_halves"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
-WARPS = 4  # a block: 16 output rows, K split four ways
+WARPS = 4  # a block's warps splitting K (plan() doubles it for short outputs)
 QK = 256  # columns a Q4_K block
 U = np.uint32
 ONES = U(0x64006400)  # f16x2 (1024, 1024)
@@ -59,7 +63,7 @@ def _quants(word, odd, high):
     """Two quants of `word` as an exact f16x2 A-fragment word: bytes 0 and 2 (odd=0) or 1
     and 3 (odd=1), their low nibbles as q or (high) their high nibbles as 16 q, which the
     sub-block's scale divides out again. Bytes 0 and 2 already sit in the two f16 halves,
-    so a mask and an or make 1024 + q (1024 + 16 q), and a subtraction of 1024 q."""
+    so a mask and an or make 1024 + q (1024 + 16 q), and subtracting 1024 leaves q (16 q)."""
     v = U(word >> U(8)) if odd else word
     v = U(v & (U(0x00F000F0) if high else LOW4)) | ONES
     return hsub2(v, ONES)
@@ -68,29 +72,12 @@ def _quants(word, odd, high):
 @device(inline=True)
 def _pair_scales(h0, s0, s1, s2, j):
     """(d sc, dmin m) of sub-blocks 2j and 2j + 1 of a Q4_K block (header word h0 = d |
-    dmin, scale words s0..s2), the second scale over 16 (its quants enter as 16 q). The two
-    scale bytes of a pair are adjacent in every word; j is the same across the warp."""
-    sh = U(16 * (j & 1))
-    u0 = U(s0 >> sh)
-    u1 = U(s1 >> sh)
-    if j < 2:
-        sc = u0 & U(0x3F3F)
-        mn = u1 & U(0x3F3F)
-    else:
-        u2 = U(s2 >> sh)
-        sc = (u2 & U(0x0F0F)) | (U(u0 >> U(2)) & U(0x3030))
-        mn = (U(u2 >> U(4)) & U(0x0F0F)) | (U(u1 >> U(2)) & U(0x3030))
+    dmin, scale words s0..s2; the bytes come from matvec_fast's k4_scales), the second
+    scale over 16 (its quants enter as 16 q)."""
     d = f16_bits_to_f32(h0 & U(0xFFFF))
     dm = f16_bits_to_f32(h0 >> U(16))
-    return (d * _small_f32(sc), d * _small_f32(U(sc >> U(8))) * np.float32(1.0 / 16),
-            dm * _small_f32(mn), dm * _small_f32(U(mn >> U(8))))
-
-
-@device(inline=True)
-def _small_f32(v):
-    """The low byte of v as a float32: 2**23 + byte read as a float, minus 2**23 (a logic
-    op and an add; an integer conversion issues at a quarter of the rate on sm_90)."""
-    return u32_bits_to_f32(U(v & U(0xFF)) | U(0x4B000000)) - np.float32(8388608.0)
+    scl, sch, mnl, mnh = k4_scales(s0, s1, s2, j)  # sch, mnh: 256 times the byte
+    return d * scl, d * sch * np.float32(1.0 / 4096), dm * mnl, dm * mnh * np.float32(1.0 / 256)
 
 
 @device(inline=True)
@@ -213,7 +200,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int):
                     sb = 8 * n + 2 * g + half
                     for i in range(R2):  # the sub-block's int8 scale (byte ^ 0x80 is it + 128) times d
                         v = U(U(w[(rows[i] * nb + b) * 105 + 96 + (sb >> 1)]) >> U(8 * (sb & 1))) ^ U(0x80)
-                        sc[i, 1] = sc[i, 0] * (_small_f32(v) - np.float32(128.0))
+                        sc[i, 1] = sc[i, 0] * fmm(U(v | MAGIC), 0xFF, F_MAGIC + np.float32(128.0))
                     for f in range(NT):
                         for tl in range(TL):
                             e = 4 * (f * TL + tl)
