@@ -195,8 +195,14 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                        + ([(f"host time of an eager {n_prompt}-token prefill (cProfile; profiler overhead "
                             "included)", prefill_host, host_cols)] if prefill_host else []),
                        notes=f"prefill {n_prompt} tokens, decode {n_gen} tokens greedy; weights read per token "
-                             f"{wbytes / 2**30:.2f} GiB")
+                             f"{wbytes / 2**30:.2f} GiB" + _routing_note())
     return summary, verify, breakdown
+
+
+def _routing_note() -> str:
+    """Kernel routing set through the environment changes what a run measures: say so in the record."""
+    import os
+    return "".join(f"; {k}={os.environ[k]}" for k in ("LUCE_MATVEC_MMA_ROWS",) if os.environ.get(k))
 
 
 def _by_op(be, fam, cfg, w, kv, n_tokens: int, reps: int) -> list[dict]:
