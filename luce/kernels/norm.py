@@ -20,46 +20,71 @@ from numba import cuda  # noqa: E402
 from ._reduce import MAX_THREADS, SIM, block_sum, block_threads  # noqa: E402
 
 
-# elements of a row a thread holds in registers: rows up to VPT x 1024 (16384) wide; the
-# simulator runs one warp a block, so it holds more
-VPT = 64 if SIM else 16
+import functools  # noqa: E402
 
 
-@cuda.jit
-def _rms_norm_kernel(x, res, w, out, sum_out, eps, has_res):
-    # One block per row; a row is a hidden state or one head (q/k norm), so D is 64..8192.
-    # Every load of the row is issued before the first store (a store to sum_out, which may
-    # alias x, kept the next load from being issued before it), and the weights load while
-    # the block reduces: each is one memory latency, not one a loop trip.
-    row = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    d_model = x.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, _np.float32)
-    xv = cuda.local.array(VPT, _np.float32)
-    rv = cuda.local.array(VPT, _np.float32)
-    wv = cuda.local.array(VPT, _np.float32)
-    for i in range(VPT):
-        d = t + i * nt
-        xv[i] = _np.float32(x[row, d]) if d < d_model else _np.float32(0.0)
-        rv[i] = _np.float32(res[row, d]) if has_res and d < d_model else _np.float32(0.0)
-    ss = _np.float32(0.0)
-    for i in range(VPT):
-        d = t + i * nt
-        v = xv[i] + rv[i]
-        xv[i] = v
-        if has_res and d < d_model:
-            sum_out[row, d] = v
-        ss += v * v
-    for i in range(VPT):
-        d = t + i * nt
-        wv[i] = w[d] if d < d_model else _np.float32(0.0)
-    tot = block_sum(ss, buf)
-    inv = _np.float32(1.0) / math.sqrt(tot / _np.float32(d_model) + eps)  # float32: tot / int is a float64 divide
-    for i in range(VPT):
-        d = t + i * nt
-        if d < d_model:
-            out[row, d] = xv[i] * inv * wv[i]
+@functools.cache
+def _rms_norm_kernel(vpt: int, nt: int):
+    """The kernel for rows of up to vpt x nt elements, vpt of them a thread in registers.
+
+    vpt is a compile-time constant so the three row buffers are exactly as large as the row
+    needs: a fixed 16 a thread (48 registers of buffers) needed more than the 64 registers a
+    thread that 1024-thread blocks allow, and the launch failed (H200, 4096-wide rows).
+    """
+    # the launch bound makes the compiler keep registers within what nt threads allow (the
+    # simulator's jit takes no launch bounds)
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=nt)
+
+    @jit
+    def kernel(x, res, w, out, sum_out, eps, has_res):
+        # One block per row; a row is a hidden state or one head (q/k norm), so D is 64..16384.
+        # Every load of the row is issued before the first store (a store to sum_out, which may
+        # alias x, kept the next load from being issued before it), and the weights load while
+        # the block reduces: each is one memory latency, not one a loop trip.
+        row = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        d_model = x.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, _np.float32)
+        xv = cuda.local.array(vpt, _np.float32)
+        rv = cuda.local.array(vpt, _np.float32)
+        wv = cuda.local.array(vpt, _np.float32)
+        for i in range(vpt):
+            d = t + i * nt
+            xv[i] = _np.float32(x[row, d]) if d < d_model else _np.float32(0.0)
+            rv[i] = _np.float32(res[row, d]) if has_res and d < d_model else _np.float32(0.0)
+        ss = _np.float32(0.0)
+        for i in range(vpt):
+            d = t + i * nt
+            v = xv[i] + rv[i]
+            xv[i] = v
+            if has_res and d < d_model:
+                sum_out[row, d] = v
+            ss += v * v
+        for i in range(vpt):
+            d = t + i * nt
+            wv[i] = w[d] if d < d_model else _np.float32(0.0)
+        tot = block_sum(ss, buf)
+        inv = _np.float32(1.0) / math.sqrt(tot / _np.float32(d_model) + eps)  # float32: tot / int is a float64 divide
+        for i in range(vpt):
+            d = t + i * nt
+            if d < d_model:
+                out[row, d] = xv[i] * inv * wv[i]
+    return kernel
+
+
+def norm_shape(d_model: int) -> tuple[int, int]:
+    """(elements a thread, threads a block) for rows of d_model.
+
+    sm_90, ptxas 13, with the launch bound: up to 8 a thread at 1024 threads (rows up to 8192)
+    holds the row in 46 registers without spilling; 16 a thread spills 236 bytes, which only
+    rows wider than any model luce runs on one GPU would pay.
+    """
+    nt = block_threads(min(MAX_THREADS, max(32, 1 << (d_model - 1).bit_length())))
+    vpt = -(-d_model // nt)
+    if not SIM and vpt > 32:
+        raise ValueError(f"rms_norm: rows of {d_model} are wider than {32 * nt}")
+    return vpt, nt
 
 
 def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=None, stream=0):
@@ -84,8 +109,6 @@ def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=N
     # Up to a thread per element: each thread's loads run one after another (a loop of
     # 16 dependent trips at 256 threads for a 4096-wide row), so a one-row norm is all
     # latency; H200, Qwen3-8B decode at 256 threads: 4.3 us a call, 145 calls a token.
-    nt = block_threads(min(MAX_THREADS, max(32, 1 << (d_model - 1).bit_length())))
-    if d_model > VPT * nt:
-        raise ValueError(f"rms_norm: rows of {d_model} are wider than {VPT * nt} ({VPT} a thread)")
-    _rms_norm_kernel[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has)
+    vpt, nt = norm_shape(d_model)
+    _rms_norm_kernel(vpt, nt)[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has)
     return out

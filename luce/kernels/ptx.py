@@ -55,6 +55,23 @@ def ptxas_path() -> str | None:
     return next(iter(glob.glob(os.path.join(list(nv.__path__)[0], "bin", "ptxas"))), None)
 
 
+def ptxas_usage(ptx: str, arch: str = "sm_90") -> dict:
+    """Assemble `ptx` with ptxas -v: {registers, spill_bytes} of its (one) kernel."""
+    import tempfile
+    exe = ptxas_path()
+    if exe is None:
+        raise RuntimeError("no ptxas (the dev extra's nvidia-cuda-nvcc-cu12 ships one)")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        r = subprocess.run([exe, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    spill = re.findall(r"(\d+) bytes (?:stack frame|spill stores|spill loads)", r.stderr)
+    return {"registers": int(re.search(r"Used (\d+) registers", r.stderr).group(1)),
+            "spill_bytes": sum(int(v) for v in spill)}
+
+
 def run_check(body: str, timeout: int = 600, background: bool = False):
     """Run `body` (Python source) in a fresh interpreter after `offline_target()`.
     Returns the CompletedProcess, or the Popen when `background` (stdout/stderr piped)."""
