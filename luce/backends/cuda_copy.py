@@ -7,6 +7,8 @@ go straight to cuMemcpy*Async here. The simulator keeps numba's methods.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import cuda
 
@@ -15,14 +17,27 @@ from .cuda_graph import _check
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 
+_PTRS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def dev_ptr(a) -> int:
-    return a.__cuda_array_interface__["data"][0]
+    """The device address of `a`, remembered while `a` lives: numba computes
+    __cuda_array_interface__ afresh on every access (~8 us of Python with its contiguity
+    check), and a decode step copies into the same few buffers every time."""
+    if type(a).__eq__ is not object.__eq__:  # torch-like elementwise ==: a weak-key lookup would call it
+        return a.__cuda_array_interface__["data"][0]
+    try:
+        return _PTRS[a]
+    except KeyError:
+        ptr = _PTRS[a] = a.__cuda_array_interface__["data"][0]
+        return ptr
 
 
 def h2d(dst, src, stream) -> None:
     """dst (device, contiguous) <- src (host array of the same byte size). A pageable src
     is staged by the driver before the call returns, so it may be reused at once."""
-    src = np.ascontiguousarray(src)
+    if not src.flags.c_contiguous:
+        src = np.ascontiguousarray(src)
     if SIM:
         dst.copy_to_device(src.reshape(dst.shape), stream=stream)
         return

@@ -56,6 +56,7 @@ class PagedKVCache:
             # meta[0] = n_past, meta[1] = rows of the pending forward: what kernels read
             # instead of launch arguments, so a captured graph stays valid
             self.meta = cuda.to_device(np.zeros(4, np.int32))
+            self._meta_host = np.zeros(4, np.int32)
             self._side_event = None
             self._dirty_slots = []  # slots freed by an eviction still copying out
         else:
@@ -77,7 +78,9 @@ class PagedKVCache:
     def _sync_meta(self) -> None:
         if self.device:
             from ..backends.cuda_copy import h2d  # twice a decode step: one driver call, not numba's copy
-            h2d(self.meta, np.array([self.n_past, self.n_pending, 0, 0], np.int32), self.stream)
+            m = self._meta_host  # reused: pageable, so the driver has staged it when h2d returns
+            m[0], m[1] = self.n_past, self.n_pending
+            h2d(self.meta, m, self.stream)
 
     def _sync_table(self) -> None:
         if self.device:
