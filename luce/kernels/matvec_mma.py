@@ -29,10 +29,16 @@ ca39022). Here the weights go from global memory straight into `mma.sync` A frag
 Weight traffic is W once for all rows; instructions per weight and lane: ~1 for the
 quants and, per 16-column step, one 16-byte x load and two mma per 8 rows of x.
 
-Not yet timed on a GPU (written 2026-11-30 without GPU time left), so the CUDA backend
-routes nothing to it by default (luce.backends.cuda.MATVEC_MMA_ROWS): `luce bench
---kernels` and the GPU tests decide whether it replaces the matvec for decode and the
-small-M matmul for verification.
+Measured on the H200 (1576771, 9c10a00; docs/benchmarks.md, fifth session): correct (the
+25 GPU tests pass at Qwen3-8B's FFN shapes) but slower than what the backend runs, so the
+backend routes nothing to it by default (luce.backends.cuda.MATVEC_MMA_ROWS). Q4_K
+4096 -> 12288: 32.6 us for 1-8 rows (matvec_fast: 15.3 us for one; the small-M matmul:
+36.1 us for 8), 60.3 us for 23 rows (matmul 38.4 us); 12288 -> 4096: 60.5 us for one row.
+Nsight Compute (one row, 12288 x 4096): 0.24 warp instructions a weight (12.0 M), issue
+slots 48% busy with 2.6 warps a scheduler (124 registers: 25% occupancy), DRAM 23%: it is
+bound by its instruction count and latency, not by memory. What it would take: far fewer
+instructions a weight (the per-step quant unpacking and 64-bit address arithmetic) and more
+bytes in flight a warp (a whole block's weight loads issued ahead of its mma steps).
 """
 from __future__ import annotations
 
@@ -210,8 +216,11 @@ def _kernel(qtype, nt: int, tiles: int, warps: int):
                             acc[e + 3] += sc[2 * tl + 1, 1] * cf[e + 3]
 
     block = block_q4_k if qtype == T.Q4_K else block_q6_k
+    # the launch bound keeps registers within what 32 W threads allow: without it, 16 warps
+    # of the 23-row two-tile kernel asked for more and the launch failed (H200)
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=32 * W)
 
-    @cuda.jit
+    @jit
     def kernel(w, xq, xs, n_out, k, n_x, bias, res, has_bias, has_res, out):
         tid = cuda.threadIdx.x
         wid = tid // 32

@@ -45,10 +45,15 @@ from luce.kernels import matvec_mma as M
 from luce.kernels.dequant import T
 sig = ("void(uint16[::1], uint16[::1], float32[:, ::1], int64, int64, int64, float32[::1], float32[:, ::1], int64, "
        "int64, float32[:, ::1])")
+from luce.kernels.ptx import ptxas_usage
 for qt, nt, tiles, warps in [(T.Q4_K, 1, 1, 4), (T.Q4_K, 1, 2, 4), (T.Q4_K, 3, 2, 4), (T.Q4_K, 4, 1, 8),
-                            (T.Q6_K, 1, 2, 4), (T.Q6_K, 3, 2, 4), (T.Q6_K, 4, 1, 8)]:  # what plan() picks
-    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps).py_func, sig, cc=(9, 0))[0]
-    assert "mma.sync" in code and ".local" not in code and ".f64" not in code, (qt, nt, tiles)  # registers, f32
+                            (T.Q6_K, 1, 2, 4), (T.Q6_K, 3, 2, 4), (T.Q6_K, 4, 1, 8),  # what plan() picks
+                            (T.Q4_K, 3, 2, 16)]:  # a caller's choice: may spill, must launch
+    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps).py_func, sig, cc=(9, 0), launch_bounds=32 * warps)[0]
+    assert "mma.sync" in code and ".f64" not in code, (qt, nt, tiles)  # tensor cores, f32
+    use = ptxas_usage(code)
+    assert use["registers"] * 32 * warps <= 65536, (qt, nt, tiles, warps, use)  # the block can launch
+    assert (".local" not in code and use["spill_bytes"] == 0) or warps == 16, (qt, nt, tiles, warps, use)
 print("PTX OK")
 """
 
