@@ -50,8 +50,9 @@ def rows_from_env(name: str, default: range) -> range:
 
 # Forwards of these widths (tokens) take the tensor-core matvec for Q4_K and Q6_K weights
 # (luce.kernels.matvec_mma: each weight read once, straight into mma fragments). Empty by
-# default until it is timed on a GPU (it was written without GPU time left, 2026-11-30);
-# LUCE_MATVEC_MMA_ROWS=3-32 routes verification widths to it, to measure.
+# default: on the H200 it is slower than matvec_fast for one row and than the small-M
+# matmul from 16 rows (its docstring has the figures); LUCE_MATVEC_MMA_ROWS=N-M routes
+# those widths to it, to measure a changed kernel end to end.
 MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(0))
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
