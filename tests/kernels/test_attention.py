@@ -244,6 +244,15 @@ for k, sig in [(activation._softmax_kernel, f"void({F2}, {F2})"),
                (sampling._argmax_kernel, f"void({F2}, {I1})"),
                (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])")]:
     assert "shfl.sync" in ptx(k, sig), k
+# kernels launched with large blocks: their registers must fit the block (compiled without a
+# launch bound, as the wrappers launch them), or every launch fails on the GPU
+for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
+                        (activation._softmax_kernel, f"void({F2}, {F2})", 256),
+                        (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
+                        (attention._combine_kernel, f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
+                         attention.COMBINE_GROUPS * 256)]:
+    use = ptxas_usage(ptx(k, sig))
+    assert use["registers"] * threads <= 65536, (k, threads, use)
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
                                          "float64[::1], int64, int64)"),
