@@ -106,9 +106,8 @@ def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=N
     else:
         r2 = s2 = x2  # never touched: has_res=0 (numba cannot type a None array here)
         has = 0
-    # Up to a thread per element: each thread's loads run one after another (a loop of
-    # 16 dependent trips at 256 threads for a 4096-wide row), so a one-row norm is all
-    # latency; H200, Qwen3-8B decode at 256 threads: 4.3 us a call, 145 calls a token.
+    # Up to a thread per element: a one-row norm is all latency (H200, 4096-wide row at
+    # 1024 threads, 4 elements a thread: 2.9 us a call, 9c10a00; 4.3 us at 256 threads).
     vpt, nt = norm_shape(d_model)
     _rms_norm_kernel(vpt, nt)[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has)
     return out

@@ -240,19 +240,17 @@ for d in (128, 4096, 5120, 8192, 16384):
     use = ptxas_usage(code)
     assert "shfl.sync" in code and use["registers"] * nt <= 65536, (d, vpt, nt, use)
     assert use["spill_bytes"] == 0 or d > 8192, (d, vpt, nt, use)
-for k, sig in [(activation._softmax_kernel, f"void({F2}, {F2})"),
-               (sampling._argmax_kernel, f"void({F2}, {I1})"),
-               (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])")]:
-    assert "shfl.sync" in ptx(k, sig), k
-# kernels launched with large blocks: their registers must fit the block (compiled without a
-# launch bound, as the wrappers launch them), or every launch fails on the GPU
+# kernels launched with large blocks: warp shuffles, and registers that fit the block
+# (compiled without a launch bound, as the wrappers launch them), or every launch fails
 for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
                         (attention._combine_kernel, f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
                          attention.COMBINE_GROUPS * 256)]:
-    use = ptxas_usage(ptx(k, sig))
+    code = ptx(k, sig)
+    use = ptxas_usage(code)
     assert use["registers"] * threads <= 65536, (k, threads, use)
+    assert "shfl.sync" in code or k is attention._combine_kernel, k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
                                          "float64[::1], int64, int64)"),
@@ -264,8 +262,7 @@ for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64
                (paging._write_q8_kernel, f"void({P5('int8')}, {P5('float16')}, {P5('int8')}, {P5('float16')}, {I1}, "
                                          f"int64, {I1}, {F3}, {F3}, {I1}, {I1})"),
                (paging._gather_kernel, f"void({P5('float16')}, {I1}, int64, int64, float16[:, :, ::1])"),
-               (paging._compact_kernel, f"void({P5('float16')}, {P5('float16')}, {I1}, {I1}, {I1}, int64, int64, {I1}, int64)"),
-               (attention._combine_kernel, f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})")]:
+               (paging._compact_kernel, f"void({P5('float16')}, {P5('float16')}, {I1}, {I1}, {I1}, int64, int64, {I1}, int64)")]:
     ptx(k, sig)
 for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8, False), (128, 4, True)]:
     sc = "float16" if q8 else "uint32"
