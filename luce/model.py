@@ -77,6 +77,11 @@ class Model:
         return self.backend.forward(self.family, self.config, self.weights, cache, tokens, positions, mask=mask,
                                     logits_rows=logits_rows)
 
+    def forward_next_token(self, cache, token, position):
+        """Queue a greedy one-token decode step (backends with `forward_next_token`): see
+        CUDABackend.forward_next_token."""
+        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
+
     def new_session(self, n_ctx: int | None = None) -> Session:
         return Session(self, n_ctx or self.n_ctx)
 

@@ -6,6 +6,8 @@ dequantization per token.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..kernels.activation import swiglu_ref
@@ -64,6 +66,8 @@ class NumpyOps:
 
 class CPUBackend:
     name = "cpu"
+    # generate's DeviceGreedyStepper gains nothing here: the host computes every step anyway
+    pipelined_greedy = False
 
     def load_tensor(self, info) -> np.ndarray:
         return dequantize(info.data, info.qtype, info.shape)
@@ -79,6 +83,7 @@ class CPUBackend:
 
     def __init__(self):
         self._ops = {}
+        self._next_token = weakref.WeakKeyDictionary()  # cache -> its last forward_next_token's token
 
     def ops_for(self, family):
         """NumpyOps with any kernels plugins registered for this family swapped in."""
@@ -95,3 +100,25 @@ class CPUBackend:
             mask = causal_mask(len(tokens))
         kv.reserve(len(tokens))
         return family.run_forward(cfg, weights, self.ops_for(family), kv, tokens, positions, mask, logits_rows)
+
+    def forward_next_token(self, family, cfg, weights, kv: KVCache, token, position) -> "ReadyToken":
+        """CUDABackend.forward_next_token's contract, computed at once: a one-token decode
+        step whose greedy next token is returned; token None takes the previous call's
+        next token on this cache."""
+        if token is None:
+            if kv not in self._next_token:
+                raise RuntimeError("forward_next_token(None) needs a forward_next_token before it")
+            token = self._next_token[kv]
+        logits = self.forward(family, cfg, weights, kv, [token], [position])
+        nxt = self._next_token[kv] = int(np.argmax(logits[-1]))
+        return ReadyToken(nxt)
+
+
+class ReadyToken:
+    """A next token already known (the CPU backend's PendingToken)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def result(self) -> int:
+        return self.token

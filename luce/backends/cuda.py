@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kv.paged import PagedKVCache
-from .cuda_copy import d2h_sync, h2d
+from .cuda_copy import d2d, d2h_async, d2h_sync, h2d
 
 MAX_MATVEC_ROWS = 64
 # from this many rows the small-M tensor-core matmul beats the batched matvec, which is
@@ -227,6 +227,13 @@ class CUDABackend:
         self._compiled = set()
         self._ungraphable = set()  # forward keys whose capture failed
 
+    @property
+    def pipelined_greedy(self) -> bool:
+        """Whether generate decodes greedily through forward_next_token (DeviceGreedyStepper):
+        with graphs (eager launches keep the host busy anyway) unless LUCE_ASYNC_HOST=0."""
+        from . import cuda_copy
+        return self.use_graphs and cuda_copy.ASYNC_HOST
+
     # -- weights ------------------------------------------------------------------
     def load_tensor(self, info):
         import gguf
@@ -260,6 +267,8 @@ class CUDABackend:
         for n in widths:
             self.forward(family, cfg, weights, kv, np.zeros(n, np.int64), np.arange(n), None, [n - 1])
             kv.commit([])
+        self.forward_next_token(family, cfg, weights, kv, 0, 0).result()  # greedy decode: + the argmax
+        kv.commit([])
         self._forget((id(weights), id(kv)))
 
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
@@ -308,8 +317,47 @@ class CUDABackend:
         return self.use_graphs and (n <= GRAPH_WIDTHS_MAX or _is_pow2(n) and n <= PREFILL_GRAPH_MAX)
 
     def forward(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None, logits_rows=None):
+        st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, logits_rows, argmax=False)
+        # Through a pinned buffer kept per logits shape: a pageable destination makes the
+        # driver stage the copy, and a fresh numpy array each step adds an allocation.
+        host = st.setdefault("host_logits", {})
+        buf = host.get(logits.shape)
+        if buf is None:
+            buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
+        d2h_sync(buf, logits, self.stream)
+        return buf.copy()  # callers keep logits across steps; the buffer is reused
+
+    def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position) -> "PendingToken":
+        """Queue a one-token decode forward whose greedy next token (the argmax of its
+        logits) is computed inside the graph and read back as 4 bytes; returns at once.
+        token None: the next token of the previous forward_next_token on this model and
+        cache, taken on the device, so a caller can queue a step before it has read the
+        token it consumes. Nothing here waits for the GPU."""
+        st = self._model_state(family, cfg, weights, kv)
+        if "next_token" not in st:
+            cuda = self.cuda
+            st["next_token"] = cuda.device_array(1, np.int32)  # the last argmax, at a fixed address
+            st["token_slots"] = [[cuda.pinned_array(1, np.int32), cuda.event(), -1] for _ in range(TOKEN_SLOTS)]
+            st["token_turn"] = 0
+        if token is None and not st.get("next_token_set"):
+            raise RuntimeError("forward_next_token(None) needs a queued forward_next_token before it")
+        self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
+                     argmax=True)
+        st["next_token_set"] = True
+        turn = st["token_turn"]
+        st["token_turn"] += 1
+        slot = st["token_slots"][turn % TOKEN_SLOTS]
+        slot[1].synchronize()  # the slot's previous copy has landed (TOKEN_SLOTS steps ago: at once)
+        slot[2] = turn
+        d2h_async(slot[0], st["next_token"], self.stream)
+        slot[1].record(self.stream)
+        return PendingToken(slot, turn)
+
+    def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax: bool):
+        """Queue one forward (a captured graph where it can); returns (model state, device
+        logits). tokens None: one token, the model state's device-side next token."""
         from ..kernels.attention import tree_mask_bits
-        n = len(tokens)
+        n = 1 if tokens is None else len(tokens)
         st = self._model_state(family, cfg, weights, kv)
         self._ensure_arena(st, cfg, max(n, min(64, kv.n_ctx)), kv)
         kv.reserve(n)
@@ -318,7 +366,10 @@ class CUDABackend:
         if n not in views:
             views[n] = inp["tokens"][:n], inp["positions"][:n], inp["mask"][:n]
         tok_d, pos_d, mask_d = views[n]
-        h2d(tok_d, np.asarray(tokens, np.int32), self.stream)
+        if tokens is None:
+            d2d(tok_d, st["next_token"], self.stream)
+        else:
+            h2d(tok_d, np.asarray(tokens, np.int32), self.stream)
         h2d(pos_d, np.asarray(positions, np.int32), self.stream)
         tree = mask is not None and not _is_causal(mask)
         if tree:
@@ -331,9 +382,12 @@ class CUDABackend:
             ops.arena.reset()
             ops.mask_bits = mask_d if tree else None
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
+            if argmax:  # one row: forward_next_token's
+                from ..kernels.sampling import argmax_cuda
+                argmax_cuda(st["logits"], out=st["next_token"], stream=self.stream)
 
-        key = (n, tree, tuple(rows))
-        form = (n, tree, len(rows))
+        key = (n, tree, tuple(rows), argmax)
+        form = (n, tree, len(rows), argmax)
         g = st["graphs"].get(key) if self.use_graphs else None
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's
@@ -353,15 +407,25 @@ class CUDABackend:
         else:
             run()  # eager; also compiles every kernel before any capture
             self._compiled.add(form)
-        # Through a pinned buffer kept per logits shape: a pageable destination makes the
-        # driver stage the copy, and a fresh numpy array each step adds an allocation.
-        logits = st["logits"]
-        host = st.setdefault("host_logits", {})
-        buf = host.get(logits.shape)
-        if buf is None:
-            buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
-        d2h_sync(buf, logits, self.stream)
-        return buf.copy()  # callers keep logits across steps; the buffer is reused
+        return st, st["logits"]
+
+
+TOKEN_SLOTS = 8  # pinned readback slots of queued next tokens a model state cycles through
+
+
+class PendingToken:
+    """A greedy next token on its way back from the GPU, readable until TOKEN_SLOTS later
+    tokens of the same model state have been queued."""
+
+    def __init__(self, slot, turn: int):
+        self._slot, self._turn = slot, turn
+
+    def result(self) -> int:
+        host, event, turn = self._slot
+        if turn != self._turn:
+            raise RuntimeError(f"a pending token read after {TOKEN_SLOTS} more were queued: its slot is reused")
+        event.synchronize()
+        return int(host[0])
 
 
 def _is_pow2(n: int) -> bool:

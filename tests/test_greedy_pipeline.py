@@ -1,0 +1,159 @@
+"""Greedy decoding with the next step queued on the device (DeviceGreedyStepper): the same
+tokens as the plain stepper, and a cache that holds exactly the kept tokens afterwards
+(stops, length limits, a consumer that leaves early, the next turn's prefix reuse). The
+stepper runs on the CPU backend's forward_next_token (same contract, computed at once); the
+CUDA backend's, with its argmax inside the forward and the token taken on the device, is
+checked in numba's simulator against the CPU's greedy tokens (two steps: a simulated decode
+step takes ~16 s). The pinned staging ring's bookkeeping is tested on its own."""
+import numpy as np
+import pytest
+
+from luce.backends.cuda_copy import Ring
+from luce.engine.generator import DeviceGreedyStepper, PlainStepper, Session, generate, pipelined_greedy
+from luce.engine.sampling import Sampler, SamplingParams
+
+
+def test_ring_hands_out_aligned_ranges_and_says_when_it_wraps():
+    r = Ring(64)
+    assert r.take(4) == (0, False)
+    assert r.take(20) == (16, False)  # 16-byte aligned starts
+    assert r.take(16) == (48, False)
+    assert r.take(1) == (0, True)  # 64 + 1 > 64: a new lap
+    assert r.take(64 - 16) == (16, False)
+    with pytest.raises(ValueError):
+        r.take(65)
+
+
+class _Tok:
+    bos_id = None
+    strip_leading_space = False
+    clean_spaces = False
+
+    def __init__(self, eog=()):
+        self.eog_ids = list(eog)
+
+    def token_bytes(self, i, skip_special=False):
+        return f"<{i}>".encode()
+
+
+class _Model:
+    """What Session and generate use of luce.model.Model, over a backend and raw weights."""
+
+    def __init__(self, backend, fam, cfg, weights, eog=()):
+        self.backend, self.family, self.config, self.weights = backend, fam, cfg, weights
+        self.tokenizer = _Tok(eog)
+
+    def forward(self, cache, tokens, positions, mask=None, logits_rows=None):
+        return self.backend.forward(self.family, self.config, self.weights, cache, tokens, positions, mask=mask,
+                                    logits_rows=logits_rows)
+
+    def forward_next_token(self, cache, token, position):
+        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
+
+
+def _tiny(tmp_path_factory, backend):
+    import gguf
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("qwen3", 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
+    path = write_gguf(tmp_path_factory.mktemp("q3") / "tiny.gguf", shape,
+                      types=lambda n: Q.F32 if "norm" in n else Q.F16, seed=5)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    return backend, fam, cfg, build_weights(cfg, f, backend.load_tensor)
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu(tmp_path_factory):
+    from luce.backends.cpu import CPUBackend
+    return _tiny(tmp_path_factory, CPUBackend())
+
+
+def _run(model, prompt, params, pipelined, session=None, take=None):
+    s = session or Session(model, 48)
+    stepper = DeviceGreedyStepper(s, min(params.max_tokens, s.n_ctx - len(prompt))) if pipelined else None
+    ids = []
+    gen = generate(s, prompt, params, stepper=stepper)
+    for d in gen:
+        ids += d.token_ids
+        if take is not None and len(ids) >= take:
+            gen.close()  # a client that leaves early
+            break
+    return ids, s
+
+
+def test_same_tokens_as_the_plain_stepper_and_a_cache_of_the_kept_tokens(tiny_cpu):
+    model = _Model(*tiny_cpu)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    prompt = [3, 17, 42, 5]
+    want, s_plain = _run(model, prompt, greedy, pipelined=False)
+    got, s = _run(model, prompt, greedy, pipelined=True)
+    assert got == want and len(got) == 12
+    assert s.cache.n_past == len(s.tokens) == s_plain.cache.n_past == len(prompt) + 11  # the last is never fed
+    # the next turn reuses the cache's prefix: it must hold exactly those rows
+    turn2 = prompt + want + [9]
+    want2, _ = _run(model, turn2, greedy.with_(max_tokens=4), pipelined=False, session=s_plain)
+    got2, _ = _run(model, turn2, greedy.with_(max_tokens=4), pipelined=True, session=s)
+    assert got2 == want2
+    assert s.cache.n_past == len(s.tokens)
+
+
+def test_stop_token_and_early_close_leave_no_queued_rows(tiny_cpu):
+    be, fam, cfg, w = tiny_cpu
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    prompt = [7, 1, 30]
+    free, _ = _run(_Model(be, fam, cfg, w), prompt, greedy, pipelined=False)
+    stop = free[5]  # the 6th token ends generation (if it is not also earlier)
+    model = _Model(be, fam, cfg, w, eog=[stop])
+    want, _ = _run(model, prompt, greedy, pipelined=False)
+    got, s = _run(model, prompt, greedy, pipelined=True)
+    assert got == want == free[:free.index(stop)]
+    assert s.cache.n_past == len(s.tokens) == len(prompt) + len(got)  # the queued step past the stop is gone
+    got3, s3 = _run(_Model(be, fam, cfg, w), prompt, greedy, pipelined=True, take=3)
+    assert got3 == free[:len(got3)] and s3.cache.n_past == len(s3.tokens)
+
+
+def test_generate_picks_the_device_stepper_only_for_plain_greedy():
+    class B:
+        pipelined_greedy = True
+
+    class M:
+        backend = B()
+
+        def forward_next_token(self, *a):
+            pass
+
+    s = Session.__new__(Session)
+    s.model = M()
+    assert pipelined_greedy(s, SamplingParams(temperature=0))
+    assert not pipelined_greedy(s, SamplingParams(temperature=0.7))
+    assert not pipelined_greedy(s, SamplingParams(temperature=0, repeat_penalty=1.1))
+    assert not pipelined_greedy(s, SamplingParams(temperature=0, presence_penalty=0.5))
+    B.pipelined_greedy = False
+    assert not pipelined_greedy(s, SamplingParams(temperature=0))
+    assert isinstance(PlainStepper(s, Sampler(SamplingParams())), PlainStepper)
+
+
+def test_cuda_forward_next_token_in_simulator(tmp_path_factory, tiny_cpu):
+    """Two queued steps, the second taking its token on the device, give the CPU's greedy
+    tokens; the rows they wrote are committed like any decode step's."""
+    from luce.backends.cuda import CUDABackend
+    be, fam, cfg, w = _tiny(tmp_path_factory, CUDABackend(use_graphs=False))
+    cpu, _, _, w_cpu = tiny_cpu
+    kv_cpu = cpu.new_cache(cfg, 8)
+    want = [cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, 11, 0).result()]
+    kv_cpu.commit()
+    want.append(cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, None, 1).result())
+    kv = be.new_cache(cfg, 8)
+    with pytest.raises(RuntimeError):
+        be.forward_next_token(fam, cfg, w, kv, None, 0)  # nothing queued yet to take a token from
+    first = be.forward_next_token(fam, cfg, w, kv, 11, 0)
+    kv.commit()
+    second = be.forward_next_token(fam, cfg, w, kv, None, 1)  # queued before `first` is read
+    kv.commit()
+    assert [first.result(), second.result()] == want
+    assert kv.n_past == 2
