@@ -192,6 +192,16 @@ for q in F.FAST_SPECS:
         smem = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
         sums = 4 * (F.SX_MAX if F.FAST_SPECS[q].sums and not inl else 1)
         assert smem == 4 * 32 * nw * F.ROWS * (2 if glu else 1) + sums, (name, smem)
+# units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
+sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4
+for q in F.X8_TYPES:
+    for glu, g, nx in [(False, 8, 1), (True, 16, 1), (False, 4, 3)]:
+        k = F._make_kernel(q, glu, False, False, F.NW, True, None if nx == 1 else 1, g, nx, True)
+        ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0))
+        name = f"{q.name}_x8_glu{int(glu)}_groups{g}_nx{nx}"
+        assert "dp4a.u32.s32" in ptx and "ld.global.nc.v4.u32" in ptx, name
+        assert "ld.global.nc.v4.f32" not in ptx, name
+        assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
 print("PTX OK")
 '''
 

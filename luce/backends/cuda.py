@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ def rows_from_env(name: str, default: range) -> range:
 # matmul from 16 rows (its docstring has the figures); LUCE_MATVEC_MMA_ROWS=N-M routes
 # those widths to it, to measure a changed kernel end to end.
 MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(0))
+# Q4_K matvecs of decode take x rounded to int8 per 32 columns and multiply with dp4a
+# (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. Off until measured end to end.
+MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -111,6 +115,7 @@ class CudaOps:
         self.stream = backend.stream
         self.mask_bits = None
         self.n_keys = 0
+        self._xq = None  # (x, its int8 form): q, k (and gate with up) share one quantize_x
 
     # -- memory -------------------------------------------------------------------
     def _out(self, shape):
@@ -118,6 +123,20 @@ class CudaOps:
 
     def new_layer(self):
         self.arena.release()
+        self._xq = None
+
+    def _x8(self, x, qtype):
+        """quantize_x(x) where the matvec of `qtype` has int8-x units and MATVEC_X8 is on,
+        made once for consecutive projections of the same x; else None."""
+        from ..kernels.matvec_fast import X8_TYPES
+        if not MATVEC_X8 or qtype not in X8_TYPES:
+            return None
+        if self._xq is not None and self._xq[0] is x:
+            return self._xq[1]
+        from ..kernels.quantize_x import quantize_x, xq_size
+        xq = quantize_x(x, out=self.arena.alloc((xq_size(x.shape[-1], x.shape[0]),), np.uint16), stream=self.stream)
+        self._xq = (x, xq)
+        return xq
 
     # -- ops ----------------------------------------------------------------------
     def embed(self, table: DeviceWeight, tokens):
@@ -145,7 +164,8 @@ class CudaOps:
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
                               stream=self.stream)
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
-            return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream)
+            return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream,
+                               xq=self._x8(x, w.qtype))
         if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
                           stream=self.stream)
@@ -166,7 +186,7 @@ class CudaOps:
             qt = w_gate.qtype
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
-                                   stream=self.stream)
+                                   stream=self.stream, xq=self._x8(x, qt))
             if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
                 from ..kernels.matvec import swiglu
                 return swiglu(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
@@ -380,6 +400,7 @@ class CUDABackend:
 
         def run():
             ops.arena.reset()
+            ops._xq = None
             ops.mask_bits = mask_d if tree else None
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
             if argmax:  # one row: forward_next_token's

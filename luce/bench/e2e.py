@@ -235,7 +235,7 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
 def _routing_note() -> str:
     """Kernel routing set through the environment changes what a run measures: say so in the record."""
     import os
-    return "".join(f"; {k}={os.environ[k]}" for k in ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST") if os.environ.get(k))
+    return "".join(f"; {k}={os.environ[k]}" for k in ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST", "LUCE_MATVEC_X8") if os.environ.get(k))
 
 
 def _by_op(be, fam, cfg, w, kv, n_tokens: int, reps: int) -> list[dict]:

@@ -108,6 +108,30 @@ else:
         return sig, codegen
 
 
+if SIM:
+    @_dev
+    def dp4a_us(a, b, c):
+        """c + the sum of a's four unsigned bytes times b's four signed bytes."""
+        s = int(c)
+        for k in range(4):
+            sb = (int(b) >> (8 * k)) & 255
+            s += ((int(a) >> (8 * k)) & 255) * (sb - 256 if sb > 127 else sb)
+        return np.int32(s)
+else:
+    @intrinsic
+    def dp4a_us(typingctx, a, b, c):
+        """c + the sum of a's four unsigned bytes times b's four signed bytes: one dp4a
+        (numba has no intrinsic for it)."""
+        sig = _types.int32(_types.uint32, _types.uint32, _types.int32)
+
+        def codegen(context, builder, sig, args):
+            from llvmlite import ir
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, args)
+        return sig, codegen
+
+
 @_dev
 def fmm(vm, mask, bias):
     """Field `mask` of vm = v | 0x4B000000 as float32, less bias - 2**23: (v & mask) | M
@@ -228,20 +252,23 @@ def k4_word(qa, qb, x, c, acc):
     return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sl, sh
 
 
+@_dev
+def load_q4_k(w, ha, hb, t):
+    # Q4_K: d dmin scales[12] qs[128]; qs byte 32j + l holds columns 64j + l (low
+    # nibble, sub-block 2j) and 64j + 32 + l (high nibble, sub-block 2j + 1). Unit t (4 a
+    # block) holds two 16-byte pieces of rows a and b, qs bytes 16t + 64k .. + 15 for k =
+    # 0, 1 (chunk j = 2k + (t >> 1)), and each row's 16-byte header (d, dmin, scales).
+    # The four units' first pieces are 64 contiguous bytes, and their x (columns
+    # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
+    # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
+    # 16-byte aligned (144 = 9 * 16).
+    return (ldg_u16_u32x4(w, ha + 8 + 8 * t), ldg_u16_u32x4(w, ha + 40 + 8 * t),
+            ldg_u16_u32x4(w, hb + 8 + 8 * t), ldg_u16_u32x4(w, hb + 40 + 8 * t),
+            ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
+
+
 def _make_unit_q4_k(inline_sums: bool):
-    @_dev
-    def load(w, ha, hb, t):
-        # Q4_K: d dmin scales[12] qs[128]; qs byte 32j + l holds columns 64j + l (low
-        # nibble, sub-block 2j) and 64j + 32 + l (high nibble, sub-block 2j + 1). Unit t (4 a
-        # block) holds two 16-byte pieces of rows a and b, qs bytes 16t + 64k .. + 15 for k =
-        # 0, 1 (chunk j = 2k + (t >> 1)), and each row's 16-byte header (d, dmin, scales).
-        # The four units' first pieces are 64 contiguous bytes, and their x (columns
-        # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
-        # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
-        # 16-byte aligned (144 = 9 * 16).
-        return (ldg_u16_u32x4(w, ha + 8 + 8 * t), ldg_u16_u32x4(w, ha + 40 + 8 * t),
-                ldg_u16_u32x4(w, hb + 8 + 8 * t), ldg_u16_u32x4(w, hb + 40 + 8 * t),
-                ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
+    load = load_q4_k
 
     @_dev
     def piece(qa, qb, sa, sb, x, sxs, c, j, l):
@@ -272,6 +299,69 @@ def _make_unit_q4_k(inline_sums: bool):
         return ya + za, yb + zb
 
     return load, dot
+
+
+M4 = U(0x0F0F0F0F)
+
+
+@_dev
+def k4x8_ints(q, lo, hi):
+    """The integer dot products of one 16-byte Q4_K piece (words q) with int8 x: its low
+    nibbles with the x words `lo` (sub-block 2j), its high nibbles with `hi` (2j + 1)."""
+    z = np.int32(0)
+    il = dp4a_us(U(q[0] & M4), lo[0], z)
+    il = dp4a_us(U(q[1] & M4), lo[1], il)
+    il = dp4a_us(U(q[2] & M4), lo[2], il)
+    il = dp4a_us(U(q[3] & M4), lo[3], il)
+    ih = dp4a_us(U(shr32(q[0], U(4)) & M4), hi[0], z)
+    ih = dp4a_us(U(shr32(q[1], U(4)) & M4), hi[1], ih)
+    ih = dp4a_us(U(shr32(q[2], U(4)) & M4), hi[2], ih)
+    ih = dp4a_us(U(shr32(q[3], U(4)) & M4), hi[3], ih)
+    return il, ih
+
+
+@_dev
+def k4x8_row(s0, s1, s2, s3, j, il, ih, dxl, dxh, sxl, sxh):
+    d = f16_bits_to_f32(U(s0 & U(0xFFFF)))
+    dm = f16_bits_to_f32(U(s0 >> B16))
+    scl, sch, mnl, mnh = k4_scales(s1, s2, s3, j)  # sch and mnh come 256x
+    return d * (scl * dxl * np.float32(il) + sch * (dxh * S8) * np.float32(ih)) - dm * (mnl * sxl + mnh * (sxh * S8))
+
+
+def _make_unit_q4_k_x8(inline_sums: bool):
+    """Q4_K units over int8 x (luce.kernels.quantize_x): the same weight loads as the float
+    units; per 16-byte piece and row 8 dp4a and 8 logic ops where the float unit has ~70
+    instructions. The mins multiply the exact float sums of x kept with it, so the only
+    error is x's rounding to 8 bits."""
+    XB = 24  # uint16 of a 32-column block of quantized x: 16 of int8 values, then d, sum lo, sum hi, pad
+
+    @_dev
+    def piece(qa, qb, sa, sb, xq, c, j, l):
+        bl = ((c + 64 * j) >> 5) * XB  # sub-block 2j's x block; 2j + 1's follows
+        lo = ldg_u16_u32x4(xq, bl + (l >> 1))
+        hi = ldg_u16_u32x4(xq, bl + XB + (l >> 1))
+        ml = ldg_u16_u32x4(xq, bl + 16)
+        mh = ldg_u16_u32x4(xq, bl + XB + 16)
+        first = l == 0  # this piece's 16 columns: the first or the last half of each block
+        sxl = u32_bits_to_f32(ml[1] if first else ml[2])
+        sxh = u32_bits_to_f32(mh[1] if first else mh[2])
+        dxl = u32_bits_to_f32(ml[0])
+        dxh = u32_bits_to_f32(mh[0])
+        ila, iha = k4x8_ints(qa, lo, hi)
+        ilb, ihb = k4x8_ints(qb, lo, hi)
+        return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, ila, iha, dxl, dxh, sxl, sxh),
+                k4x8_row(sb[0], sb[1], sb[2], sb[3], j, ilb, ihb, dxl, dxh, sxl, sxh))
+
+    @_dev
+    def dot(raw, w, ha, hb, xq, sxs, c, t):
+        qa0, qa1, qb0, qb1, sa, sb = raw
+        p = t >> 1
+        l = 16 * (t & 1)
+        ya, yb = piece(qa0, qb0, sa, sb, xq, c, p, l)
+        za, zb = piece(qa1, qb1, sa, sb, xq, c, p + 2, l)
+        return ya + za, yb + zb
+
+    return load_q4_k, dot
 
 
 @_dev
@@ -453,15 +543,18 @@ MAX_X_ROWS = 8
 # Shared memory for the sums of x over each 16 columns: rows up to 16 * SX_MAX columns (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
+# Types with units over int8 x (quantize_x): their unit factories, in FAST_SPECS' form
+X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8}
+X8_TYPES = frozenset(X8_UNITS)
 
 
 
-def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1):
+def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: bool = False):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
     UN = unroll or spec.unroll
     NX = nx
-    load, dot = spec.make_unit(inline_sums)
+    load, dot = (X8_UNITS[qtype] if x8 else spec.make_unit)(inline_sums)
     SH = TPB.bit_length() - 1
     assert TPB == 1 << SH and UN in (1, 2)  # 4 was slower for all three types (H200)
 
@@ -535,9 +628,9 @@ def _make_group_sum(lanes):
 
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None, groups: int = 1, nx: int = 1):
-    rows_dot = _make_rows(qtype, inline_sums, unroll, nx)
-    SUMS = FAST_SPECS[qtype].sums and not inline_sums
+                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False):
+    rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
+    SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
     G = groups                 # row pairs a warp works on at once
@@ -658,7 +751,7 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None):
+            unroll=None, groups=None, xq=None):
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -680,6 +773,14 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     if any(r != n_rows for _, r in ws):
         raise ValueError("gate and up weights differ in rows")
     x = _mv._flat_f32(x_dev, "x")
+    x8 = xq is not None and qtype in X8_TYPES
+    if x8:  # the units read the int8 form of x instead
+        from .quantize_x import xq_size
+        xq = as_device(xq)
+        if xq.dtype != np.uint16 or xq.size != xq_size(n_cols, nx):
+            raise ValueError(f"matvec_fast: xq must be quantize_x(x): {xq_size(n_cols, nx)} uint16, "
+                             f"got {xq.size} {xq.dtype}")
+        x = xq.reshape(xq.size) if len(xq.shape) != 1 else xq
     rb = row_bytes(qtype, n_cols)
     # The v4 loads need 16-byte aligned bases, and ld16's second piece must not leave the
     # buffer: its size a multiple of 16 bytes guarantees that.
@@ -696,7 +797,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     g, nw = grid_shape(qtype, n_rows)
     g, nw = groups or g, warps or nw
     un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx)
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8)
     grid = -(-n_rows // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
@@ -708,23 +809,25 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
-                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None):
+                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None, xq=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with up to MAX_X_ROWS activation rows, each weight read once for all of them: x (K,)
     gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps
     per thread block (default from grid_shape), inline_sums (default INLINE_SUMS),
     blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
     lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
-    pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count)."""
+    pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count).
+    xq: quantize_x(x), for types in X8_TYPES: their units then multiply int8 x with dp4a
+    (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
-                   groups)
+                   groups, xq)
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0, unroll=None, groups=None):
-    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows as matvec_fast)."""
+                blocks_per_sm=0, unroll=None, groups=None, xq=None):
+    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows and xq as matvec_fast)."""
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
-                   unroll, groups)
+                   unroll, groups, xq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -755,6 +858,7 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     for n_rows, n_cols in shapes:
         xs = {k: cuda.to_device(rng.standard_normal((k, n_cols)).astype(np.float32))
               for k in {v.get("x_rows", 1) for v in variants} | {1}}
+        xqs = {}
         outs = {k: cuda.device_array((k, n_rows), np.float32) for k in xs}
         for qtype in qtypes:
             qtype = as_qtype(qtype)
@@ -766,7 +870,12 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             todo = [("matvec_fast", v) for v in variants] + ([("matvec", {})] if baseline else [])
             for kernel, v in todo:
                 k = v.get("x_rows", 1)
-                tuning = {a: b for a, b in v.items() if a != "x_rows"}
+                tuning = {a: b for a, b in v.items() if a not in ("x_rows", "x8")}
+                if v.get("x8"):  # int8 x made once, outside the timing (bench_quantize_x times that)
+                    from .quantize_x import quantize_x
+                    if k not in xqs:
+                        xqs[k] = quantize_x(xs[k])
+                    tuning["xq"] = xqs[k]
                 rows.append(_time_one(kernel, tuning, ws, qtype, xs[k], outs[k], stream, iters) | {
                     "qtype": qtype.name, "rows": n_rows, "cols": n_cols, "weight_bytes": nbytes,
                     "copies": copies, "x_rows": k, "variant": ",".join(f"{a}={b}" for a, b in v.items()) or "auto"})
@@ -805,7 +914,7 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
     end.record(stream)
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / iters
-    label = ",".join(f"{k}={v}" for k, v in variant.items()) or "auto"
+    label = ",".join(f"{k}={v}" if k != "xq" else "x8" for k, v in variant.items()) or "auto"
     g, nw = grid_shape(qtype, ws[0].shape[0]) if kernel != "matvec" else (None, None)
     return {"kernel": kernel, "variant": label, "warps": variant.get("warps", nw), "groups": variant.get("groups", g),
             "time_us": round(us, 2),
@@ -820,7 +929,13 @@ TUNING_VARIANTS = ({"inline_sums": False, "blocks_per_sm": None}, {"inline_sums"
 if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--variants|--unroll|--x-rows]: JSON lines
     import json
     import sys
-    if "--x-rows" in sys.argv:  # activation rows a launch (short verification forwards)
+    if "--x8" in sys.argv:  # int8 x with dp4a against float x, the types with x8 units
+        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 4096), (1024, 4096), (4096, 12288), (25600, 5120)),
+                                 qtypes=[q.name for q in X8_TYPES], iters=50,
+                                 variants=[{}, {"x8": True}, {"x8": True, "x_rows": 8}, {"x_rows": 8}])
+        from .quantize_x import bench_quantize_x
+        rows += bench_quantize_x()
+    elif "--x-rows" in sys.argv:  # activation rows a launch (short verification forwards)
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096)), qtypes=("Q4_K", "Q6_K"),
                                  iters=50, variants=[{"x_rows": k} for k in (1, 2, 4, 8)])
     elif "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)

@@ -1,0 +1,82 @@
+"""luce.kernels.quantize_x (int8 activations) and matvec_fast's units over them (x8: dp4a
+on the GPU, its Python stand-in here), in the CUDA simulator. The x8 matvec is checked
+against matvec_x8_ref (the same arithmetic in float64: scaled quants times the rounded x,
+mins times the exact x) to float32 accuracy, and against the exact matvec_ref within the
+rounding error of x, bounded independently: sum |W_scaled| * step / 2."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from numba import cuda
+
+from luce.kernels.matvec import matvec_ref, swiglu_ref
+from luce.kernels.matvec_fast import matvec_fast, swiglu_fast
+from luce.kernels.quantize_x import dequantize_x_ref, matvec_x8_ref, quantize_x, quantize_x_ref, xq_size
+from test_matvec import nan_device, weights
+
+
+def test_quantize_x_matches_reference_and_bounds_its_error():
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 50, (3, 1))).astype(np.float32)
+    x[1, 32:64] = 0  # an all-zero block: step 0, no division by zero
+    x[2, 5] = 1e4    # an outlier: its block's step is large, the others' unchanged
+    out = cuda.to_device(np.full(xq_size(256, 3), 0xFFFF, np.uint16))  # poisoned
+    got = quantize_x(cuda.to_device(x), out=out).copy_to_host()
+    want = quantize_x_ref(x)
+    g, w = got.view(np.uint8).reshape(-1, 48), want.view(np.uint8).reshape(-1, 48)
+    np.testing.assert_array_equal(g[:, :36], w[:, :36])  # int8 values and the step, bit for bit
+    np.testing.assert_allclose(g[:, 36:44].view(np.float32), w[:, 36:44].view(np.float32), rtol=1e-6, atol=1e-4)
+    xh = dequantize_x_ref(want, 256)
+    step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(x.shape)
+    assert (np.abs(xh - x) <= step / 2 * (1 + 1e-5) + 1e-30).all()
+    assert (xh[1, 32:64] == 0).all()
+    with pytest.raises(ValueError):
+        xq_size(100)
+
+
+def _x8_bound(raw, x):
+    """|x8 result - W x| <= sum |d sc q| |x - rounded x| <= sum |W_scaled| step / 2."""
+    from luce.kernels.dequant import dequantize
+    n_rows, n_cols = raw.shape[0], x.shape[-1]
+    no_min = raw.copy().reshape(n_rows, -1, 144)
+    no_min[:, :, 2:4] = 0
+    w_sc = np.abs(dequantize(no_min.reshape(n_rows, -1), T.Q4_K, (n_rows, n_cols))).astype(np.float64)
+    step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(-1, n_cols)
+    return (step / 2) @ w_sc.T, np.abs(x).reshape(-1, n_cols).astype(np.float64) @ np.abs(
+        dequantize(raw, T.Q4_K, (n_rows, n_cols))).astype(np.float64).T
+
+
+@pytest.mark.parametrize("n_x,n_rows,n_cols", [(1, 5, 768), (3, 3, 512)])
+def test_matvec_fast_x8_q4_k(n_x, n_rows, n_cols):
+    rng = np.random.default_rng(n_x * 100 + n_cols)
+    raw = weights(rng, T.Q4_K, n_rows, n_cols)
+    x = rng.standard_normal((n_x, n_cols) if n_x > 1 else n_cols).astype(np.float32)
+    xd = cuda.to_device(x)
+    out = nan_device((n_x, n_rows) if n_x > 1 else (n_rows,))
+    got = matvec_fast(cuda.to_device(raw), T.Q4_K, xd, out=out, xq=quantize_x(xd)).copy_to_host()
+    want = matvec_x8_ref(raw, T.Q4_K, x)
+    rounding, scale = _x8_bound(raw, x)
+    np.testing.assert_array_less(np.abs(got - want).reshape(scale.shape), 1e-5 * scale + 1e-6)
+    exact = matvec_ref(raw, T.Q4_K, x)
+    np.testing.assert_array_less(np.abs(got - exact).reshape(scale.shape), rounding * 1.001 + 1e-5 * scale + 1e-6)
+    assert np.abs(got - exact).max() > 0  # x really went through int8 (else the test checks nothing new)
+
+
+def test_swiglu_fast_x8_and_other_types_ignore_xq():
+    rng = np.random.default_rng(3)
+    n_rows, n_cols = 4, 512
+    g, u = weights(rng, T.Q4_K, n_rows, n_cols), weights(rng, T.Q4_K, n_rows, n_cols)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    xd = cuda.to_device(x)
+    xq = quantize_x(xd)
+    got = swiglu_fast(cuda.to_device(g), cuda.to_device(u), T.Q4_K, xd, out=nan_device(n_rows), xq=xq).copy_to_host()
+    yg, yu = matvec_x8_ref(g, T.Q4_K, x), matvec_x8_ref(u, T.Q4_K, x)
+    want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu  # silu without exp overflow
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert np.abs(got - swiglu_ref(g, u, T.Q4_K, x)).max() > 0
+    # a type without x8 units takes x as float32, xq or not
+    w6 = weights(rng, T.Q6_K, n_rows, n_cols)
+    a = matvec_fast(cuda.to_device(w6), T.Q6_K, xd, out=nan_device(n_rows), xq=xq).copy_to_host()
+    b = matvec_fast(cuda.to_device(w6), T.Q6_K, xd, out=nan_device(n_rows)).copy_to_host()
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError):
+        matvec_fast(cuda.to_device(g), T.Q4_K, xd, out=nan_device(n_rows), xq=xq[:-24])
