@@ -199,3 +199,51 @@ def test_matvec_mma_rows_from_env(monkeypatch):
     monkeypatch.setenv("LUCE_X_ROWS", "three")
     with pytest.raises(LuceError, match="LUCE_X_ROWS: expected"):
         rows_from_env("LUCE_X_ROWS", range(0))
+
+
+def test_int8_activations_in_simulator(tmp_path, monkeypatch):
+    """LUCE_MATVEC_X8's wiring: a decode step's Q4_K projections read int8 x written by
+    the norm (q, k, v and gate/up share it) or by quantize_x (the other inputs), and
+    the logits stay within int8 rounding of the CPU's (relative L2 below 2e-2, the GPU
+    test's bound)."""
+    import gguf
+    from luce.backends import cuda as cuda_backend
+    from luce.backends.cpu import CPUBackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.kernels import matvec_fast as mf, quantize_x as qx
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("qwen3", 64, n_layers=1, n_embd=256, n_ff=256, n_heads=2, n_kv_heads=1, head_dim=128)
+    path = write_gguf(tmp_path / "q4k.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q4_K, seed=9)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    monkeypatch.setattr(cuda_backend, "MATVEC_X8", True)
+    seen = {"xq": 0, "quantize": 0}
+    launch, quantize = mf._launch, qx.quantize_x
+
+    def spy_launch(*a, **k):
+        seen["xq"] += a[-1] is not None if len(a) >= 13 else k.get("xq") is not None
+        return launch(*a, **k)
+
+    def spy_quantize(*a, **k):
+        seen["quantize"] += 1
+        return quantize(*a, **k)
+    monkeypatch.setattr(mf, "_launch", spy_launch)
+    monkeypatch.setattr(qx, "quantize_x", spy_quantize)
+    cpu, gpu = CPUBackend(), cuda_backend.CUDABackend(use_graphs=False)
+    wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
+    kc, kg = cpu.new_cache(cfg, 16), gpu.new_cache(cfg, 16)
+    for tokens, pos in [([3, 17, 42], [0, 1, 2]), ([9], [3])]:
+        seen.update(xq=0, quantize=0)
+        a = cpu.forward(fam, cfg, wc, kc, tokens, pos, None, [len(tokens) - 1])
+        b = gpu.forward(fam, cfg, wg, kg, tokens, pos, None, [len(tokens) - 1])
+        kc.commit()
+        kg.commit()
+        rel = np.linalg.norm(b - a, axis=-1) / np.linalg.norm(a, axis=-1)
+        assert rel.max() < 2e-2, rel.max()
+    # the decode step: q, k, v, o, gate/up, down and the output head (all Q4_K here) over
+    # int8 x; quantize_x for the attention output and the gated output, the norms wrote the rest
+    assert seen["xq"] == 7 and seen["quantize"] == 2, seen
