@@ -150,17 +150,7 @@ class CudaOps:
 
     def rms_norm(self, x, w, eps):
         from ..kernels.norm import rms_norm_cuda
-        out = self._out(x.shape)
-        xq = None
-        # the norm's output feeds projections (a layer's q, k, v; gate and up): where those
-        # take int8 x, the norm writes it too, sparing quantize_x's launch
-        if MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0:
-            from ..kernels.quantize_x import xq_size
-            xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
-        rms_norm_cuda(x, w, eps, out=out, stream=self.stream, xq=xq)
-        if xq is not None:
-            self._xq = (out, xq)
-        return out
+        return rms_norm_cuda(x, w, eps, out=self._out(x.shape), stream=self.stream)
 
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul

@@ -17,33 +17,26 @@ import math  # noqa: E402
 import numpy as _np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from ._reduce import MAX_THREADS, SIM, WARP_RED_SLOTS, block_sum, block_threads  # noqa: E402
-from .quantize_x import int8_block_store  # noqa: E402
+from ._reduce import MAX_THREADS, SIM, block_sum, block_threads  # noqa: E402
 
 
 import functools  # noqa: E402
 
 
 @functools.cache
-def _rms_norm_kernel(vpt: int, nt: int, quant: bool = False):
+def _rms_norm_kernel(vpt: int, nt: int):
     """The kernel for rows of up to vpt x nt elements, vpt of them a thread in registers.
 
     vpt is a compile-time constant so the three row buffers are exactly as large as the row
     needs: a fixed 16 a thread (48 registers of buffers) needed more than the 64 registers a
     thread that 1024-thread blocks allow, and the launch failed (H200, 4096-wide rows).
-
-    quant: also write the output's int8 form (luce.kernels.quantize_x) for the matvecs that
-    read it, saving quantize_x's launch (2.4 us in a graph on the H200). Thread t holds
-    elements t + i nt, so each warp holds whole 32-column blocks: their absmax and sums are
-    warp reductions.
     """
     # the launch bound makes the compiler keep registers within what nt threads allow (the
     # simulator's jit takes no launch bounds)
     jit = cuda.jit if SIM else cuda.jit(launch_bounds=nt)
-    RED = max(1, nt // 32 * WARP_RED_SLOTS)
 
     @jit
-    def kernel(x, res, w, out, sum_out, eps, has_res, xq_b, xq_f):
+    def kernel(x, res, w, out, sum_out, eps, has_res):
         # One block per row; a row is a hidden state or one head (q/k norm), so D is 64..16384.
         # Every load of the row is issued before the first store (a store to sum_out, which may
         # alias x, kept the next load from being issued before it), and the weights load while
@@ -75,16 +68,8 @@ def _rms_norm_kernel(vpt: int, nt: int, quant: bool = False):
         inv = _np.float32(1.0) / math.sqrt(tot / _np.float32(d_model) + eps)  # float32: tot / int is a float64 divide
         for i in range(vpt):
             d = t + i * nt
-            o = xv[i] * inv * wv[i]
-            xv[i] = o
             if d < d_model:
-                out[row, d] = o
-        if quant:  # every thread runs these loops: the simulator's warp reductions are block barriers
-            red = cuda.shared.array(RED, _np.float32)
-            for i in range(vpt):
-                d = t + i * nt
-                int8_block_store(xv[i], d < d_model, row * (d_model >> 5) + (d >> 5), t & 31, t >> 5, red,
-                                 xq_b, xq_f)
+                out[row, d] = xv[i] * inv * wv[i]
     return kernel
 
 
@@ -102,12 +87,11 @@ def norm_shape(d_model: int) -> tuple[int, int]:
     return vpt, nt
 
 
-def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=None, stream=0, xq=None):
+def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=None, stream=0):
     """RMSNorm of device array x ([N, D] or [N, H, D]: every last-axis row separately).
 
     With `residual`, normalizes s = x + residual and also stores s in `residual_out`
-    (default: x itself, the usual in-place residual stream). With `xq` (device uint16 of
-    quantize_x's size), also writes quantize_x(out) there. Returns `out`.
+    (default: x itself, the usual in-place residual stream). Returns `out`.
     """
     d_model = x.shape[len(x.shape) - 1]  # the simulator's shape tuple rejects -1
     rows = x.size // d_model
@@ -125,24 +109,5 @@ def rms_norm_cuda(x, weight, eps: float, out=None, residual=None, residual_out=N
     # Up to a thread per element: a one-row norm is all latency (H200, 4096-wide row at
     # 1024 threads, 4 elements a thread: 2.9 us a call, 9c10a00; 4.3 us at 256 threads).
     vpt, nt = norm_shape(d_model)
-    if xq is not None:
-        from .quantize_x import xq_size
-        if nt % 32 or xq.dtype != _np.uint16 or xq.size != xq_size(d_model, rows):
-            raise ValueError(f"rms_norm: xq must be {xq_size(d_model, rows)} uint16 (quantize_x's form of "
-                             f"{rows} rows of {d_model}), got {xq.size} {xq.dtype}")
-        qb, qf = xq.view(_np.uint8), xq.view(_np.float32)
-    else:
-        qb, qf = _dummy_u8(), _dummy_f32()
-    _rms_norm_kernel(vpt, nt, xq is not None)[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has,
-                                                                qb, qf)
+    _rms_norm_kernel(vpt, nt)[rows, nt, stream](x2, r2, weight, o2, s2, _np.float32(eps), has)
     return out
-
-
-@functools.cache
-def _dummy_u8():
-    return cuda.device_array(1, _np.uint8)
-
-
-@functools.cache
-def _dummy_f32():
-    return cuda.device_array(1, _np.float32)

@@ -94,26 +94,3 @@ def test_embed_quantized(qtype):
     embed_quant_cuda(cuda.to_device(raw), as_qtype(qtype), n_cols, cuda.to_device(tok), out=out)
     want = embed_ref(dequantize(raw, as_qtype(qtype), (vocab, n_cols)), tok)
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("rows,d", [(1, 64), (2, 96)])
-def test_rms_norm_writes_the_int8_form_of_its_output(rows, d):
-    """rms_norm with xq: the same output, and quantize_x_ref(output) bit for bit in the
-    int8 values and steps (the sums to float32 rounding): the decode matvecs then need no
-    quantize_x launch."""
-    from luce.kernels.quantize_x import quantize_x_ref, xq_size
-    rng = np.random.default_rng(d)
-    x = rng.standard_normal((rows, d)).astype(np.float32) * 3
-    w = rng.standard_normal(d).astype(np.float32)
-    out = cuda.to_device(np.full((rows, d), np.nan, np.float32))
-    xq = cuda.to_device(np.full(xq_size(d, rows), 0xFFFF, np.uint16))  # poisoned
-    rms_norm_cuda(cuda.to_device(x), cuda.to_device(w), 1e-6, out=out, xq=xq)
-    got = out.copy_to_host()
-    np.testing.assert_allclose(got, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
-    g = xq.copy_to_host().view(np.uint8).reshape(-1, 48)
-    want = quantize_x_ref(got).view(np.uint8).reshape(-1, 48)
-    np.testing.assert_array_equal(g[:, :36], want[:, :36])
-    np.testing.assert_allclose(g[:, 36:44].view(np.float32), want[:, 36:44].view(np.float32), rtol=1e-5, atol=1e-5)
-    assert (g[:, 44:] == 0).all()
-    with pytest.raises(ValueError):
-        rms_norm_cuda(cuda.to_device(x), cuda.to_device(w), 1e-6, out=out, xq=xq[:-1])
