@@ -10,7 +10,8 @@ from numba import cuda
 
 from luce.kernels.matvec import matvec_ref, swiglu_ref
 from luce.kernels.matvec_fast import matvec_fast, swiglu_fast
-from luce.kernels.quantize_x import dequantize_x_ref, matvec_x8_ref, quantize_x, quantize_x_ref, xq_size
+from luce.kernels.quantize_x import (dequantize_x_ref, int_sums_ref, matvec_x8_ref, quantize_x, quantize_x_ref,
+                                     xq_size)
 from test_matvec import nan_device, weights
 
 
@@ -25,6 +26,9 @@ def test_quantize_x_matches_reference_and_bounds_its_error():
     g, w = got.view(np.uint8).reshape(-1, 48), want.view(np.uint8).reshape(-1, 48)
     np.testing.assert_array_equal(g[:, :36], w[:, :36])  # int8 values and the step, bit for bit
     np.testing.assert_allclose(g[:, 36:44].view(np.float32), w[:, 36:44].view(np.float32), rtol=1e-6, atol=1e-4)
+    np.testing.assert_array_equal(g[:, 44:], w[:, 44:])  # the int8 values' sums, as two int16
+    q = w[:, :32].view(np.int8).astype(np.int32)
+    np.testing.assert_array_equal(int_sums_ref(want), np.stack([q[:, :16].sum(1), q[:, 16:].sum(1)], 1))
     xh = dequantize_x_ref(want, 256)
     step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(x.shape)
     assert (np.abs(xh - x) <= step / 2 * (1 + 1e-5) + 1e-30).all()
@@ -33,30 +37,35 @@ def test_quantize_x_matches_reference_and_bounds_its_error():
         xq_size(100)
 
 
-def _x8_bound(raw, x):
-    """|x8 result - W x| <= sum |d sc q| |x - rounded x| <= sum |W_scaled| step / 2."""
+def _x8_bound(raw, qtype, x):
+    """|x8 result - W x| <= sum |W_scaled| |x - rounded x| <= sum |W_scaled| step / 2, where
+    W_scaled is the part of W that meets the rounded x (Q4_K: without its mins; Q6_K: all)."""
     from luce.kernels.dequant import dequantize
     n_rows, n_cols = raw.shape[0], x.shape[-1]
-    no_min = raw.copy().reshape(n_rows, -1, 144)
-    no_min[:, :, 2:4] = 0
-    w_sc = np.abs(dequantize(no_min.reshape(n_rows, -1), T.Q4_K, (n_rows, n_cols))).astype(np.float64)
+    scaled = raw
+    if qtype == T.Q4_K:
+        scaled = raw.copy().reshape(n_rows, -1, 144)
+        scaled[:, :, 2:4] = 0
+    w_sc = np.abs(dequantize(scaled.reshape(n_rows, -1), qtype, (n_rows, n_cols))).astype(np.float64)
     step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(-1, n_cols)
     return (step / 2) @ w_sc.T, np.abs(x).reshape(-1, n_cols).astype(np.float64) @ np.abs(
-        dequantize(raw, T.Q4_K, (n_rows, n_cols))).astype(np.float64).T
+        dequantize(raw, qtype, (n_rows, n_cols))).astype(np.float64).T
 
 
-@pytest.mark.parametrize("n_x,n_rows,n_cols", [(1, 5, 768), (3, 3, 512)])
-def test_matvec_fast_x8_q4_k(n_x, n_rows, n_cols):
+@pytest.mark.parametrize("qtype,n_x,n_rows,n_cols", [(T.Q4_K, 1, 5, 768), (T.Q4_K, 3, 3, 512),
+                                                     (T.Q6_K, 1, 16, 256),   # rows at every offset mod 16
+                                                     (T.Q6_K, 2, 8, 768)], ids=str)  # sizes of 16-byte multiples: else the float fallback
+def test_matvec_fast_x8(qtype, n_x, n_rows, n_cols):
     rng = np.random.default_rng(n_x * 100 + n_cols)
-    raw = weights(rng, T.Q4_K, n_rows, n_cols)
+    raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((n_x, n_cols) if n_x > 1 else n_cols).astype(np.float32)
     xd = cuda.to_device(x)
     out = nan_device((n_x, n_rows) if n_x > 1 else (n_rows,))
-    got = matvec_fast(cuda.to_device(raw), T.Q4_K, xd, out=out, xq=quantize_x(xd)).copy_to_host()
-    want = matvec_x8_ref(raw, T.Q4_K, x)
-    rounding, scale = _x8_bound(raw, x)
+    got = matvec_fast(cuda.to_device(raw), qtype, xd, out=out, xq=quantize_x(xd)).copy_to_host()
+    want = matvec_x8_ref(raw, qtype, x)
+    rounding, scale = _x8_bound(raw, qtype, x)
     np.testing.assert_array_less(np.abs(got - want).reshape(scale.shape), 1e-5 * scale + 1e-6)
-    exact = matvec_ref(raw, T.Q4_K, x)
+    exact = matvec_ref(raw, qtype, x)
     np.testing.assert_array_less(np.abs(got - exact).reshape(scale.shape), rounding * 1.001 + 1e-5 * scale + 1e-6)
     assert np.abs(got - exact).max() > 0  # x really went through int8 (else the test checks nothing new)
 
@@ -74,9 +83,9 @@ def test_swiglu_fast_x8_and_other_types_ignore_xq():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.abs(got - swiglu_ref(g, u, T.Q4_K, x)).max() > 0
     # a type without x8 units takes x as float32, xq or not
-    w6 = weights(rng, T.Q6_K, n_rows, n_cols)
-    a = matvec_fast(cuda.to_device(w6), T.Q6_K, xd, out=nan_device(n_rows), xq=xq).copy_to_host()
-    b = matvec_fast(cuda.to_device(w6), T.Q6_K, xd, out=nan_device(n_rows)).copy_to_host()
+    w8 = weights(rng, T.Q8_0, n_rows, n_cols)
+    a = matvec_fast(cuda.to_device(w8), T.Q8_0, xd, out=nan_device(n_rows), xq=xq).copy_to_host()
+    b = matvec_fast(cuda.to_device(w8), T.Q8_0, xd, out=nan_device(n_rows)).copy_to_host()
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError):
         matvec_fast(cuda.to_device(g), T.Q4_K, xd, out=nan_device(n_rows), xq=xq[:-24])

@@ -509,6 +509,68 @@ def q8_word(qa, qb, x, c, acc):
     return a0, a8, b0, b8
 
 
+@_dev
+def q6_vals(ql, qh, g):
+    """The four 6-bit quants (0..63, stored plus 32) of group g in one word of ql and qh, a
+    byte each: q6_acc's bit assembly, masked for dp4a."""
+    lo = U(ql >> U(4 * (g >> 1)))
+    if g == 0:
+        hi = U(qh << U(4))
+    elif g == 1:
+        hi = U(qh << U(2))
+    elif g == 2:
+        hi = qh
+    else:
+        hi = U(qh >> U(2))
+    return U(bitsel(lo, hi, U(0x0F0F0F0F)) & U(0x3F3F3F3F))
+
+
+@_dev
+def q6x8_group(pa, qa, pb, qb, g, xq, xb, hh):
+    """Group g's 16 columns of this unit, rows a and b, over int8 x (block at uint16 xb):
+    (sum (q - 32) x_int8 for a, for b, the block's step)."""
+    xw = ldg_u16_u32x4(xq, xb + 8 * hh)
+    m = ldg_u16_u32x4(xq, xb + 16)
+    isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
+    z = np.int32(0)
+    ia = dp4a_us(q6_vals(pa[0], qa[0], g), xw[0], z)
+    ib = dp4a_us(q6_vals(pb[0], qb[0], g), xw[0], z)
+    ia = dp4a_us(q6_vals(pa[1], qa[1], g), xw[1], ia)
+    ib = dp4a_us(q6_vals(pb[1], qb[1], g), xw[1], ib)
+    ia = dp4a_us(q6_vals(pa[2], qa[2], g), xw[2], ia)
+    ib = dp4a_us(q6_vals(pb[2], qb[2], g), xw[2], ib)
+    ia = dp4a_us(q6_vals(pa[3], qa[3], g), xw[3], ia)
+    ib = dp4a_us(q6_vals(pb[3], qb[3], g), xw[3], ib)
+    return ia - 32 * isum, ib - 32 * isum, u32_bits_to_f32(m[0])
+
+
+@_dev
+def q6x8_step(w, sa, sb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
+    ia, ib, dx = q6x8_group(pa, qa, pb, qb, g, xq, xb, hh)
+    ya = fma(i8f(shr32(U(w[sa + U64(g)]), ssh)) * dx, np.float32(ia), ya)
+    yb = fma(i8f(shr32(U(w[sb + U64(g)]), ssh)) * dx, np.float32(ib), yb)
+    return ya, yb
+
+
+@_dev
+def dot_q6_k_x8(raw, w, ha, hb, xq, sxs, c, t):
+    """Q6_K over int8 x: dot_q6_k's loads and scales, each group's 16 quants times x with
+    four dp4a a row (the float unit: ~100 instructions a group and row)."""
+    la0, la1, lha, lb0, lb1, lhb = raw
+    n = t >> 1
+    hh = t & 1
+    xb = ((c + 128 * n) >> 5) * 24  # group 0's x block; group g's is g blocks on
+    sa = U64(ha + 96 + 4 * n)
+    sb = U64(hb + 96 + 4 * n)
+    ssh = U(8 * hh)
+    z = np.float32(0.0)
+    ya, yb = q6x8_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, xq, xb, hh, z, z)
+    ya, yb = q6x8_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, xq, xb + 24, hh, ya, yb)
+    ya, yb = q6x8_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, xq, xb + 48, hh, ya, yb)
+    ya, yb = q6x8_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 3, xq, xb + 72, hh, ya, yb)
+    return (f16_bits_to_f32(U(w[U64(ha + 104)])) * ya, f16_bits_to_f32(U(w[U64(hb + 104)])) * yb)
+
+
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
 # flight), unit factory (inline_sums -> (load, dot): a unit's weight loads, and its dot
 # products from what they returned), whether units need the sums of x per sub-block
@@ -544,7 +606,7 @@ MAX_X_ROWS = 8
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 # Types with units over int8 x (quantize_x): their unit factories, in FAST_SPECS' form
-X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8}
+X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: lambda inline_sums: (load_q6_k, dot_q6_k_x8)}
 X8_TYPES = frozenset(X8_UNITS)
 
 

@@ -11,8 +11,9 @@ of at most half a step (absmax / 254) of each 32-column block.
 Layout: 48 bytes a 32-column block (16-byte aligned for the matvec's vector loads): the 32
 int8 values, then float32 d (the step: absmax / 127), the sum of the block's first 16 x
 values, the sum of its last 16 (exact float sums of x, not of the rounded values: Q4_K's
-mins multiply them) and 4 bytes of padding. Stored as uint16, the type the matvec's
-vector loads take.
+mins multiply them), and the sums of the first 16 and the last 16 int8 values as two
+int16 (Q6_K's quants are stored plus 32: its units subtract 32 times these). Stored as
+uint16, the type the matvec's vector loads take.
 """
 from __future__ import annotations
 
@@ -56,8 +57,17 @@ def quantize_x_ref(x) -> np.ndarray:
     meta[:, 0] = amax / np.float32(127)
     meta[:, 1] = b[:, :16].sum(axis=1, dtype=np.float32)
     meta[:, 2] = b[:, 16:].sum(axis=1, dtype=np.float32)
+    qs = q.astype(np.int32)
+    isums = (qs[:, :16].sum(1) & 0xFFFF) | ((qs[:, 16:].sum(1) & 0xFFFF) << 16)
+    meta.view(np.uint32)[:, 3] = isums.astype(np.uint32)
     out[:, QB:] = meta.view(np.uint8)
     return out.reshape(-1).view(np.uint16)
+
+
+def int_sums_ref(xq: np.ndarray) -> np.ndarray:
+    """The int8 values' sums over each 16 columns, [blocks, 2], from the stored int16 pair."""
+    w = np.asarray(xq).view(np.uint8).reshape(-1, XQ_BYTES)[:, 44:48].copy().view(np.int16)
+    return w.reshape(-1, 2).astype(np.int32)
 
 
 def dequantize_x_ref(xq: np.ndarray, n_cols: int) -> np.ndarray:
@@ -79,6 +89,8 @@ def matvec_x8_ref(raw: np.ndarray, qtype, x) -> np.ndarray:
     n_rows = raw.shape[0]
     xh = dequantize_x_ref(quantize_x_ref(x), n_cols).astype(np.float64)
     w = dequantize(raw, qtype, (n_rows, n_cols)).astype(np.float64)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # no mins: all of W meets the rounded x
+        return (xh @ w.T).reshape(x.shape[:-1] + (n_rows,))
     if qtype != gguf.GGMLQuantizationType.Q4_K:
         raise NotImplementedError(f"matvec_x8_ref: {qtype.name}")
     no_min = raw.copy().reshape(n_rows, -1, 144)
@@ -97,16 +109,23 @@ def int8_block_store(o, live, blk, lane, wid, red, xq_b, xq_f):
     zero = np.float32(0.0)
     v = o if live else zero
     amax = warp_allmax(abs(v), red, wid, lane)
-    s_lo = warp_allsum(v if lane < 16 else zero, red, wid, lane)
-    s_hi = warp_allsum(zero if lane < 16 else v, red, wid, lane)
+    sc = np.float32(127.0) / amax if amax > 0 else zero
+    q = np.int32(math.floor(v * sc + np.float32(0.5)))
+    qf = np.float32(q)  # small integers: their float sums are exact
+    lo = lane < 16
+    s_lo = warp_allsum(v if lo else zero, red, wid, lane)
+    s_hi = warp_allsum(zero if lo else v, red, wid, lane)
+    i_lo = np.int32(warp_allsum(qf if lo else zero, red, wid, lane))
+    i_hi = np.int32(warp_allsum(zero if lo else qf, red, wid, lane))
     if live:
-        sc = np.float32(127.0) / amax if amax > 0 else zero
-        xq_b[XQ_BYTES * blk + lane] = np.uint8(np.int32(math.floor(v * sc + np.float32(0.5))) & 255)
+        xq_b[XQ_BYTES * blk + lane] = np.uint8(q & 255)
         if lane == 0:
             xq_f[12 * blk + 8] = amax / np.float32(127.0)
             xq_f[12 * blk + 9] = s_lo
             xq_f[12 * blk + 10] = s_hi
-            xq_f[12 * blk + 11] = zero
+        if lane < 4:  # the int16 pair, a byte a lane (the buffer's float view cannot take the bits)
+            pair = (i_lo & 0xFFFF) | ((i_hi & 0xFFFF) << 16)
+            xq_b[XQ_BYTES * blk + 44 + lane] = np.uint8((pair >> (8 * lane)) & 255)
 
 
 _RED = max(1, THREADS // 32 * WARP_RED_SLOTS)
