@@ -202,8 +202,9 @@ def test_matvec_mma_rows_from_env(monkeypatch):
 
 
 def test_int8_activations_in_simulator(tmp_path, monkeypatch):
-    """LUCE_MATVEC_X8's wiring: a decode step's Q4_K projections read int8 x made by one
-    quantize_x for each input (q, k, v share one, gate and up one), and
+    """LUCE_MATVEC_X8's wiring: a decode step's Q4_K projections read int8 x made by the
+    norms (rms_norm_quantize: q, k and v share one, gate and up one, the head one) or by
+    quantize_x (the attention's and the gated outputs), and
     the logits stay within int8 rounding of the CPU's (relative L2 below 2e-2, the GPU
     test's bound)."""
     import gguf
@@ -221,8 +222,8 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
     fam = family_for(path, f.architecture)
     cfg = fam.read_config(f)
     monkeypatch.setattr(cuda_backend, "MATVEC_X8", True)
-    seen = {"xq": 0, "quantize": 0}
-    launch, quantize = mf._launch, qx.quantize_x
+    seen = {"xq": 0, "quantize": 0, "norm": 0}
+    launch, quantize, norm_quantize = mf._launch, qx.quantize_x, qx.rms_norm_quantize
 
     def spy_launch(*a, **k):
         seen["xq"] += a[-1] is not None if len(a) >= 13 else k.get("xq") is not None
@@ -231,13 +232,17 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
     def spy_quantize(*a, **k):
         seen["quantize"] += 1
         return quantize(*a, **k)
+    def spy_norm(*a, **k):
+        seen["norm"] += 1
+        return norm_quantize(*a, **k)
     monkeypatch.setattr(mf, "_launch", spy_launch)
     monkeypatch.setattr(qx, "quantize_x", spy_quantize)
+    monkeypatch.setattr(qx, "rms_norm_quantize", spy_norm)
     cpu, gpu = CPUBackend(), cuda_backend.CUDABackend(use_graphs=False)
     wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
     kc, kg = cpu.new_cache(cfg, 16), gpu.new_cache(cfg, 16)
     for tokens, pos in [([9], [0])]:  # one decode step (a simulated one costs ~30 s here)
-        seen.update(xq=0, quantize=0)
+        seen.update(xq=0, quantize=0, norm=0)
         a = cpu.forward(fam, cfg, wc, kc, tokens, pos, None, [len(tokens) - 1])
         b = gpu.forward(fam, cfg, wg, kg, tokens, pos, None, [len(tokens) - 1])
         kc.commit()
@@ -245,5 +250,5 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
         rel = np.linalg.norm(b - a, axis=-1) / np.linalg.norm(a, axis=-1)
         assert rel.max() < 2e-2, rel.max()
     # the decode step: q, k, v, o, gate/up, down and the output head (all Q4_K here) over
-    # int8 x; five inputs: the two norms' outputs, the attention's, the gated one, the final norm's
-    assert seen["xq"] == 7 and seen["quantize"] == 5, seen
+    # int8 x from five inputs: three norms' outputs, the attention's and the gated one
+    assert seen == {"xq": 7, "norm": 3, "quantize": 2}, seen

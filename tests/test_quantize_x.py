@@ -89,3 +89,27 @@ def test_swiglu_fast_x8_and_other_types_ignore_xq():
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError):
         matvec_fast(cuda.to_device(g), T.Q4_K, xd, out=nan_device(n_rows), xq=xq[:-24])
+
+
+@pytest.mark.parametrize("rows,d", [(1, 128), (2, 96)])
+def test_rms_norm_quantize(rows, d):
+    """One launch for RMSNorm and quantize_x (the decode path with int8 activations): the
+    norm to float32 accuracy, and its int8 form bit for bit that of quantize_x_ref applied
+    to the output it wrote."""
+    from luce.kernels.norm import rms_norm_ref
+    from luce.kernels.quantize_x import rms_norm_quantize
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((rows, d)) * 4).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    out = cuda.to_device(np.full((rows, d), np.nan, np.float32))
+    xq = cuda.to_device(np.full(xq_size(d, rows), 0xFFFF, np.uint16))
+    rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    g = xq.copy_to_host().view(np.uint8).reshape(-1, 48)
+    want = quantize_x_ref(got).view(np.uint8).reshape(-1, 48)
+    np.testing.assert_array_equal(g[:, :36], want[:, :36])
+    np.testing.assert_array_equal(g[:, 44:], want[:, 44:])
+    np.testing.assert_allclose(g[:, 36:44].view(np.float32), want[:, 36:44].view(np.float32), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq[:-1])

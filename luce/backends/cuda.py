@@ -150,7 +150,16 @@ class CudaOps:
 
     def rms_norm(self, x, w, eps):
         from ..kernels.norm import rms_norm_cuda
-        return rms_norm_cuda(x, w, eps, out=self._out(x.shape), stream=self.stream)
+        out = self._out(x.shape)
+        if MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0:
+            # the norm feeds projections (q, k, v; gate and up; the output head) that take
+            # int8 x: made in the same launch
+            from ..kernels.quantize_x import rms_norm_quantize, xq_size
+            xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
+            rms_norm_quantize(x, w, eps, out, xq, stream=self.stream)
+            self._xq = (out, xq)
+            return out
+        return rms_norm_cuda(x, w, eps, out=out, stream=self.stream)
 
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul

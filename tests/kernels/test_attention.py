@@ -248,7 +248,9 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (attention._combine_kernel, f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
                          attention.COMBINE_GROUPS * 256),
                         (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64)",
-                         quantize_x.THREADS)]:
+                         quantize_x.THREADS),
+                        (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
+                         "uint8[::1], float32[::1], int64, float32)", quantize_x.THREADS)]:
     code = ptx(k, sig)
     use = ptxas_usage(code)
     assert use["registers"] * threads <= 65536, (k, threads, use)
