@@ -93,9 +93,13 @@ def test_swiglu_fast_x8_and_other_types_ignore_xq():
 
 @pytest.mark.parametrize("rows,d", [(1, 128), (2, 96)])
 def test_rms_norm_quantize(rows, d):
+    check_rms_norm_quantize(rows, d)
+
+
+def check_rms_norm_quantize(rows, d):
     """One launch for RMSNorm and quantize_x (the decode path with int8 activations): the
     norm to float32 accuracy, and its int8 form bit for bit that of quantize_x_ref applied
-    to the output it wrote."""
+    to the output it wrote (also run by the GPU tests, at model sizes)."""
     from luce.kernels.norm import rms_norm_ref
     from luce.kernels.quantize_x import rms_norm_quantize
     rng = np.random.default_rng(d)

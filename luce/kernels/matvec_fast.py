@@ -365,9 +365,9 @@ def _make_unit_q4_k_x8(inline_sums: bool):
 
 
 @_dev
-def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
-    """Group g of Q6_K: nibble g >> 1 of ql with bits 2g, 2g + 1 of qh as bits 4-5, each
-    byte's 6-bit q, less 32 in the same add as the magic (exact: small integers)."""
+def q6_bits(ql, qh, g):
+    """Group g of Q6_K in one word of ql and qh: nibble g >> 1 of ql with bits 2g, 2g + 1
+    of qh as bits 4-5 of each byte (bits 6-7 are left over: callers mask them)."""
     lo = U(ql >> U(4 * (g >> 1)))
     # qh's bits 2g, 2g + 1 of each byte to bits 4-5 (g is a literal: one shift or none)
     if g == 0:
@@ -378,9 +378,14 @@ def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
         hi = qh
     else:
         hi = U(qh >> U(2))
-    # one bit-select: low nibbles from lo, the rest from hi; bits 6-7 of each byte are
-    # left over, and the field masks below drop them
-    v = bitsel(lo, hi, U(0x0F0F0F0F))
+    return bitsel(lo, hi, U(0x0F0F0F0F))  # one bit-select: low nibbles from lo, the rest from hi
+
+
+@_dev
+def q6_acc(ql, qh, g, x0, x1, x2, x3, a0, a8):
+    """Group g of Q6_K: each byte's 6-bit q, less 32 in the same add as the magic (exact:
+    small integers); the field masks drop bits 6-7."""
+    v = q6_bits(ql, qh, g)
     vm = U(v | MAGIC)
     v2m = U(U(v >> B16) | MAGIC)
     b0 = np.float32(8388608.0 + 32)
@@ -512,17 +517,8 @@ def q8_word(qa, qb, x, c, acc):
 @_dev
 def q6_vals(ql, qh, g):
     """The four 6-bit quants (0..63, stored plus 32) of group g in one word of ql and qh, a
-    byte each: q6_acc's bit assembly, masked for dp4a."""
-    lo = U(ql >> U(4 * (g >> 1)))
-    if g == 0:
-        hi = U(qh << U(4))
-    elif g == 1:
-        hi = U(qh << U(2))
-    elif g == 2:
-        hi = qh
-    else:
-        hi = U(qh >> U(2))
-    return U(bitsel(lo, hi, U(0x0F0F0F0F)) & U(0x3F3F3F3F))
+    byte each, for dp4a."""
+    return U(q6_bits(ql, qh, g) & U(0x3F3F3F3F))
 
 
 @_dev
