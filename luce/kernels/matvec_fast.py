@@ -80,6 +80,15 @@ if SIM:
     @_dev
     def bitsel(a, b, c):
         return U(U(a & c) | U(b & ~U(c)))
+
+    @_dev
+    def dp4a_us(a, b, c):
+        """c + the sum of a's four unsigned bytes times b's four signed bytes."""
+        s = int(c)
+        for k in range(4):
+            sb = (int(b) >> (8 * k)) & 255
+            s += ((int(a) >> (8 * k)) & 255) * (sb - 256 if sb > 127 else sb)
+        return np.int32(s)
 else:
     from numba.cuda import types as _types
     from numba.cuda.extending import intrinsic
@@ -94,42 +103,23 @@ else:
             return builder.lshr(args[0], args[1])
         return sig, codegen
 
-    @intrinsic
-    def bitsel(typingctx, a, b, c):
-        """(a & c) | (b & ~c) as one lop3: written in numba, LLVM's canonical form with two
-        constant masks becomes two LOP3s (each takes one immediate)."""
-        sig = _types.uint32(_types.uint32, _types.uint32, _types.uint32)
+    def _asm3(name, ptx, sig):
+        """An intrinsic that is one PTX instruction of three 32-bit operands."""
+        def typer(typingctx, a, b, c):
+            def codegen(context, builder, sig_, args):
+                from llvmlite import ir
+                i32 = ir.IntType(32)
+                return builder.call(ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), ptx, "=r,r,r,r"), args)
+            return sig, codegen
+        typer.__name__ = name
+        return intrinsic(typer)
 
-        def codegen(context, builder, sig, args):
-            from llvmlite import ir
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r")
-            return builder.call(asm, args)
-        return sig, codegen
-
-
-if SIM:
-    @_dev
-    def dp4a_us(a, b, c):
-        """c + the sum of a's four unsigned bytes times b's four signed bytes."""
-        s = int(c)
-        for k in range(4):
-            sb = (int(b) >> (8 * k)) & 255
-            s += ((int(a) >> (8 * k)) & 255) * (sb - 256 if sb > 127 else sb)
-        return np.int32(s)
-else:
-    @intrinsic
-    def dp4a_us(typingctx, a, b, c):
-        """c + the sum of a's four unsigned bytes times b's four signed bytes: one dp4a
-        (numba has no intrinsic for it)."""
-        sig = _types.int32(_types.uint32, _types.uint32, _types.int32)
-
-        def codegen(context, builder, sig, args):
-            from llvmlite import ir
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, args)
-        return sig, codegen
+    # (a & c) | (b & ~c) as one lop3: written in numba, LLVM's canonical form with two
+    # constant masks becomes two LOP3s (each takes one immediate)
+    bitsel = _asm3("bitsel", "lop3.b32 $0, $1, $2, $3, 0xE4;",
+                   _types.uint32(_types.uint32, _types.uint32, _types.uint32))
+    # c + the sum of a's four unsigned bytes times b's four signed bytes (numba has no dp4a)
+    dp4a_us = _asm3("dp4a_us", "dp4a.u32.s32 $0, $1, $2, $3;", _types.int32(_types.uint32, _types.uint32, _types.int32))
 
 
 @_dev
