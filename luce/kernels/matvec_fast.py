@@ -279,6 +279,12 @@ def _make_unit_q4_k(inline_sums: bool):
         return (k4_row(sa[0], sa[1], sa[2], sa[3], j, al0, al8, ah0, ah8, sxl, sxh),
                 k4_row(sb[0], sb[1], sb[2], sb[3], j, bl0, bl8, bh0, bh8, sxl, sxh))
 
+    return load, _q4_k_dot(piece)
+
+
+def _q4_k_dot(piece):
+    """A Q4_K unit's dot from its piece function: the unit's two 16-byte pieces (chunks
+    t >> 1 and 2 + (t >> 1), half t & 1 of each) of rows a and b."""
     @_dev
     def dot(raw, w, ha, hb, x, sxs, c, t):
         qa0, qa1, qb0, qb1, sa, sb = raw
@@ -287,8 +293,7 @@ def _make_unit_q4_k(inline_sums: bool):
         ya, yb = piece(qa0, qb0, sa, sb, x, sxs, c, p, l)
         za, zb = piece(qa1, qb1, sa, sb, x, sxs, c, p + 2, l)
         return ya + za, yb + zb
-
-    return load, dot
+    return dot
 
 
 M4 = U(0x0F0F0F0F)
@@ -326,7 +331,7 @@ def _make_unit_q4_k_x8(inline_sums: bool):
     XB = 24  # uint16 of a 32-column block of quantized x: 16 of int8 values, then d, sum lo, sum hi, pad
 
     @_dev
-    def piece(qa, qb, sa, sb, xq, c, j, l):
+    def piece(qa, qb, sa, sb, xq, sxs, c, j, l):
         bl = ((c + 64 * j) >> 5) * XB  # sub-block 2j's x block; 2j + 1's follows
         lo = ldg_u16_u32x4(xq, bl + (l >> 1))
         hi = ldg_u16_u32x4(xq, bl + XB + (l >> 1))
@@ -342,16 +347,7 @@ def _make_unit_q4_k_x8(inline_sums: bool):
         return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, ila, iha, dxl, dxh, sxl, sxh),
                 k4x8_row(sb[0], sb[1], sb[2], sb[3], j, ilb, ihb, dxl, dxh, sxl, sxh))
 
-    @_dev
-    def dot(raw, w, ha, hb, xq, sxs, c, t):
-        qa0, qa1, qb0, qb1, sa, sb = raw
-        p = t >> 1
-        l = 16 * (t & 1)
-        ya, yb = piece(qa0, qb0, sa, sb, xq, c, p, l)
-        za, zb = piece(qa1, qb1, sa, sb, xq, c, p + 2, l)
-        return ya + za, yb + zb
-
-    return load_q4_k, dot
+    return load_q4_k, _q4_k_dot(piece)
 
 
 @_dev
