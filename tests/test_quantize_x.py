@@ -117,3 +117,26 @@ def check_rms_norm_quantize(rows, d):
     np.testing.assert_allclose(g[:, 36:44].view(np.float32), want[:, 36:44].view(np.float32), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq[:-1])
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=str)
+def test_cpu_emulation_of_int8_activations(qtype):
+    """luce.bench.x8_drift's numpy emulation (what measures X8's effect on real models'
+    greedy output on the CPU) computes what the GPU units do: matvec_x8_ref, for decode's
+    one- and two-row forwards; wider forwards stay float."""
+    from types import SimpleNamespace
+    from luce.bench.x8_drift import X8CPUBackend, X8Ops
+    rng = np.random.default_rng(int(qtype))
+    raw = weights(rng, qtype, 6, 512)
+    be = X8CPUBackend()
+    w = be.load_tensor(SimpleNamespace(data=raw.reshape(-1), qtype=qtype, shape=(6, 512)))
+    ops = X8Ops(be)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    assert np.allclose(ops.linear(x, w), x @ w.T)  # off until enabled
+    be.enabled = True
+    got = ops.linear(x, w)
+    want = matvec_x8_ref(raw, qtype, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert np.abs(got - x @ w.T).max() > 0
+    x3 = rng.standard_normal((3, 512)).astype(np.float32)
+    np.testing.assert_array_equal(ops.linear(x3, w), x3 @ w.T)
