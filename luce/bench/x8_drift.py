@@ -53,17 +53,18 @@ class X8CPUBackend(CPUBackend):
     """The CPU backend, remembering which weights are Q4_K / Q6_K; `enabled` switches the
     emulation (one load serves both runs)."""
 
-    def __init__(self):
+    def __init__(self, types=("Q4_K", "Q6_K")):
         super().__init__()
         self.meta: dict = {}  # id(weight) -> Q4_K's min part per 32 columns [rows, cols / 32], or None (Q6_K)
         self.enabled = False
+        self.types = set(types)  # which weight types take int8 x (the GPU has units for both)
 
     def load_tensor(self, info):
         import gguf
         from ..kernels.dequant import dequantize
         Q = gguf.GGMLQuantizationType
         w = super().load_tensor(info)
-        if len(info.shape) == 2 and info.qtype in (Q.Q4_K, Q.Q6_K):
+        if len(info.shape) == 2 and info.qtype in (Q.Q4_K, Q.Q6_K) and Q(info.qtype).name in self.types:
             mins = None
             if info.qtype == Q.Q4_K:  # d = 0 leaves -dmin * min, constant over each 32 columns
                 raw = np.array(info.data, np.uint8).reshape(info.shape[0], -1, 144)
@@ -76,11 +77,12 @@ class X8CPUBackend(CPUBackend):
         return X8Ops(self)
 
 
-def run(model_path=None, categories=("code",), max_tokens: int = 48, n_ctx: int = 1024, echo=print) -> list[dict]:
+def run(model_path=None, categories=("code",), max_tokens: int = 48, n_ctx: int = 1024, types=("Q4_K", "Q6_K"),
+        echo=print) -> list[dict]:
     from ..model import Model
     from .spec import _prompt_ids, default_pair, load_prompts
     path = model_path or default_pair()[0]
-    be = X8CPUBackend()
+    be = X8CPUBackend(types)
     t0 = time.perf_counter()
     model = Model(path, backend=be, n_ctx=n_ctx)
     echo(f"{model.path.name} loaded in {time.perf_counter() - t0:.1f}s; {len(be.meta)} Q4_K/Q6_K matrices")
@@ -124,5 +126,6 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=None, help="GGUF path (default: Qwen2.5-Coder-1.5B, Q4_K/Q6_K)")
     ap.add_argument("--categories", default="code")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--types", default="Q4_K,Q6_K", help="weight types whose projections take int8 x")
     a = ap.parse_args()
-    run(a.model, tuple(a.categories.split(",")), a.max_tokens)
+    run(a.model, tuple(a.categories.split(",")), a.max_tokens, types=tuple(a.types.split(",")))
