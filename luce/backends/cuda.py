@@ -55,8 +55,11 @@ def rows_from_env(name: str, default: range) -> range:
 # matmul from 16 rows (its docstring has the figures); LUCE_MATVEC_MMA_ROWS=N-M routes
 # those widths to it, to measure a changed kernel end to end.
 MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(0))
-# Q4_K matvecs of decode take x rounded to int8 per 32 columns and multiply with dp4a
-# (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. Off until measured end to end.
+# Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
+# dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. H200, Qwen3-8B shape (14109b4): 266.7
+# decode tok/s against 235.9. Off by default: it moves a real model's logits by ~1.3%
+# (luce.bench.x8_drift), enough to change greedy tokens at near-ties and to make decode and
+# the (float) verification forward of speculative decoding disagree there.
 MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
