@@ -203,13 +203,9 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
 
 def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
     """Seconds for n greedy decode steps as DeviceGreedyStepper runs them (argmax in the
-    graph, the next step queued before the host reads a token, small copies staged through
-    pinned memory), from where the cache is; the cache is put back afterwards."""
+    graph, the next step queued before the host reads a token), from where the cache is;
+    the cache is put back afterwards."""
     from collections import deque
-
-    from ..backends import cuda_copy
-    saved = cuda_copy.ASYNC_HOST
-    cuda_copy.ASYNC_HOST = True
     n0 = kv.n_past
     q = deque()
 
@@ -227,7 +223,6 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
             q.popleft().result()
             dt = time.perf_counter() - t0
     finally:
-        cuda_copy.ASYNC_HOST = saved
         kv.truncate(n0)
     return dt
 

@@ -34,15 +34,10 @@ class X8Ops(NumpyOps):
         from ..kernels.quantize_x import dequantize_x_ref, quantize_x_ref
         xf = np.ascontiguousarray(x, np.float32)
         xh = dequantize_x_ref(quantize_x_ref(xf), xf.shape[-1])
-        y = xh @ w.T
+        y = NumpyOps.linear(xh, w, bias, residual)
         mins = self.b.meta[id(w)]
         if mins is not None:  # Q4_K: its mins meet the exact x, W = scaled + mins
-            err = (xf - xh).reshape(xf.shape[0], -1, 32).sum(-1)
-            y += err @ mins.T
-        if bias is not None:
-            y += bias
-        if residual is not None:
-            y += residual
+            y += (xf - xh).reshape(xf.shape[0], -1, 32).sum(-1) @ mins.T
         return y
 
     def gated_linear(self, x, w_gate, w_up):
