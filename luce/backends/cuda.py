@@ -191,11 +191,13 @@ class CudaOps:
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
-        from ..kernels.matvec_mma import MMA_TYPES
+        from ..kernels.matvec_mma import MMA_TYPES, QK as MMA_QK, matvec_mma
         n = x.shape[0]
-        mma = n in MATVEC_MMA_ROWS and w_gate.qtype in MMA_TYPES and w_up.qtype in MMA_TYPES
-        if w_gate.qtype == w_up.qtype and not mma:  # else both through linear's matvec_mma
-            qt = w_gate.qtype
+        qt = w_gate.qtype
+        if n in MATVEC_MMA_ROWS and qt in MMA_TYPES and w_up.qtype == qt and x.shape[1] % MMA_QK == 0:
+            return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
+                              stream=self.stream, w_up=w_up.raw)
+        if w_up.qtype == qt:
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
                                    stream=self.stream, xq=self._x8(x, qt))

@@ -32,7 +32,7 @@ def run(record: bool = True) -> dict:
     add("verification widths: small-M tensor-core matmul vs 1-row matvec", bench_matmul(SMALL_M_SHAPES, baseline=True),
         "GB/s")
     add("prefill matmul, 512 rows", bench_matmul())
-    add("tensor-core Q4_K matvec (not yet routed) vs what runs now", bench_matvec_mma(), "GB/s")
+    add("tensor-core small-M product (matvec_mma) vs what runs now", bench_matvec_mma(), "GB/s")
     add("attention over 8K context (Qwen3-8B heads)", bench_attention())
     add("small per-layer ops (Qwen3-8B shape)", bench_small_ops())
     print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
