@@ -17,7 +17,8 @@ enough) and walks a share of the 256-column blocks:
 - K is permuted inside every mma step: the four columns a lane holds for a row are the
   four bytes of one quant word (bytes 0, 2 in one f16x2 half pair, 1, 3 in the other), so
   a step's 16 columns are not consecutive. x is rewritten once a call (x_frags) in exactly
-  that order as f16, so a lane's B fragments for two steps are one 16-byte load;
+  that order as f16, so a lane's B fragments for two steps are one 16-byte load and a
+  warp's 32 lanes read 512 contiguous bytes;
 - f32 accumulation in the mma; a block's warps add their partial tiles in shared memory
   in warp order.
 
@@ -35,12 +36,10 @@ from numba import cuda
 
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
-from ._reduce import warp_barrier
 from .matvec import silu
 from .matvec_fast import k4_scales
-from .mma import (SCRATCH, SHARED16, bits, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, f32x2_to_f16x2,
-                  hfma2, hsub2, lds4, mma_f16, or32, prmt, shl32)
-from .vector_load import f16_bits_to_f32, f32_to_u32_bits, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
+from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
+from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "plan", "x_frags"]
 
@@ -52,16 +51,22 @@ U = np.uint32
 ONES = U(0x64006400)  # f16x2 (1024, 1024)
 ONES32 = U(0x64206420)  # f16x2 (1056, 1056): 1024 + Q6_K's offset of 32
 LOW4 = U(0x000F000F)
+HIGH4 = U(0x00F000F0)
+M64 = U(0x54005400)  # f16x2 (64, 64)
+FULL = U(0xFFFFFFFF)
 LOW2 = U(0x00030003)
-GRID_WARPS = 2048
-SMEM_MAX = 48 * 1024 - 1024  # static shared memory of a block, less the rest of the kernel's  # warps a launch aims for (~16 an H200 SM): the K split is chosen from it
+GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is chosen from it
 
 
 @device(inline=True)
-def _q4(v, shift, s2, o2):
-    """An f16x2 A word: the nibbles at bit `shift` of bytes 0 and 2 of v (shift 8, 12:
-    bytes 1 and 3), times s2 plus o2."""
-    return hfma2(hsub2(or32(bits(v, shift, LOW4), ONES), ONES), s2, o2)
+def _q4(v, hi, s2, o2):
+    """An f16x2 A word: the low (hi=0) or high nibbles of bytes 0 and 2 of v, times s2 plus
+    o2. A low nibble under the f16 exponent of 1024 reads 1024 + q; a high one, where it
+    stands (bits 4-7), under the exponent of 64 (ulp 1/16) reads 64 + q: one LOP3 each, and
+    the subtraction is exact."""
+    if hi:
+        return hfma2(hsub2(and_or(v, HIGH4, M64), M64), s2, o2)
+    return hfma2(hsub2(and_or(v, LOW4, ONES), ONES), s2, o2)
 
 
 @device(inline=True)
@@ -109,9 +114,13 @@ def frag_col(q4, c, s):
 @cuda.jit
 def _frags_kernel(x, n_x, q4, out):
     # one thread a (row of x, block, lane group, step): two f16x2 words, columns (0, 2) and
-    # (1, 3) of the step's four; rows from n_x up to the fragments' 8 are zeros
+    # (1, 3) of the step's four; rows from n_x up to the fragments' 8 are zeros. Layout:
+    # [block][step pair][row][lane group][4 words], so that the 32 lanes of a warp (8 rows
+    # x 4 lane groups) load one contiguous 512 bytes for a fragment's two steps (laid out
+    # row-major, a warp's loads touched 32 lines: L1 was 91% busy at 23 rows, H200)
     i = cuda.grid(1)
     nb = x.shape[1] // QK
+    rows8 = out.shape[0] // (nb * QK // 2)
     if i >= out.shape[0] // 2:
         return
     s = i % 16
@@ -125,17 +134,18 @@ def _frags_kernel(x, n_x, q4, out):
         v1 = x[t, col + 1]
         v2 = x[t, col + 2]
         v3 = x[t, col + 3]
-    out[2 * i] = f32x2_to_f16x2(v0, v2)
-    out[2 * i + 1] = f32x2_to_f16x2(v1, v3)
+    o = (((b * 8 + (s >> 1)) * rows8 + t) * 4 + c) * 4 + 2 * (s & 1)
+    out[o] = f32x2_to_f16x2(v0, v2)
+    out[o + 1] = f32x2_to_f16x2(v1, v3)
 
 
 _SCRATCH: dict = {}  # (rows8, K) -> buffer: fixed addresses, so captured graphs stay valid
 
 
 def x_frags(x_dev, qtype, stream=0):
-    """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view: per row
-    (padded to a multiple of 8 with zeros), block and lane group, 16 steps of two f16x2
-    words. The buffer is kept per shape and reused by every call (one stream orders them)."""
+    """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view (rows
+    padded to a multiple of 8 with zeros; layout in _frags_kernel). The buffer is kept per
+    shape and reused by every call (one stream orders them)."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
     key = (rows8, k)
@@ -162,7 +172,9 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
     NQ = 8 if Q4 else 12  # quant words a lane holds a row
     SCR = (W, 32, SCRATCH) if SIM else (1,)
     assert not gated or TL == 2
-    jit = cuda.jit if SIM else cuda.jit(launch_bounds=32 * W)
+    # (threads, 1 block an SM at least): with the thread count alone ptxas capped one form at
+    # 72 registers and spilled
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, 1))
 
     @device(inline=True)
     def step(x4, lo, tl, a0, a1, a2, a3, acc, scr, wid, lane):
@@ -177,10 +189,10 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
     def load_x(x4, xq, xb, nb, wpair):
         # words 4 wpair .. + 3 of this lane's 32 for the block, each x fragment
         for f in range(NT):
-            x4[f, 0], x4[f, 1], x4[f, 2], x4[f, 3] = ldg_u16_u32x4(xq, xb + f * 8 * nb * 256 + 8 * wpair)
+            x4[f, 0], x4[f, 1], x4[f, 2], x4[f, 3] = ldg_u16_u32x4(xq, xb + 256 * NT * wpair + 256 * f)
 
     @device(inline=True)
-    def load_q4_k(w0, w1, rows, nb, b, lane, qw, hd):
+    def block_q4_k(w0, w1, rows, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
         c = lane & 3
         for i in range(R2):
             w = w1 if gated and i >= 2 else w0
@@ -188,10 +200,6 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldg_u16_u32x4(w, base)
             qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ldg_u16_u32x4(w, base + 8 + 8 * c)
             qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ldg_u16_u32x4(w, base + 40 + 8 * c)
-
-    @device(inline=True)
-    def block_q4_k(nb, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
-        c = lane & 3
         for h in range(2):
             # chunk 4h + c: low nibbles are sub-block 2p, high ones 2p + 1
             p = 2 * h + (c >> 1)
@@ -214,11 +222,12 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
                         q1 = qw[i0 + 1, 4 * h + wd]
                         s0, o0 = sc[i0, 2 * hi], sc[i0, 2 * hi + 1]
                         s1, o1 = sc[i0 + 1, 2 * hi], sc[i0 + 1, 2 * hi + 1]
-                        step(x4, hi, tl, _q4(q0, 4 * hi, s0, o0), _q4(q1, 4 * hi, s1, o1),
-                             _q4(q0, 4 * hi + 8, s0, o0), _q4(q1, 4 * hi + 8, s1, o1), acc, scr, wid, lane)
+                        step(x4, hi, tl, _q4(q0, hi, s0, o0), _q4(q1, hi, s1, o1),
+                             _q4(bits(q0, 8, FULL), hi, s0, o0), _q4(bits(q1, 8, FULL), hi, s1, o1), acc, scr, wid,
+                             lane)
 
     @device(inline=True)
-    def load_q6_k(w0, w1, rows, nb, b, lane, qw, hd):
+    def block_q6_k(w0, w1, rows, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
         # ql[128] qh[64] scales[16] d. Lane group c = 2n + m takes, of half n, ql bytes
         # 64n + 16m .. + 15 (quarters 0, 2), 64n + 32 + 16m .. (quarters 1, 3) and qh
         # 32n + 16m ..; their sub-blocks' scales are bytes 8n + 2qq + m
@@ -232,15 +241,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = _ld16(w, base + 64 * n + 32 + 16 * m)
             qw[i, 8], qw[i, 9], qw[i, 10], qw[i, 11] = _ld16(w, base + 128 + 32 * n + 16 * m)
             hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = _ld16(w, base + 192)
-            hd[i, 4] = U(w[(rows[i] * nb + b) * BU + 104])
-
-    @device(inline=True)
-    def block_q6_k(nb, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
-        c = lane & 3
-        n = c >> 1
-        m = c & 1
-        for i in range(R2):
-            d = f16_bits_to_f32(hd[i, 4]) * live
+            d = f16_bits_to_f32(U(w[(rows[i] * nb + b) * BU + 104])) * live
             # scale byte 8n + 2qq + m: word 2n + (qq >> 1), byte m + 2 (qq & 1); n differs
             # between lanes, and a register array indexed by it would live in local memory
             sw0 = hd[i, 2] if n else hd[i, 0]
@@ -263,37 +264,6 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
                              _q6(l0, h0, qq, 1, sc[i0, qq]), _q6(l1, h1, qq, 1, sc[i0 + 1, qq]), acc, scr, wid, lane)
 
     block = block_q4_k if Q4 else block_q6_k
-    load = load_q4_k if Q4 else load_q6_k
-    NH = 4 if Q4 else 5  # header words a row (Q6_K: its scales and d)
-    CP = Q4  # Q6_K's 210-byte blocks are not 16-byte aligned: cp.async cannot take them whole
-    # 16-byte pieces a lane copies a block: two quant chunks of each of its rows, and lane c
-    # of a quad the header of the quad's row c (the four lanes share their rows' headers)
-    NP = 2 * R2 + 1
-    STAGE = max(2 * W * NP * 128, W * 32 * NACC) if CP else 1
-    assert 4 * STAGE <= SMEM_MAX, (W, TL)
-    RED = 1 if CP else W * 32 * NACC  # array shapes must be plain constants
-
-    @device(inline=True)
-    def copy_q4_k(w0, w1, rows, nb, b, wid, lane, stage, buf):
-        """Start the copies of block b's pieces into this lane's slots of buffer buf."""
-        c = lane & 3
-        slot = (wid * 2 + buf) * NP * 128 + 4 * lane
-        for i in range(R2):
-            w = w1 if gated and i >= 2 else w0
-            base = (rows[i] * nb + b) * BU
-            cp_async16(stage, slot + 2 * i * 128, w, base + 8 + 8 * c, 16)
-            cp_async16(stage, slot + (2 * i + 1) * 128, w, base + 40 + 8 * c, 16)
-            if i == c:
-                cp_async16(stage, slot + 2 * R2 * 128, w, base, 16)
-
-    @device(inline=True)
-    def read_q4_k(stage, wid, lane, buf, qw, hd):
-        slot = (wid * 2 + buf) * NP * 128 + 4 * lane
-        hslot = (wid * 2 + buf) * NP * 128 + 2 * R2 * 128 + 4 * (lane & 28)
-        for i in range(R2):
-            qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = lds4(stage, slot + 2 * i * 128)
-            qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = lds4(stage, slot + (2 * i + 1) * 128)
-            hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = lds4(stage, hslot + 4 * i)
 
     @jit
     def kernel(w0, w1, xq, n_out, nb, n_x, bias, res, has_bias, has_res, out):
@@ -302,13 +272,11 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
         lane = tid % 32
         g = lane >> 2
         scr = cuda.shared.array(SCR, np.uint32)
-        stage = cuda.shared.array(STAGE, np.uint32, alignment=SHARED16)
-        red_sh = cuda.shared.array(RED, np.uint32)
-        red = stage if CP else red_sh  # partial sums as f32 bits
+        red = cuda.shared.array((W, 32, NACC), np.float32)
         acc = cuda.local.array(NACC, np.float32)
         rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: g, g + 8 of each tile
         qw = cuda.local.array((R2, NQ), np.uint32)
-        hd = cuda.local.array((R2, NH), np.uint32)
+        hd = cuda.local.array((R2, 4), np.uint32)
         sc = cuda.local.array((R2, 4), np.uint32)  # f16x2 scales (and Q4_K's mins)
         x4 = cuda.local.array((NT, 4), np.uint32)
         for e in range(NACC):
@@ -316,35 +284,16 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
         for i in range(R2):  # rows past the end: computed, never stored
             tile = 0 if gated else i >> 1
             rows[i] = min(cuda.blockIdx.x * ROWS + 16 * tile + g + 8 * (i & 1), n_out - 1)
-        # this lane's x words: row g of fragment 0, lane group c; + f * 8 rows, + 32 a block
-        xb0 = (g * nb * 4 + (lane & 3)) * 64
+        # this lane's x words (see _frags_kernel): row g of fragment 0, lane group c
+        xb0 = 8 * (4 * g + (lane & 3))
         trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
-        if CP:
-            # Q4_K: blocks go to shared memory by cp.async, the next one in flight while this
-            # one is multiplied (register loads issued ahead were sunk by ptxas to their uses)
-            copy_q4_k(w0, w1, rows, nb, min(wid, nb - 1), wid, lane, stage, 0)
-            cp_async_commit()
         for it in range(trips):
             b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            if CP:
-                # the other buffer's last readers (headers come from other lanes) are done
-                warp_barrier()
-                if b + W < nb:
-                    copy_q4_k(w0, w1, rows, nb, b + W, wid, lane, stage, (it + 1) & 1)
-                cp_async_commit()
-                cp_async_wait_prior()
-                warp_barrier()  # this buffer's copies by every lane are visible
-                read_q4_k(stage, wid, lane, it & 1, qw, hd)
-            else:
-                load(w0, w1, rows, nb, b, lane, qw, hd)
-            block(nb, live, xq, xb0 + b * 256, scr, wid, lane, acc, qw, hd, sc, x4)
-        if CP:
-            cp_async_wait()
-            cuda.syncthreads()  # the stage buffers become the reduction's
+            block(w0, w1, rows, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
         for e in range(NACC):
-            red[(wid * 32 + lane) * NACC + e] = f32_to_u32_bits(acc[e])
+            red[wid, lane, e] = acc[e]
         cuda.syncthreads()
         # the block's warps' partial sums in warp order, one output (gated: one pair) a thread
         per = NACC // 2 if gated else NACC
@@ -353,18 +302,18 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             e = o // 32
             if gated:  # e over (fragment, row half) of tile 0; tile 1 is 4 further
                 e = (e >> 2) * 8 + (e & 3)
-            v = u32_bits_to_f32(red[ln * NACC + e])
+            v = red[0, ln, e]
             for ww in range(1, W):
-                v += u32_bits_to_f32(red[(ww * 32 + ln) * NACC + e])
+                v += red[ww, ln, e]
             e4 = e % 4
             ft = e // 4
             t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
             nn = cuda.blockIdx.x * ROWS + (0 if gated else 16 * (ft % TL)) + (ln >> 2) + 8 * (e4 >> 1)
             if t < n_x and nn < n_out:
                 if gated:
-                    u = u32_bits_to_f32(red[ln * NACC + e + 4])
+                    u = red[0, ln, e + 4]
                     for ww in range(1, W):
-                        u += u32_bits_to_f32(red[(ww * 32 + ln) * NACC + e + 4])
+                        u += red[ww, ln, e + 4]
                     v = silu(v) * u
                 if has_bias:
                     v += bias[nn]
@@ -386,16 +335,9 @@ def plan(n_x: int, n_out: int, k: int, gated: bool = False) -> tuple[int, int]:
     while warps < 8 and warps < nb and tiles16 * warps < GRID_WARPS:
         warps *= 2
     if gated:
-        while stage_bytes(warps, 2) > SMEM_MAX:
-            warps //= 2
         return 2, warps
-    tiles = 2 if n_x <= 24 and -(-n_out // 32) * warps >= 8 * 132 and stage_bytes(warps, 2) <= SMEM_MAX else 1
+    tiles = 2 if n_x <= 24 and -(-n_out // 32) * warps >= 8 * 132 else 1
     return tiles, warps
-
-
-def stage_bytes(warps: int, tiles: int) -> int:
-    """Shared bytes of the Q4_K kernel's two cp.async buffers a warp."""
-    return 2 * warps * (4 * tiles + 1) * 512
 
 
 def _check(qtype, x_dev, what):

@@ -52,6 +52,11 @@ if SIM:
         return np.uint32((int(a) << int(s)) & _M32)
 
     @_dev
+    def and_or(a, m, o):
+        """(a & m) | o in one LOP3 (two immediates do not fit one SASS logic op)."""
+        return np.uint32(((int(a) & int(m)) | int(o)) & _M32)
+
+    @_dev
     def pack16(lo, hi):
         return np.uint32((int(lo) & 0xFFFF) | ((int(hi) & 0xFFFF) << 16))
 
@@ -233,6 +238,15 @@ else:
         def codegen(context, builder, sig, args):
             a, b = _u32_args(context, builder, sig, args)
             return builder.or_(a, b)
+        return sig, codegen
+
+    @intrinsic
+    def and_or(typingctx, a, m, o):
+        sig = types.uint32(a, m, o)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", _I32, [_I32] * 3,
+                        _u32_args(context, builder, sig, args))
         return sig, codegen
 
     @intrinsic

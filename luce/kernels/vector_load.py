@@ -18,8 +18,7 @@ from .device import device
 
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
-__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
-           "f32_to_u32_bits"]
+__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
 
 if SIM:
     @device
@@ -52,10 +51,6 @@ if SIM:
     @device
     def u32_bits_to_f32(u):
         return np.uint32(u).view(np.float32)
-
-    @device
-    def f32_to_u32_bits(f):
-        return np.float32(f).view(np.uint32)
 
 else:
     from llvmlite import ir
@@ -130,13 +125,4 @@ else:
 
         def codegen(context, builder, sig, args):
             return builder.bitcast(_resize(builder, args[0], 32), ir.FloatType())
-        return sig, codegen
-
-    @intrinsic
-    def f32_to_u32_bits(typingctx, f):
-        sig = types.uint32(types.float32)
-
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            return builder.bitcast(v, ir.IntType(32))
         return sig, codegen

@@ -87,7 +87,7 @@ for qt, nt, tiles, warps, gated in [(T.Q4_K, 1, 1, 4, False), (T.Q4_K, 3, 2, 4, 
                                     (T.Q4_K, 3, 2, 4, True), (T.Q4_K, 4, 2, 4, True), (T.Q6_K, 1, 1, 8, False),
                                     (T.Q6_K, 3, 2, 8, False), (T.Q6_K, 4, 1, 8, False), (T.Q4_K, 1, 1, 1, False)]:
     code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps, gated).py_func, sig, cc=(9, 0),
-                            launch_bounds=32 * warps)[0]
+                            launch_bounds=(32 * warps, 1))[0]
     assert "mma.sync" in code and ".f64" not in code, (qt, nt, tiles)  # tensor cores, f32
     use = ptxas_usage(code)
     assert use["registers"] * 32 * warps <= 65536, (qt, nt, tiles, warps, use)  # the block can launch
