@@ -143,8 +143,8 @@ def test_failed_graph_capture_runs_eagerly(tiny_llama, monkeypatch):
 
 
 def test_matvec_mma_routing(monkeypatch):
-    """With the tensor-core matvec routed for 1-8 tokens (luce.backends.cuda.MATVEC_MMA_ROWS;
-    off by default until timed), the backend's linear (Q4_K with a bias; Q6_K adding into
+    """With the tensor-core small-M product routed for 1-8 tokens (luce.backends.cuda.
+    MATVEC_MMA_ROWS; 2-32 by default), the backend's linear (Q4_K with a bias; Q6_K adding into
     the residual stream in place) and gated FFN ops of a 3-token forward go through it and
     match the float64 references; a Q8_0 weight and a 9-token forward do not."""
     import gguf

@@ -49,12 +49,14 @@ def rows_from_env(name: str, default: range) -> range:
         raise LuceError(f"{name}: expected a width N or a range N-M, got {spec!r}") from None
 
 
-# Forwards of these widths (tokens) take the tensor-core matvec for Q4_K and Q6_K weights
-# (luce.kernels.matvec_mma: each weight read once, straight into mma fragments). Empty by
-# default: on the H200 it is slower than matvec_fast for one row and than the small-M
-# matmul from 16 rows (its docstring has the figures); LUCE_MATVEC_MMA_ROWS=N-M routes
-# those widths to it, to measure a changed kernel end to end.
-MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(0))
+# Forwards of these widths (tokens: chain and tree verification, short prefill pieces) take
+# the tensor-core small-M product for Q4_K and Q6_K weights (luce.kernels.matvec_mma: each
+# weight read once, dequantized into mma fragments). H200, Qwen3-8B shapes (d80fd0b): the
+# gated FFN at 23 rows 40.2 us against 78.2 for the small-M matmul, 26.5 us up to 8 rows;
+# the 23-node verification forward 8.25 ms (1.92x a decode step) against 12.3-12.7 ms. One
+# row stays on matvec_fast (as fast for the FFN, faster for the small projections).
+# LUCE_MATVEC_MMA_ROWS=N-M sets the widths (0: none).
+MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(2, 33))
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
 # dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. H200, Qwen3-8B shape (14109b4): 266.7
 # decode tok/s against 235.9. Off by default: it moves a real model's logits by ~1.3%
