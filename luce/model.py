@@ -77,6 +77,15 @@ class Model:
         return self.backend.forward(self.family, self.config, self.weights, cache, tokens, positions, mask=mask,
                                     logits_rows=logits_rows)
 
+    def forward_greedy(self, cache, tokens, positions, mask=None):
+        """forward's rows as GreedyRows (luce.backends): argmaxes at once, logits on demand;
+        on the device where the backend can (CUDABackend.forward_greedy)."""
+        fn = getattr(self.backend, "forward_greedy", None)
+        if fn is not None:
+            return fn(self.family, self.config, self.weights, cache, tokens, positions, mask=mask)
+        from .backends import greedy_rows
+        return greedy_rows(self.forward(cache, tokens, positions, mask=mask))
+
     def forward_next_token(self, cache, token, position):
         """Queue a greedy one-token decode step (backends with `forward_next_token`): see
         CUDABackend.forward_next_token."""

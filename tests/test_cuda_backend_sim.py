@@ -260,3 +260,28 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
     # the decode step: q, k, v, o, gate/up, down and the output head (all Q4_K here) over
     # int8 x from five inputs: three norms' outputs, the attention's and the gated one
     assert seen == {"xq": 7, "norm": 3, "quantize": 2}, seen
+
+
+def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
+    """Greedy verification's forward (argmax of every row on the device, logits rows
+    fetched when asked for) agrees with forward on the same tree; a row of an earlier
+    forward is refused once the device buffer has been reused."""
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    gpu.forward(fam, cfg, w, kv, [5, 9, 2], [0, 1, 2])
+    kv.commit()
+    mask = tree_mask(np.array([-1, 0, 0, 1]))
+    pos = 3 + mask.sum(1) - 1
+    want = gpu.forward(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
+    kv.commit([])
+    got = gpu.forward_greedy(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
+    assert list(got.ids) == list(want.argmax(1)) and len(got) == 4
+    np.testing.assert_array_equal(got[2], want[2])
+    kv.commit([])
+    gpu.forward(fam, cfg, w, kv, [4], [3])
+    with pytest.raises(RuntimeError, match="reused"):
+        got[0]

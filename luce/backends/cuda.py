@@ -353,7 +353,7 @@ class CUDABackend:
         return self.use_graphs and (n <= GRAPH_WIDTHS_MAX or _is_pow2(n) and n <= PREFILL_GRAPH_MAX)
 
     def forward(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None, logits_rows=None):
-        st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, logits_rows, argmax=False)
+        st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, logits_rows)
         # Through a pinned buffer kept per logits shape: a pageable destination makes the
         # driver stage the copy, and a fresh numpy array each step adds an allocation.
         host = st.setdefault("host_logits", {})
@@ -362,6 +362,29 @@ class CUDABackend:
             buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
         d2h_sync(buf, logits, self.stream)
         return buf.copy()  # callers keep logits across steps; the buffer is reused
+
+    def forward_greedy(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None):
+        """forward for greedy verification: every row's argmax is taken inside the graph and
+        only those come back (4 bytes a row); a row's logits are copied when asked for, until
+        the next forward on this model state reuses the device buffer."""
+        from . import GreedyRows
+        n = len(tokens)
+        st = self._model_state(family, cfg, weights, kv)
+        ids_d = st.setdefault("row_ids", {})
+        if n not in ids_d:  # a fixed address per width: graphs write into it
+            ids_d[n] = (self.cuda.device_array(n, np.int32), self.cuda.pinned_array(n, np.int32))
+        st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, None, argmax=ids_d[n][0])
+        host = ids_d[n][1]
+        d2h_sync(host, ids_d[n][0], self.stream)
+        turn = st["forward_turn"]
+
+        def fetch(i):
+            if st["forward_turn"] != turn:
+                raise RuntimeError("logits of an earlier forward: its device buffer has been reused")
+            row = self.cuda.pinned_array(logits.shape[1], np.float32)
+            d2h_sync(row, logits[i], self.stream)
+            return row
+        return GreedyRows(host.copy(), fetch)
 
     def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position) -> "PendingToken":
         """Queue a one-token decode forward whose greedy next token (the argmax of its
@@ -378,7 +401,7 @@ class CUDABackend:
         if token is None and not st.get("next_token_set"):
             raise RuntimeError("forward_next_token(None) needs a queued forward_next_token before it")
         self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
-                     argmax=True)
+                     argmax=st["next_token"])
         st["next_token_set"] = True
         turn = st["token_turn"]
         st["token_turn"] += 1
@@ -389,9 +412,10 @@ class CUDABackend:
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
 
-    def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax: bool):
+    def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax=None):
         """Queue one forward (a captured graph where it can); returns (model state, device
-        logits). tokens None: one token, the model state's device-side next token."""
+        logits). tokens None: one token, the model state's device-side next token. argmax:
+        a device int32 array (fixed per width) that gets each logits row's argmax."""
         from ..kernels.attention import tree_mask_bits
         n = 1 if tokens is None else len(tokens)
         st = self._model_state(family, cfg, weights, kv)
@@ -419,12 +443,14 @@ class CUDABackend:
             ops._xq = None
             ops.mask_bits = mask_d if tree else None
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
-            if argmax:  # one row: forward_next_token's
+            if argmax is not None:
                 from ..kernels.sampling import argmax_cuda
-                argmax_cuda(st["logits"], out=st["next_token"], stream=self.stream)
+                argmax_cuda(st["logits"], out=argmax, stream=self.stream)
 
-        key = (n, tree, tuple(rows), argmax)
-        form = (n, tree, len(rows), argmax)
+        st["forward_turn"] = st.get("forward_turn", 0) + 1
+        # the argmax's destination is part of what a graph captured (next token, verify rows)
+        key = (n, tree, tuple(rows), None if argmax is None else id(argmax))
+        form = (n, tree, len(rows), argmax is not None)
         g = st["graphs"].get(key) if self.use_graphs else None
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's

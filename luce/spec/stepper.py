@@ -19,7 +19,7 @@ import numpy as np
 from ..engine.generator import Session
 from ..engine.sampling import Sampler
 from .ddtree import Tree, build_tree, chain_tree, empty_tree
-from .verify import verify
+from .verify import plain_greedy, verify
 
 METHODS = ("chain", "ddtree")
 
@@ -68,7 +68,11 @@ class SpeculativeStepper:
         tree = self._tree(draft, room)
         t1 = time.perf_counter()
         tokens, positions, mask = tree.forward_inputs(t0, cache.n_past)
-        logits = self.model.forward(cache, tokens, positions, mask=mask)
+        if plain_greedy(params) and hasattr(self.model, "forward_greedy"):
+            # argmaxes only: the logits rows stay on the device until asked for
+            logits = self.model.forward_greedy(cache, tokens, positions, mask=mask)
+        else:
+            logits = self.model.forward(cache, tokens, positions, mask=mask)
         verdict = verify(tree, logits, context, params, self.sampler.rng,
                          q=draft.q if self.method == "chain" else None)
         t2 = time.perf_counter()

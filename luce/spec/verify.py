@@ -33,7 +33,7 @@ class Verdict:
     next_token: int | None  # drawn from a rejection's residual; None: sample the last node's logits as usual
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
+def plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.repeat_penalty == 1.0 and not params.presence_penalty \
         and not params.frequency_penalty
 
@@ -50,26 +50,26 @@ def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingP
     nodes: list[int] = []
     toks: list[int] = []
     node = -1
-    fast = _plain_greedy(params)
+    fast = plain_greedy(params)
     while True:
         children = tree.children(node)
         if not children:
             return Verdict(nodes, toks, None)
-        row = logits[node + 1]
         hist = history + toks
-        if fast:
-            best = int(np.argmax(row))
+        if fast:  # logits may be GreedyRows (luce.backends): argmaxes without the rows
+            ids = getattr(logits, "ids", None)
+            best = int(ids[node + 1]) if ids is not None else int(np.argmax(logits[node + 1]))
             nxt = next((c for c in children if tree.tokens[c] == best), None)
             if nxt is None:
                 return Verdict(nodes, toks, None)
         elif params.greedy:
-            p = distribution(row, hist, params)
+            p = distribution(logits[node + 1], hist, params)
             best = int(np.argmax(p))
             nxt = next((c for c in children if tree.tokens[c] == best), None)
             if nxt is None:
                 return Verdict(nodes, toks, None)
         else:
-            p = distribution(row, hist, params)
+            p = distribution(logits[node + 1], hist, params)
             if q is not None:
                 nxt, replacement = _accept_sampled(children, tree, p, q[len(toks)], rng)
             else:

@@ -1,7 +1,8 @@
 """The CUDA backend end to end on a random Q4_K_M-typed qwen3 (head_dim 128: the decode
 attention kernel; 2+ rows: the small-M matmul) against the CPU backend: prefill, 40
 graph-replayed decode steps (fed the CPU's greedy tokens, so a near-tie cannot make the
-two diverge) and a verification tree. Logits agree within the GPU's arithmetic (f16 KV,
+two diverge) and a verification tree (widths 2-32 take matvec_mma; its greedy form, with
+the argmaxes taken in the graph, agrees with the logits). Logits agree within the GPU's arithmetic (f16 KV,
 different summation order): relative L2 error per row below 2e-2."""
 import numpy as np
 import pytest
@@ -42,6 +43,15 @@ def test_random_qwen3_matches_cpu(tmp_path):
     n = kc.n_past
     parents = np.array([-1, 0, 0, 1, -1, 4])
     mask = tree_mask(parents)
-    both(rng.integers(0, 2048, 6), n + mask.sum(1) - 1, mask=mask, accept=[0, 1, 3])
+    toks = rng.integers(0, 2048, 6)
+    # greedy verification's form (argmaxes in the graph) picks what the logits do
+    full = gpu.forward(fam, cfg, wg, kg, toks, n + mask.sum(1) - 1, mask)
+    kg.commit([])
+    for _ in range(2):  # eagerly, then its recorded graph
+        greedy = gpu.forward_greedy(fam, cfg, wg, kg, toks, n + mask.sum(1) - 1, mask)
+        kg.commit([])
+        assert list(greedy.ids) == list(full.argmax(1))
+    np.testing.assert_array_equal(greedy[5], full[5])
+    both(toks, n + mask.sum(1) - 1, mask=mask, accept=[0, 1, 3])
     both([7], [n + 3])
     assert kg.n_past == kc.n_past == n + 4
