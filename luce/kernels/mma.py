@@ -241,15 +241,6 @@ else:
         return sig, codegen
 
     @intrinsic
-    def and_or(typingctx, a, m, o):
-        sig = types.uint32(a, m, o)
-
-        def codegen(context, builder, sig, args):
-            return _asm(builder, "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", _I32, [_I32] * 3,
-                        _u32_args(context, builder, sig, args))
-        return sig, codegen
-
-    @intrinsic
     def shl32(typingctx, a, s):
         sig = types.uint32(a, s)
 
@@ -268,14 +259,21 @@ else:
             return builder.or_(builder.and_(lo, m), builder.shl(hi, ir.Constant(_I32, 16)))
         return sig, codegen
 
-    @intrinsic
-    def prmt(typingctx, a, b, sel):
-        sig = types.uint32(a, b, sel)
+    def _op3(name, ptx):
+        """An intrinsic that is one PTX instruction on three 32-bit operands."""
+        def typer(typingctx, a, b, c):
+            sig = types.uint32(a, b, c)
 
-        def codegen(context, builder, sig, args):
-            return _asm(builder, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", _I32, [_I32] * 3,
-                        _u32_args(context, builder, sig, args))
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                return _asm(builder, ptx, "=r,r,r,r", _I32, [_I32] * 3, _u32_args(context, builder, sig, args))
+            return sig, codegen
+        typer.__name__ = name
+        return intrinsic(typer)
+
+    prmt = _op3("prmt", "prmt.b32 $0, $1, $2, $3;")
+    # (a & m) | o in one LOP3: LLVM's and + or with two constants becomes two (one immediate each)
+    and_or = _op3("and_or", "lop3.b32 $0, $1, $2, $3, 0xEA;")
+    hfma2 = _op3("hfma2", "fma.rn.f16x2 $0, $1, $2, $3;")
 
     @intrinsic
     def f32x2_to_f16x2(typingctx, lo, hi):
@@ -293,15 +291,6 @@ else:
 
         def codegen(context, builder, sig, args):
             return _asm(builder, "sub.rn.f16x2 $0, $1, $2;", "=r,r,r", _I32, [_I32] * 2,
-                        _u32_args(context, builder, sig, args))
-        return sig, codegen
-
-    @intrinsic
-    def hfma2(typingctx, a, b, c):
-        sig = types.uint32(a, b, c)
-
-        def codegen(context, builder, sig, args):
-            return _asm(builder, "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", _I32, [_I32] * 3,
                         _u32_args(context, builder, sig, args))
         return sig, codegen
 
