@@ -10,9 +10,10 @@ enough) and walks a share of the 256-column blocks:
 
 - lane 4g + c reads 16 bytes at a time of rows g and g + 8 (Q4_K: the block's header and
   the quant chunks c and 4 + c; Q6_K: ql, ql + 32 and qh at 64n + 16m with n, m the bits
-  of c) and turns each 32-bit word into two mma steps' A fragments: the nibbles go under
-  the f16 exponent 0x64 (1024 + q exactly), 1024 is subtracted (exact), and one f16x2 FMA
-  applies the sub-block's scale and min. The weights enter as f16 (w = s q + o rounded
+  of c) and turns each 32-bit word into two mma steps' A fragments: a low nibble goes under
+  the f16 exponent of 1024 (1024 + q exactly), a high one under that of 64 where it stands
+  (64 + q), one LOP3 each; the offset is subtracted (exact) and one f16x2 FMA applies the
+  sub-block's scale and min. The weights enter as f16 (w = s q + o rounded
   once), as in the prefill matmul;
 - K is permuted inside every mma step: the four columns a lane holds for a row are the
   four bytes of one quant word (bytes 0, 2 in one f16x2 half pair, 1, 3 in the other), so
@@ -21,6 +22,14 @@ enough) and walks a share of the 256-column blocks:
   warp's 32 lanes read 512 contiguous bytes;
 - f32 accumulation in the mma; a block's warps add their partial tiles in shared memory
   in warp order.
+
+Measured on the H200 (d80fd0b, `python -m luce.bench.kernels_matvec_mma`; docs/benchmarks.md,
+seventh session): the gated Qwen3-8B FFN (2 x 12288 x 4096 Q4_K) 26.5 us for 1-8 rows, 40.2
+for 23 (the small-M matmul it replaces: 78.2), Q6_K 4096 x 12288 40.8 at 23 (65.6); one row
+is as fast as matvec_fast for those and slower for 1024-row outputs, so decode keeps
+matvec_fast. Found with Nsight Compute: with x row-major, each warp load touched 32 cache
+lines and L1 was 91% busy at 23 rows. Tried and slower: Q4_K blocks staged through shared
+memory by cp.async; next-block loads issued into spare registers were sunk by ptxas.
 
 Determinism across widths: the K split (warps a block) depends only on W's shape, and an
 mma computes each column of B the same way whatever the other columns hold, so a token's
