@@ -381,9 +381,11 @@ class CUDABackend:
         def fetch(i):
             if st["forward_turn"] != turn:
                 raise RuntimeError("logits of an earlier forward: its device buffer has been reused")
-            row = self.cuda.pinned_array(logits.shape[1], np.float32)
+            row = st.get("row_host")
+            if row is None or row.shape[0] != logits.shape[1]:
+                row = st["row_host"] = self.cuda.pinned_array(logits.shape[1], np.float32)
             d2h_sync(row, logits[i], self.stream)
-            return row
+            return row.copy()
         return GreedyRows(host.copy(), fetch)
 
     def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position) -> "PendingToken":

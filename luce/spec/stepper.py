@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends import GreedyRows
 from ..engine.generator import Session
 from ..engine.sampling import Sampler
 from .ddtree import Tree, build_tree, chain_tree, empty_tree
@@ -94,7 +95,7 @@ class SpeculativeStepper:
             return chain_tree(draft.tokens[:room])
         return build_tree(draft.topk_ids, draft.topk_logp, min(self.budget, room))
 
-    def advance(self, tokens: list[int]) -> np.ndarray:
+    def advance(self, tokens: list[int]) -> np.ndarray | None:
         n = len(tokens)
         if n < len(self._rows):
             # the caller stopped early: a pending replacement belongs after tokens it dropped
@@ -103,4 +104,9 @@ class SpeculativeStepper:
         self.session.cache.commit(rows)
         self.session.tokens.extend(tokens)
         self.counters.tokens -= len(self._rows) - n
+        if isinstance(self._logits, GreedyRows):
+            # plain greedy: the next token is the kept row's argmax, already on the host, so
+            # the row itself never leaves the device
+            self._next = int(self._logits.ids[rows[-1]])
+            return None
         return self._logits[rows[-1]]
