@@ -272,16 +272,14 @@ def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
     gpu = CUDABackend(use_graphs=False)
     w = build_weights(cfg, f, gpu.load_tensor)
     kv = gpu.new_cache(cfg, 64)
-    gpu.forward(fam, cfg, w, kv, [5, 9, 2], [0, 1, 2])
-    kv.commit()
     mask = tree_mask(np.array([-1, 0, 0, 1]))
-    pos = 3 + mask.sum(1) - 1
+    pos = mask.sum(1) - 1
     want = gpu.forward(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
     kv.commit([])
     got = gpu.forward_greedy(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
     assert list(got.ids) == list(want.argmax(1)) and len(got) == 4
     np.testing.assert_array_equal(got[2], want[2])
     kv.commit([])
-    gpu.forward(fam, cfg, w, kv, [4], [3])
+    gpu.forward_greedy(fam, cfg, w, kv, [4], [0])
     with pytest.raises(RuntimeError, match="reused"):
         got[0]
