@@ -148,16 +148,18 @@ def _frags_kernel(x, n_x, q4, out):
     out[o + 1] = f32x2_to_f16x2(v1, v3)
 
 
-_SCRATCH: dict = {}  # (rows8, K) -> buffer: fixed addresses, so captured graphs stay valid
+# (rows8, K, stream) -> buffer: fixed addresses, so captured graphs stay valid; one per stream,
+# so that two backends (a draft's and a target's) never share one in flight
+_SCRATCH: dict = {}
 
 
 def x_frags(x_dev, qtype, stream=0):
     """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view (rows
     padded to a multiple of 8 with zeros; layout in _frags_kernel). The buffer is kept per
-    shape and reused by every call (one stream orders them)."""
+    shape and stream and reused by every call on it (the stream orders them)."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    key = (rows8, k)
+    key = (rows8, k, id(stream))
     if key not in _SCRATCH:
         _SCRATCH[key] = cuda.device_array(rows8 * k // 2, np.uint32)
     out = _SCRATCH[key]
