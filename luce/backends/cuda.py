@@ -57,6 +57,12 @@ def rows_from_env(name: str, default: range) -> range:
 # row stays on matvec_fast (as fast for the FFN, faster for the small projections).
 # LUCE_MATVEC_MMA_ROWS=N-M sets the widths (0: none).
 MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(2, 33))
+
+
+def _takes_mma(n: int, qtype, k: int) -> bool:
+    """Whether an n-token product with a qtype weight of k columns goes to matvec_mma."""
+    from ..kernels.matvec_mma import MMA_TYPES, QK
+    return n in MATVEC_MMA_ROWS and qtype in MMA_TYPES and k % QK == 0
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
 # dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. H200, Qwen3-8B shape (14109b4): 266.7
 # decode tok/s against 235.9. Off by default: it moves a real model's logits by ~1.3%
@@ -170,11 +176,11 @@ class CudaOps:
         from ..kernels.matmul import MATMUL_TYPES, matmul
         from ..kernels.matvec import matvec
         from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
-        from ..kernels.matvec_mma import MMA_TYPES, QK as MMA_QK, matvec_mma
+        from ..kernels.matvec_mma import matvec_mma
         n = x.shape[0]
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
-        if n in MATVEC_MMA_ROWS and w.qtype in MMA_TYPES and w.shape[1] % MMA_QK == 0:
+        if _takes_mma(n, w.qtype, w.shape[1]):
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
                               stream=self.stream)
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
@@ -193,10 +199,10 @@ class CudaOps:
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
-        from ..kernels.matvec_mma import MMA_TYPES, QK as MMA_QK, matvec_mma
+        from ..kernels.matvec_mma import matvec_mma
         n = x.shape[0]
         qt = w_gate.qtype
-        if n in MATVEC_MMA_ROWS and qt in MMA_TYPES and w_up.qtype == qt and x.shape[1] % MMA_QK == 0:
+        if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
                               stream=self.stream, w_up=w_up.raw)
         if w_up.qtype == qt:

@@ -51,13 +51,13 @@ def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingP
     toks: list[int] = []
     node = -1
     fast = plain_greedy(params)
+    ids = getattr(logits, "ids", None)  # GreedyRows (luce.backends): argmaxes without the rows
     while True:
         children = tree.children(node)
         if not children:
             return Verdict(nodes, toks, None)
         hist = history + toks
-        if fast:  # logits may be GreedyRows (luce.backends): argmaxes without the rows
-            ids = getattr(logits, "ids", None)
+        if fast:
             best = int(ids[node + 1]) if ids is not None else int(np.argmax(logits[node + 1]))
             nxt = next((c for c in children if tree.tokens[c] == best), None)
             if nxt is None:
