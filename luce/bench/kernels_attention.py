@@ -82,10 +82,11 @@ SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step 
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
                     prefill: int = 512, seed: int = 0) -> list[dict]:
     """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
-    sequence splits, decode over SHORT keys in a grid sized for the context, the split
-    combine of the decode rows alone, tree verification (tree_nodes queries, a random tree), a causal
-    prefill chain of `prefill` tokens, decode / tree over q8_0 KV, and the tree through the
-    one-query kernel's structure (not yet the default), all over `context` committed rows; GB/s counts the K/V
+    sequence splits, decode and the tree over SHORT keys in a grid sized for the context
+    (as a captured graph runs early in a conversation), the split combine of those rows alone, tree verification (tree_nodes queries, a random
+    tree), a causal prefill chain of `prefill` tokens, decode / tree over q8_0 KV, and the
+    tree through the one-query kernel's structure (not yet the default), over `context`
+    committed rows unless SHORT; GB/s counts the K/V
     bytes the kernel must read (K and V of every visible row, once: f16, or q8_0 for the
     *_q8_0 rows)."""
     from numba import cuda
@@ -113,25 +114,30 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     kv_pos = cuda.to_device(np.arange(context + max_new, dtype=np.int32), stream=stream)
 
     parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, tree_nodes)])
-    cases = [("decode", 1, np.ones((1, 1), bool), None, False),
-             ("decode_nosplit", 1, np.ones((1, 1), bool), 1, False),
-             (f"decode{SHORT}_in_grid", 1, np.ones((1, 1), bool), None, False),
-             (f"tree{tree_nodes}", tree_nodes, tree_mask(parents), None, False),
-             (f"prefill{prefill}", prefill, None, None, False),
-             ("decode_q8_0", 1, np.ones((1, 1), bool), None, True),
-             (f"tree{tree_nodes}_q8_0", tree_nodes, tree_mask(parents), None, True),
-             (f"tree{tree_nodes}_rowkernel", tree_nodes, tree_mask(parents), None, False)]
+    tree = tree_mask(parents)
+    one = np.ones((1, 1), bool)
+    # (name, queries, mask, max_splits, q8, variant): "rowkernel" takes a tree through the
+    # one-query kernel's structure (not the default: attention.py); names with _in_grid
+    # attend over SHORT keys
+    cases = [("decode", 1, one, None, False, None),
+             ("decode_nosplit", 1, one, 1, False, None),
+             (f"decode{SHORT}_in_grid", 1, one, None, False, None),
+             (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
+             (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
+             (f"prefill{prefill}", prefill, None, None, False, None),
+             ("decode_q8_0", 1, one, None, True, None),
+             (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
+             (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
     rows = []
     default_rows = A.ROW_KERNEL_MAX_QUERIES
     try:
-        for name, n, mask, max_splits, q8 in cases:
-            # the one-query kernel's structure for a tree, not yet the default (attention.py)
-            A.ROW_KERNEL_MAX_QUERIES = 64 if name.endswith("_rowkernel") else default_rows
+        for name, n, mask, max_splits, q8, variant in cases:
+            A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
             # decode graph runs early in a long conversation
-            now = min(SHORT, context) if name.endswith("_in_grid") else context
+            now = min(SHORT, context) if "_in_grid" in name else context
             q_pos = cuda.to_device(np.arange(now, now + n, dtype=np.int32), stream=stream)
             meta = cuda.to_device(np.array([now, n, 0, 0], np.int32), stream=stream)
             bits = None if mask is None else cuda.to_device(tree_mask_bits(mask), stream=stream)
@@ -150,14 +156,14 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{now}+{n}x{hkv}",
                              time_us=round(us, 2), **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode,
                              n_splits=ns))
-            if name.startswith("decode") and ns > 1 and not q8:
+            if (name.startswith("decode") or "_in_grid" in name) and ns > 1 and not q8:
                 # the split combine alone, on the partials the launch above left
                 def combine():
-                    A._combine_kernel[(n, hq), A.combine_threads(d), stream](scratch[0], scratch[1], ns, meta, out)
+                    A.combine_splits(scratch[0], scratch[1], ns, meta, out, stream)
                 us, mode = time_launch(combine, stream, reps)
                 rows.append(dict(name=f"attention_{name}_combine_only", shape=f"{ns} splits x{n}x{hq}x{d}",
                                  time_us=round(us, 2), **{"GB/s": None}, mode=mode, n_splits=ns))
-    finally:  # the module-wide default, whatever happened
+    finally:  # the module-wide defaults, whatever happened
         A.ROW_KERNEL_MAX_QUERIES = default_rows
     return rows
 

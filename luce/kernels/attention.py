@@ -81,8 +81,7 @@ import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
 
-from ._reduce import (MAX_THREADS, WARP_RED_SLOTS, block_max, block_sum, block_threads, ceil_div,  # noqa: E402
-                      warp_allmax, warp_allsum)
+from ._reduce import (WARP_RED_SLOTS, block_threads, ceil_div, warp_allmax, warp_allsum)  # noqa: E402
 from . import attention_mma  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
@@ -382,7 +381,10 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # with the same number of splits for the combine kernel to add up. Every warp runs the
 # same number of loop trips (a warp without a chunk walks an empty one), so the per-warp
 # barriers can be the block's in the simulator. Splits leave (acc, m, l) for
-# _combine_kernel exactly as the tiled kernel does.
+# the combine kernel exactly as the tiled kernel does.
+# The tensor-core kernel (attention_mma with one warp a block: 16 query rows, 4 of them the
+# GQA group's) was slower for decode on the H200: 19.9 us against 17.6 over 640 keys in an
+# 8K-sized grid, 40.2 us over 8K keys (128 splits: its combine alone 13.3 us).
 DECODE_CHUNK = 32  # keys per step: one per lane
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
@@ -656,91 +658,97 @@ def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1) -> bool:
             and decode_shape(dim, row_tile(n_q, group) * group)[0] > 0)
 
 
-COMBINE_MAX_SPLITS = 512  # both plans stay below: decode's DECODE_TARGET_WARPS, the tiled one's _TARGET_BLOCKS
+COMBINE_MAX_SPLITS = 512  # splits any plan makes (the combine reads them all for their (m, l))
 
 
-COMBINE_GROUPS = 4  # threads an output dim (head dims <= 256: at most MAX_THREADS), each adding every 4th split
+COMBINE_WARPS = 4  # warps a combine block (one block per query and q head), each over every 4th split
 
 
-@cuda.jit
-def _combine_kernel(part_o, part_ml, n_splits, meta, out):
-    # One block per (query, q head), COMBINE_GROUPS threads an output dim. The splits'
-    # (m, l) go to shared memory and their max and weighted sum are block reductions;
-    # each thread then adds up its splits four loads at a time, with no branch between a
-    # load and the next. Before, one thread a dim walked a captured graph's 64 splits (most
-    # of them empty at short context) one dependent load at a time; together with the
-    # decode kernel's batched loads this took the 8B shape's attention from 30.6 to 18.0 us
-    # a layer on the H200 (the two changes were not timed apart). Splits that saw no key
-    # (l == 0) get weight 0; their accumulators, never written, are read but selected away.
-    i = cuda.blockIdx.x
-    hq = cuda.blockIdx.y
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    if i >= meta[1]:  # the same for the whole block: no thread skips a barrier alone
-        return
-    ms = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
-    wt = cuda.shared.array(COMBINE_MAX_SPLITS, np.float32)
-    buf = cuda.shared.array(MAX_THREADS, np.float32)
-    sums = cuda.shared.array(MAX_THREADS, np.float32)
-    neg = np.float32(-math.inf)  # a Python float here makes the max and exp float64
-    mv = neg
-    last = np.float32(-1.0)
-    for s in range(t, n_splits, nt):
-        ls = part_ml[s, i, hq, 1]
-        m = part_ml[s, i, hq, 0] if ls > 0 else neg
-        ms[s] = m
-        wt[s] = ls
-        mv = max(mv, m)
-        if ls > 0:
-            last = max(last, np.float32(s))
-    big_m = block_max(mv, buf)
-    # a graph's grid is sized for the whole context: at a short one most splits saw no key,
-    # and the output loop below stops after the last split that did
-    n_used = int(block_max(last, buf)) + 1
-    dv = np.float32(0.0)
-    for s in range(t, n_splits, nt):
-        if wt[s] > 0:
-            dv += wt[s] * math.exp(ms[s] - big_m)
-    den = block_sum(dv, buf)
-    for s in range(t, n_splits, nt):
-        wt[s] = math.exp(ms[s] - big_m) / den if wt[s] > 0 else np.float32(0.0)
-    cuda.syncthreads()
-    dim = out.shape[2]
-    z = np.float32(0.0)
-    step = COMBINE_GROUPS
-    for e in range(t, COMBINE_GROUPS * dim, nt):
-        s = e // dim
-        d = e - s * dim
-        o = z
-        while s + 3 * step < n_used:
-            v0 = part_o[s, i, hq, d]
-            v1 = part_o[s + step, i, hq, d]
-            v2 = part_o[s + 2 * step, i, hq, d]
-            v3 = part_o[s + 3 * step, i, hq, d]
-            w0 = wt[s]
-            w1 = wt[s + step]
-            w2 = wt[s + 2 * step]
-            w3 = wt[s + 3 * step]
-            o += ((v0 * w0 if w0 != 0 else z) + (v1 * w1 if w1 != 0 else z)) + \
-                ((v2 * w2 if w2 != 0 else z) + (v3 * w3 if w3 != 0 else z))
-            s += 4 * step
+@functools.lru_cache(maxsize=None)
+def _combine(dim: int):
+    """The split combine for head dim `dim`: one block of up to COMBINE_WARPS warps per
+    (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
+    no barrier) for the common max and the last split that saw a key, then adds up every
+    W-th split's accumulators, dim/32 of them a lane in registers, two splits a trip so
+    that their loads are in flight together; one barrier merges the warps. Splits that saw
+    no key (l == 0) get weight 0 and their accumulators, never written, are not read.
+    The kernel before this one (a block per row, four threads a dim, three block
+    reductions) took 4.7 us after a 640-key decode and 17 us after a 23-node tree in an
+    8K-sized grid (H200, 311dab6)."""
+    DL = max(1, dim // 32)  # dims a lane owns (head dims below 32: lanes past dim idle)
+    W = COMBINE_WARPS
+    RED = max(1, W * WARP_RED_SLOTS)
+    OW = DL * 32  # array shapes must be plain constants, not expressions
+    NEG = np.float32(-math.inf)  # a Python float would make the max and exp float64
+
+    @cuda.jit
+    def combine(part_o, part_ml, n_splits, meta, out):
+        i = cuda.blockIdx.x
+        hq = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        wid = t // 32
+        lane = t % 32
+        nw = cuda.blockDim.x // 32
+        if i >= meta[1]:  # the same for the whole block: no thread skips a barrier alone
+            return
+        red = cuda.shared.array(RED, np.float32)
+        osh = cuda.shared.array((W, OW), np.float32)
+        lsh = cuda.shared.array(W, np.float32)
+        mv = NEG
+        last = np.float32(-1.0)
+        for s in range(lane, n_splits, 32):
+            if part_ml[s, i, hq, 1] > 0:
+                mv = max(mv, part_ml[s, i, hq, 0])
+                last = np.float32(s)
+        big = warp_allmax(mv, red, wid, lane)
+        n_used = int(warp_allmax(last, red, wid, lane)) + 1
+        acc = cuda.local.array(DL, np.float32)
+        for d in range(DL):
+            acc[d] = 0.0
+        den = np.float32(0.0)
+        s = wid
         while s < n_used:
-            v0 = part_o[s, i, hq, d]
-            w0 = wt[s]
-            o += v0 * w0 if w0 != 0 else z
-            s += step
-        sums[e] = o
-    cuda.syncthreads()
-    for d in range(t, dim, nt):
-        o = sums[d]
-        for g in range(1, COMBINE_GROUPS):
-            o += sums[g * dim + d]
-        out[i, hq, d] = o
+            s2 = s + nw
+            l0 = part_ml[s, i, hq, 1]
+            w0 = math.exp(part_ml[s, i, hq, 0] - big) if l0 > 0 else np.float32(0.0)
+            l1 = np.float32(0.0)
+            w1 = np.float32(0.0)
+            if s2 < n_used:
+                l1 = part_ml[s2, i, hq, 1]
+                w1 = math.exp(part_ml[s2, i, hq, 0] - big) if l1 > 0 else np.float32(0.0)
+            den += l0 * w0 + l1 * w1
+            for d in range(DL):
+                c = lane + 32 * d
+                if c < dim:
+                    v0 = part_o[s, i, hq, c] if w0 != 0 else np.float32(0.0)
+                    v1 = part_o[s2, i, hq, c] if w1 != 0 else np.float32(0.0)
+                    acc[d] += v0 * w0 + v1 * w1
+            s += 2 * nw
+        for d in range(DL):
+            osh[wid, lane + 32 * d] = acc[d]
+        if lane == 0:
+            lsh[wid] = den
+        cuda.syncthreads()
+        for c in range(t, dim, cuda.blockDim.x):
+            o = np.float32(0.0)
+            ll = np.float32(0.0)
+            for w in range(nw):
+                o += osh[w, c]
+                ll += lsh[w]
+            out[i, hq, c] = o / ll
+
+    return combine
 
 
 def combine_threads(dim: int) -> int:
-    """Threads of a combine block: COMBINE_GROUPS per output dim (the simulator: one warp)."""
-    return block_threads(COMBINE_GROUPS * dim)
+    """Threads of a combine block: COMBINE_WARPS warps (the simulator: one)."""
+    return block_threads(32 * COMBINE_WARPS)
+
+
+def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0):
+    """Merge the splits' (O, m, l) partials into out [N, Hq, D] (rows past meta[1] untouched)."""
+    n_q, n_heads, dim = out.shape
+    _combine(dim)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out)
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
@@ -829,7 +837,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
             out, part_o, part_ml)
     if not direct:
-        _combine_kernel[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, ns, meta, out)
+        combine_splits(part_o, part_ml, ns, meta, out, stream)
     return out
 
 

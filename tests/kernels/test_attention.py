@@ -245,8 +245,8 @@ for d in (128, 4096, 5120, 8192, 16384):
 for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
-                        (attention._combine_kernel, f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
-                         attention.COMBINE_GROUPS * 256),
+                        (attention._combine(128), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
+                         32 * attention.COMBINE_WARPS),
                         (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64)",
                          quantize_x.THREADS),
                         (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
@@ -254,7 +254,7 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
     code = ptx(k, sig)
     use = ptxas_usage(code)
     assert use["registers"] * threads <= 65536, (k, threads, use)
-    assert "shfl.sync" in code or k is attention._combine_kernel, k
+    assert "shfl.sync" in code, k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
                                          "float64[::1], int64, int64)"),
