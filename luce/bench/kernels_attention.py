@@ -124,6 +124,10 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"decode{SHORT}_in_grid", 1, one, None, False, None),
              (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
              (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
+             # a split a kv head and SM (one wave of one-block-an-SM blocks), and fewer
+             (f"tree{tree_nodes}_splits17", tree_nodes, tree, 17, False, None),
+             (f"tree{tree_nodes}_{SHORT}_in_grid_splits17", tree_nodes, tree, 17, False, None),
+             (f"tree{tree_nodes}_splits8", tree_nodes, tree, 8, False, None),
              (f"prefill{prefill}", prefill, None, None, False, None),
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),

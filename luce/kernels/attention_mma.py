@@ -190,6 +190,20 @@ def kernel(dim: int, warps: int):
         G = q.shape[1] // n_kvh
         n_rows = n_new * G
 
+        key_end, min_qpos, p_lo, p_hi = tile_pages(r0, ROWS, n_rows, G, n_ctx, n_keys, causal, window, q_pos,
+                                                   split, cuda.gridDim.x)
+        if p_lo >= p_hi:
+            # a split past the pages present (a graph's grid is sized for the whole context):
+            # only the combine's l = 0, before any Q load. The same for the whole block, so no
+            # barrier is skipped alone. At short context most blocks are such.
+            if not direct:
+                for r in range(t, ROWS, NT):
+                    row = r0 + r
+                    if row < n_rows:
+                        part_ml[split, row // G, hkv * G + row % G, 0] = NEG
+                        part_ml[split, row // G, hkv * G + row % G, 1] = 0.0
+            return
+
         kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # K page then V page; Q staging first
         scr = cuda.shared.array(SCR, np.uint32)
         qh = cuda.local.array((DK, 4), np.uint32)
@@ -226,9 +240,6 @@ def kernel(dim: int, warps: int):
         for d in range(DN):
             for c in range(4):
                 o[d, c] = 0.0
-
-        key_end, min_qpos, p_lo, p_hi = tile_pages(r0, ROWS, n_rows, G, n_ctx, n_keys, causal, window, q_pos,
-                                                   split, cuda.gridDim.x)
 
         for page in range(p_lo, p_hi):
             j0 = page * KEYS
