@@ -92,6 +92,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     from numba import cuda
 
     from ..kernels import attention as A
+    from ..kernels import attention_mma as M
     from ..kernels.attention import attention_plan, paged_attention_cuda, tree_mask, tree_mask_bits
     from ..kernels.paging import BLOCK
 
@@ -117,26 +118,28 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     tree = tree_mask(parents)
     one = np.ones((1, 1), bool)
     # (name, queries, mask, max_splits, q8, variant): "rowkernel" takes a tree through the
-    # one-query kernel's structure (not the default: attention.py); names with _in_grid
-    # attend over SHORT keys
+    # one-query kernel's structure (not the default: attention.py), "two_waves" plans the
+    # tensor-core kernel's splits for two waves of blocks; names with _in_grid attend over
+    # SHORT keys
     cases = [("decode", 1, one, None, False, None),
              ("decode_nosplit", 1, one, 1, False, None),
              (f"decode{SHORT}_in_grid", 1, one, None, False, None),
              (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
              (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
-             # a split a kv head and SM (one wave of one-block-an-SM blocks), and fewer
-             (f"tree{tree_nodes}_splits17", tree_nodes, tree, 17, False, None),
-             (f"tree{tree_nodes}_{SHORT}_in_grid_splits17", tree_nodes, tree, 17, False, None),
+             # against the default splits (one wave of one-block-an-SM blocks): two waves, and fewer
+             (f"tree{tree_nodes}_two_waves", tree_nodes, tree, None, False, "two_waves"),
+             (f"tree{tree_nodes}_{SHORT}_in_grid_two_waves", tree_nodes, tree, None, False, "two_waves"),
              (f"tree{tree_nodes}_splits8", tree_nodes, tree, 8, False, None),
              (f"prefill{prefill}", prefill, None, None, False, None),
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
     rows = []
-    default_rows = A.ROW_KERNEL_MAX_QUERIES
+    default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
     try:
         for name, n, mask, max_splits, q8, variant in cases:
             A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
+            M.TARGET_BLOCKS = 2 * default_target if variant == "two_waves" else default_target
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -168,7 +171,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                 rows.append(dict(name=f"attention_{name}_combine_only", shape=f"{ns} splits x{n}x{hq}x{d}",
                                  time_us=round(us, 2), **{"GB/s": None}, mode=mode, n_splits=ns))
     finally:  # the module-wide defaults, whatever happened
-        A.ROW_KERNEL_MAX_QUERIES = default_rows
+        A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS = default_rows, default_target
     return rows
 
 
