@@ -674,7 +674,10 @@ def _combine(dim: int):
     no key (l == 0) get weight 0 and their accumulators, never written, are not read.
     The kernel before this one (a block per row, four threads a dim, three block
     reductions) took 4.7 us after a 640-key decode and 17 us after a 23-node tree in an
-    8K-sized grid (H200, 311dab6)."""
+    8K-sized grid (H200, 311dab6); this one 4.9 and 6.6 (33 splits; 6.2 over 17), and 9.8
+    us after a decode over 8K keys (64 splits used: each warp's 8 trips wait out their
+    loads; the whole 8K decode went 31.8 -> 36.2 us in `bench_attention`, while end-to-end
+    decode at 8K stayed at 209-210 tok/s). More splits a trip is the next thing to time."""
     DL = max(1, dim // 32)  # dims a lane owns (head dims below 32: lanes past dim idle)
     W = COMBINE_WARPS
     RED = max(1, W * WARP_RED_SLOTS)
