@@ -678,7 +678,7 @@ def _combine(dim: int):
     us after a decode over 8K keys (64 splits used: each warp's 8 trips wait out their
     loads; the whole 8K decode went 31.8 -> 36.2 us in `bench_attention`, while end-to-end
     decode at 8K stayed at 209-210 tok/s). More splits a trip is the next thing to time."""
-    DL = max(1, dim // 32)  # dims a lane owns (head dims below 32: lanes past dim idle)
+    DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     W = COMBINE_WARPS
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions

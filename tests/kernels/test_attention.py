@@ -297,3 +297,26 @@ def test_gpu_kernels_compile_to_ptx():
     # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
     r = run_check(PTX_CHECK)
     assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("d", [16, 80])  # not multiples of 32: a lane's last dim may be past the head's
+def test_combine_splits_skips_empty_splits(d):
+    """The split combine against a numpy merge of random partials: splits with l = 0 (no
+    key seen: past the context, or wholly outside a window) hold NaN accumulators that
+    must not reach the output, wherever they lie among the used ones."""
+    n_splits, n_q, hq = 11, 2, 3
+    part_o = rng.standard_normal((n_splits, n_q, hq, d)).astype(np.float32)
+    m = rng.standard_normal((n_splits, n_q, hq)).astype(np.float32)
+    ell = rng.uniform(0.5, 3.0, (n_splits, n_q, hq)).astype(np.float32)
+    empty = np.zeros(n_splits, bool)
+    empty[[1, 4, 9, 10]] = True
+    ell[empty] = 0.0
+    m[empty] = -np.inf
+    part_o[empty] = np.nan
+    part_ml = np.stack([m, ell], axis=-1)
+    w = np.where(ell > 0, np.exp(m - m.max(axis=0)), 0.0)
+    want = np.einsum("sqh,sqhd->qhd", w, np.nan_to_num(part_o)) / (w * ell).sum(axis=0)[..., None]
+    out = cuda.to_device(np.full((n_q, hq, d), np.nan, np.float32))
+    A.combine_splits(cuda.to_device(part_o), cuda.to_device(part_ml), n_splits,
+                     cuda.to_device(np.array([5, n_q], np.int32)), out)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-5, atol=2e-6)
