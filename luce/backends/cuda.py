@@ -63,6 +63,8 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
     """Whether an n-token product with a qtype weight of k columns goes to matvec_mma."""
     from ..kernels.matvec_mma import MMA_TYPES, QK
     return n in MATVEC_MMA_ROWS and qtype in MMA_TYPES and k % QK == 0
+
+
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
 # dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. H200, Qwen3-8B shape (14109b4): 266.7
 # decode tok/s against 235.9. Off by default: it moves a real model's logits by ~1.3%

@@ -83,12 +83,12 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                     prefill: int = 512, seed: int = 0) -> list[dict]:
     """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
     sequence splits, decode and the tree over SHORT keys in a grid sized for the context
-    (as a captured graph runs early in a conversation), the split combine of those rows alone, tree verification (tree_nodes queries, a random
-    tree), a causal prefill chain of `prefill` tokens, decode / tree over q8_0 KV, and the
-    tree through the one-query kernel's structure (not yet the default), over `context`
-    committed rows unless SHORT; GB/s counts the K/V
-    bytes the kernel must read (K and V of every visible row, once: f16, or q8_0 for the
-    *_q8_0 rows)."""
+    (as a captured graph runs early in a conversation), the split combine of those rows
+    alone, tree verification (tree_nodes queries, a random tree; with two waves of blocks
+    and with 8 splits too), a causal prefill chain of `prefill` tokens, decode / tree over
+    q8_0 KV, and the tree through the one-query kernel's structure (not yet the default),
+    over `context` committed rows unless SHORT; GB/s counts the K/V bytes the kernel must
+    read (K and V of every visible row, once: f16, or q8_0 for the *_q8_0 rows)."""
     from numba import cuda
 
     from ..kernels import attention as A

@@ -499,11 +499,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
         if trips == 0:
             # past the last chunk (a graph's grid is sized for the whole context): only the
             # combine's l = 0. The same for the whole block, so no barrier is skipped alone.
-            for r in range(tid, R, W * 32):
-                qi = q0 + r // G
-                if qi < n_q:
-                    part_ml[split, qi, hkv * G + r % G, 0] = -math.inf
-                    part_ml[split, qi, hkv * G + r % G, 1] = 0.0
+            attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
             return
         # the first chunk's copies run while the queries load
         _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)

@@ -100,6 +100,17 @@ def tile_pages(r0, rows, n_rows, G, n_ctx, n_keys, causal, window, q_pos, split,
 
 
 @device(inline=True)
+def mark_empty_split(part_ml, split, hkv, G, r0, rows, n_rows, t, nt):
+    """(m, l) = (-inf, 0) for query rows r0..r0+rows-1 (those present) of a split that saw
+    no key: all the combine reads of it. Threads t of nt share the rows."""
+    for r in range(t, rows, nt):
+        row = r0 + r
+        if row < n_rows:
+            part_ml[split, row // G, hkv * G + row % G, 0] = -math.inf
+            part_ml[split, row // G, hkv * G + row % G, 1] = 0.0
+
+
+@device(inline=True)
 def _split(x0, x1):
     """(x0, x1) as an f16x2 word and the f16x2 word of what its rounding lost."""
     hi = f32x2_to_f16x2(x0, x1)
@@ -201,11 +212,7 @@ def kernel(dim: int, warps: int):
             # only the combine's l = 0, before any Q load. The same for the whole block, so no
             # barrier is skipped alone. At short context most blocks are such.
             if not direct:
-                for r in range(t, ROWS, NT):
-                    row = r0 + r
-                    if row < n_rows:
-                        part_ml[split, row // G, hkv * G + row % G, 0] = NEG
-                        part_ml[split, row // G, hkv * G + row % G, 1] = 0.0
+                mark_empty_split(part_ml, split, hkv, G, r0, ROWS, n_rows, t, NT)
             return
 
         kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # K page then V page; Q staging first

@@ -298,4 +298,3 @@ def test_tree23_8k_row_kernel(monkeypatch):
     from luce.kernels import attention as A
     monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
     test_tree23_8k()
-

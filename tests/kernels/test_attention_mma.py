@@ -53,4 +53,3 @@ def test_rows_past_the_queries_and_empty_splits():
     cache, q, kv, cpos, npos = setup(8, 2, hq=4, hkv=2, d=32)
     out = run(cache, q, npos, None, None, max_splits=None)
     _close(out, ref(q, kv, cpos, npos, causal_mask(2)))
-
