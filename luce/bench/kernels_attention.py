@@ -76,6 +76,7 @@ def _time_eager(launch, stream, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+CHUNKS = (8, 16, 32)  # keys a warp's step of the decode kernel, timed against each other
 SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step sees ~640)
 
 
@@ -119,11 +120,15 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     one = np.ones((1, 1), bool)
     # (name, queries, mask, max_splits, q8, variant): "rowkernel" takes a tree through the
     # one-query kernel's structure (not the default: attention.py), "two_waves" plans the
-    # tensor-core kernel's splits for two waves of blocks; names with _in_grid attend over
-    # SHORT keys
+    # tensor-core kernel's splits for two waves of blocks, "chunkN" gives the decode kernel
+    # N keys a warp's step; names with _in_grid attend over SHORT keys
     cases = [("decode", 1, one, None, False, None),
              ("decode_nosplit", 1, one, 1, False, None),
-             (f"decode{SHORT}_in_grid", 1, one, None, False, None),
+             (f"decode{SHORT}_in_grid", 1, one, None, False, None)]
+    # the decode kernel's keys a step against the default (attention.DECODE_CHUNK)
+    cases += [(f"decode{s}_chunk{c}", 1, one, None, False, f"chunk{c}") for c in CHUNKS if c != A.DECODE_CHUNK
+              for s in ("", f"{SHORT}_in_grid")]
+    cases += [
              (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
              (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
              # against the default splits (one wave of one-block-an-SM blocks): two waves, and fewer
@@ -135,11 +140,12 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
     rows = []
-    default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
+    default_rows, default_target, default_chunk = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK
     try:
         for name, n, mask, max_splits, q8, variant in cases:
             A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
             M.TARGET_BLOCKS = 2 * default_target if variant == "two_waves" else default_target
+            A.DECODE_CHUNK = int(variant[5:]) if variant and variant.startswith("chunk") else default_chunk
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -171,7 +177,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                 rows.append(dict(name=f"attention_{name}_combine_only", shape=f"{ns} splits x{n}x{hq}x{d}",
                                  time_us=round(us, 2), **{"GB/s": None}, mode=mode, n_splits=ns))
     finally:  # the module-wide defaults, whatever happened
-        A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS = default_rows, default_target
+        A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK = default_rows, default_target, default_chunk
     return rows
 
 

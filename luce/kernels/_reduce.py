@@ -218,6 +218,18 @@ if SIM:
         return _warp_all(v, red, wid, lane, False)
 
     @device
+    def warp_groupsum(v, n, red, wid, lane):
+        """sum of v over the n lanes (a power of two) of lane's aligned group, in each."""
+        red[wid * 32 + lane] = v
+        cuda.syncthreads()
+        base = wid * 32 + (lane & ~(n - 1))
+        r = red[base]
+        for i in range(1, n):
+            r += red[base + i]
+        cuda.syncthreads()
+        return np.float32(r)
+
+    @device
     def warp_sum(v, red, wid, lane):
         return _warp_all(v, red, wid, lane, False)
 
@@ -246,3 +258,11 @@ else:
     @device
     def warp_allsum(v, red, wid, lane):
         return _warp_sum(v)
+
+    @device
+    def warp_groupsum(v, n, red, wid, lane):
+        off = n // 2
+        while off > 0:
+            v += cuda.shfl_xor_sync(_FULL, v, off)
+            off //= 2
+        return v

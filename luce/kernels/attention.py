@@ -360,7 +360,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 #
 # The tiled kernel above serves one query (decode) with a 4-row tile and four barriers a
 # page: on the H200 that cost ~38 us a layer at any context length, latency of a chain
-# with little work to hide behind. Here a warp walks its keys 32 at a time, one key a lane:
+# with little work to hide behind. Here a warp walks its keys a chunk of CH at a time,
+# 32 / CH lanes a key (CH = 32: a key a lane):
 #   copies: the chunk's K and V rows go to the warp's shared buffer by cp.async (with
 #     DECODE_BUFS = (2,), to one of two while the previous chunk is computed from the
 #     other: measured slower, it halves the warps an SM holds) (no registers: a K row
@@ -370,8 +371,9 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 #     chunks a warp; copies into one buffer, waited out a chunk at a time: 31.5 us at
 #     58f5dc3). Rows past the last key are zero-filled, so the value pass needs no guard
 #     against what unwritten rows hold;
-#   scores: each lane dots its key's row (16-byte shared loads; rows padded by 16 bytes so
-#     that the 8 lanes of a load phase hit different banks) with the GQA group's queries;
+#   scores: the lanes of a key dot interleaved 16-byte pieces of its row (shared loads;
+#     rows padded by 16 bytes a lane of the key, so that the 8 lanes of a load phase hit
+#     different banks) with the GQA group's queries, then add their sums (shuffles);
 #   softmax: the chunk's max and sum across the warp (shuffles; shared memory in the
 #     simulator);
 #   values: lanes own dim/32 output dims each and walk the chunk's keys with FMAs (p = 0
@@ -385,7 +387,12 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # The tensor-core kernel (attention_mma with one warp a block: 16 query rows, 4 of them the
 # GQA group's) was slower for decode on the H200: 19.9 us against 17.6 over 640 keys in an
 # 8K-sized grid, 40.2 us over 8K keys (128 splits: its combine alone 13.3 us).
-DECODE_CHUNK = 32  # keys per step: one per lane
+# Keys a warp's step. Short contexts leave most SMs a warp or none, so what a decode takes
+# there is one warp's chain of dependent instructions a chunk: ~7K at 32 keys (8B shape:
+# 17.6 us over 640 keys in an 8K-sized grid, 12.7 of them this kernel, H200 at 9bf838f).
+# Fewer keys a chunk and more lanes a key shorten the chain and spread the same keys over
+# more warps.
+DECODE_CHUNK = 32
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
 # K/V buffers a warp, in order of preference. Two (the next chunk copied while one is
@@ -395,43 +402,50 @@ DECODE_MAX_WARPS = 4  # warps a block
 DECODE_BUFS = (1,)
 
 
-def _decode_smem(dim: int, rows: int, warps: int, bufs: int) -> int:
+def _decode_smem(dim: int, rows: int, warps: int, bufs: int, ch: int) -> int:
     """Shared bytes of the decode kernel: the queries, and per warp `bufs` buffers of K rows
     (padded) and V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
-    ch = DECODE_CHUNK
-    per_warp = bufs * (ch * (dim + 8) * 2 + ch * dim * 2) + ch * rows * 4 + rows * dim * 4 + rows * 8
+    per_warp = bufs * (ch * (dim + 8 * (32 // ch)) * 2 + ch * dim * 2) + ch * rows * 4 + rows * dim * 4 + rows * 8
     return rows * dim * 4 + warps * (per_warp + 4 * WARP_RED_SLOTS)
 
 
-def decode_shape(dim: int, rows: int) -> tuple[int, int]:
-    """(warps a block, buffers a warp) of the decode kernel: the first buffer count of
-    DECODE_BUFS with the most warps whose buffers fit in static shared memory; (0, 0) when
-    nothing fits."""
+def decode_chunk(dim: int) -> int:
+    """Keys a warp's step: DECODE_CHUNK, or more where a key's lanes would outnumber its
+    16-byte pieces."""
+    return max(DECODE_CHUNK, 32 // max(1, dim // 8))
+
+
+def decode_shape(dim: int, rows: int) -> tuple[int, int, int]:
+    """(warps a block, buffers a warp, keys a chunk) of the decode kernel: the first buffer
+    count of DECODE_BUFS with the most warps whose buffers fit in static shared memory;
+    (0, 0, 0) when nothing fits."""
+    ch = decode_chunk(dim)
     for bufs in DECODE_BUFS:
         w = DECODE_MAX_WARPS
-        while w and _decode_smem(dim, rows, w, bufs) > _SMEM:
+        while w and _decode_smem(dim, rows, w, bufs, ch) > _SMEM:
             w //= 2
         if w:
-            return w, bufs
-    return 0, 0
+            return w, bufs, ch
+    return 0, 0, 0
 
 
-def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1) -> int:
+def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1, chunk: int = 32) -> int:
     """Splits (blocks along the keys) of the decode kernel for a grid sized for n_keys keys:
     about a chunk a warp up to DECODE_TARGET_WARPS warps in all."""
-    chunks = max(1, ceil_div(n_keys, DECODE_CHUNK))
+    chunks = max(1, ceil_div(n_keys, chunk))
     want = min(chunks, ceil_div(DECODE_TARGET_WARPS, n_kv_heads))
     return max(1, min(ceil_div(want, warps), COMBINE_MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
+def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int = 32):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
-    warps a block, `bufs` (1 or 2) K/V buffers a warp."""
-    from ._reduce import warp_barrier
+    warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step."""
+    from ._reduce import warp_barrier, warp_groupsum
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
-    CH = DECODE_CHUNK
+    CH = chunk
+    LPK = 32 // CH  # lanes a key in the score pass
     G = group
     QT = qt
     W = warps
@@ -440,8 +454,10 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
     NACC = R * DL  # array shapes must be plain constants, not expressions
     PIECES = dim // 8  # 16-byte pieces of a row
+    PPL = PIECES // LPK  # pieces a lane of a key
     RW = dim // 2  # uint32 words of a V row
-    KROW = RW + 4  # of a K row in shared memory: 16 bytes of padding (bank conflicts)
+    KROW = RW + 4 * LPK  # of a K row in shared memory: 16 bytes of padding a lane of a key
+    assert 32 % CH == 0 and PIECES % LPK == 0, (dim, CH)
     KWORDS = CH * KROW
     VWORDS = CH * RW
     U = np.uint32
@@ -451,7 +467,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
     KSH, VSH = NB * W * KWORDS, NB * W * VWORDS  # array shapes must be plain constants
 
     RED = W * max(1, WARP_RED_SLOTS)
-    assert NB in (1, 2) and _decode_smem(dim, R, W, NB) <= _SMEM, (dim, R, W, NB)
+    assert NB in (1, 2) and _decode_smem(dim, R, W, NB, CH) <= _SMEM, (dim, R, W, NB, CH)
 
     @device(inline=True)
     def _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid, lane, buf):
@@ -549,16 +565,22 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
             vb = (wid * NB + b) * VWORDS
             for r in range(R):
                 s[r] = 0.0
-            for pc in range(PIECES):
-                w0, w1, w2, w3 = lds4(ksh, kb + lane * KROW + 4 * pc)
+            key = lane // LPK
+            part = lane % LPK
+            for i in range(PPL):
+                pc = i * LPK + part  # a key's lanes read adjacent pieces: one bank row
+                w0, w1, w2, w3 = lds4(ksh, kb + key * KROW + 4 * pc)
                 for h in range(8):
                     word = w0 if h < 2 else (w1 if h < 4 else (w2 if h < 6 else w3))
                     kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
                     for r in range(R):
                         s[r] += qs[r, 8 * pc + h] * kx
+            if LPK > 1:
+                for r in range(R):
+                    s[r] = warp_groupsum(s[r], LPK, red, wid, lane)
             # which rows see key j: all committed keys (inside the window), and of the new
             # ones the query's ancestors and itself (tree) or its predecessors (chain)
-            j = j0 + lane
+            j = j0 + key
             for r in range(R):
                 qi = q0 + r // G
                 s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, key_end, qi, causal, rbits[r], window, rpos[r],
@@ -568,10 +590,12 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int):
                 p = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
                 al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
                 m[r] = cm
-                lsum[r] = lsum[r] * al + warp_allsum(p, red, wid, lane)
+                # a key's p counted once: by the first of its lanes
+                lsum[r] = lsum[r] * al + warp_allsum(p if part == 0 else np.float32(0.0), red, wid, lane)
                 for d in range(DL):
                     acc[r * DL + d] *= al
-                ps[pb + lane * R + r] = p
+                if part == 0:
+                    ps[pb + key * R + r] = p
             warp_barrier()
             # shared loads of 8 or 16 bytes with no index arithmetic beyond a base and an
             # offset: numba's indexing costs ~24 integer instructions a key here
@@ -766,12 +790,12 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if row_kernel:
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
-        warps, bufs = decode_shape(head_dim, qt * group)
-        ns = decode_plan(n_kv_heads * n_tiles, n_keys, warps)
+        warps, bufs, chunk = decode_shape(head_dim, qt * group)
+        ns = decode_plan(n_kv_heads * n_tiles, n_keys, warps, chunk)
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
-        return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, bufs=bufs, n_tiles=n_tiles, n_splits=ns,
-                    pages_per_split=None)
+        return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, bufs=bufs, chunk=chunk, n_tiles=n_tiles,
+                    n_splits=ns, pages_per_split=None)
     nt = block_threads(128)
     rows = n_q * group
     # at least one score and one output element per thread
@@ -825,7 +849,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
     elif plan.get("kind") == "row":
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"])[
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"])[
             (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)

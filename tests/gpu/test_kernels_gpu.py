@@ -292,6 +292,18 @@ def test_decode_8k_other_shapes(monkeypatch, bufs, max_warps):
     test_decode_8k()
 
 
+@pytest.mark.parametrize("chunk", [8, 16, 32])
+@pytest.mark.parametrize("dim,hq,hkv,n_ctx,window", [(128, 32, 8, 8192, None), (128, 32, 8, 640, None),
+                                                     (64, 9, 3, 530, 100), (256, 8, 4, 701, None)])
+def test_decode_chunk_sizes(monkeypatch, chunk, dim, hq, hkv, n_ctx, window):
+    """The decode kernel with 8, 16 or 32 keys a warp's step (4, 2 or 1 lanes a key, whose
+    partial scores are summed by shuffles), at the 8B shape over 8K and 640 keys and at
+    other head dims and groups, against the reference."""
+    from luce.kernels import attention as A
+    monkeypatch.setattr(A, "DECODE_CHUNK", chunk)
+    _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
+
+
 def test_tree23_8k_row_kernel(monkeypatch):
     """A 23-node tree over 8K through the one-query kernel's structure (tiles of queries;
     not yet the default for trees) against the reference."""

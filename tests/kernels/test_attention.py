@@ -67,22 +67,26 @@ def test_decode(max_splits):
 
 
 # The one-query kernel (head_dim a multiple of 32): warps of (split, kv head) walking
-# chunks of 32 keys, a key per lane. 150 context rows: 5 chunks, the last partial; split
-# over several blocks + combine, or direct; GQA groups of 1, 2 and 4; 1, 2 or 4 warps a
-# block, merged in the block (one split of 4 warps: runs of 2, 2, 1 and no chunks); two
-# K/V buffers a warp (the next chunk copied while one is computed), or one at head dim
-# 256; a sliding window that masks keys inside a chunk; a grid planned for the whole
-# context (a captured graph's).
-@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,bufs,shape", [
-    (32, 4, 2, None, 4, (2, 1), (4, 2)), (32, 4, 2, 1, 4, (1,), (4, 1)), (64, 4, 1, None, 2, (2, 1), (2, 2)),
-    (32, 2, 2, 3, 1, (2, 1), (1, 2)), (64, 2, 1, 1, 2, (1,), (2, 1)), (256, 2, 1, None, 4, (2, 1), (1, 1))])
-def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, shape):
+# chunks of 32 keys, a key per lane, or of 8 or 16 keys with 4 or 2 lanes a key (summed
+# by shuffles). 150 context rows: 5 chunks of 32, the last partial; split over several
+# blocks + combine, or direct; GQA groups of 1, 2 and 4; 1, 2 or 4 warps a block, merged
+# in the block (one split of 4 warps: runs of 2, 2, 1 and no chunks); two K/V buffers a
+# warp (the next chunk copied while one is computed), or one at head dim 256; a sliding
+# window that masks keys inside a chunk; a grid planned for the whole context (a
+# captured graph's).
+@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,bufs,chunk,shape", [
+    (32, 4, 2, None, 4, (2, 1), 32, (4, 2)), (32, 4, 2, 1, 4, (1,), 32, (4, 1)),
+    (64, 4, 1, None, 2, (2, 1), 32, (2, 2)), (32, 2, 2, 3, 1, (2, 1), 32, (1, 2)),
+    (64, 2, 1, 1, 2, (1,), 32, (2, 1)), (256, 2, 1, None, 4, (2, 1), 32, (1, 1)),
+    (32, 4, 2, None, 4, (1,), 8, (4, 1)), (64, 4, 1, 2, 2, (2, 1), 16, (2, 2))])
+def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, chunk, shape):
     monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
     monkeypatch.setattr(A, "DECODE_BUFS", bufs)
+    monkeypatch.setattr(A, "DECODE_CHUNK", chunk)
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
     assert A._row_kernel_applies(1, d, False, hq // hkv)
     plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
-    assert plan["kind"] == "row" and (plan["warps"], plan["bufs"]) == shape
+    assert plan["kind"] == "row" and (plan["warps"], plan["bufs"], plan["chunk"]) == shape + (chunk,)
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
@@ -290,10 +294,12 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
            f"uint64[::1], int64, int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._attn_kernel(dim, qt, 128, q8), sig)
     assert ".local" not in code or qt == 64, (dim, qt, q8)  # accumulators stay in registers
-for dim, group, qt, mask in [(128, 4, 1, I1), (128, 8, 1, I1), (64, 3, 1, I1), (256, 2, 1, I1),
-                             (128, 4, 2, "uint64[::1]"), (128, 2, 4, "uint64[::1]"), (128, 4, 2, I1)]:
+for dim, group, qt, mask, chunk in [(128, 4, 1, I1, 32), (128, 8, 1, I1, 32), (64, 3, 1, I1, 32), (256, 2, 1, I1, 32),
+                                    (128, 4, 2, "uint64[::1]", 32), (128, 2, 4, "uint64[::1]", 32),
+                                    (128, 4, 2, I1, 32), (128, 4, 1, I1, 8), (128, 4, 1, I1, 16)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
            f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
+    attention.DECODE_CHUNK = chunk
     code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group)), sig)
     # registers only; K and V rows by cp.async, K read back 16 bytes at a time
     assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
