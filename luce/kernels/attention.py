@@ -392,7 +392,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # 17.6 us over 640 keys in an 8K-sized grid, 12.7 of them this kernel, H200 at 9bf838f).
 # Fewer keys a chunk and more lanes a key shorten the chain and spread the same keys over
 # more warps.
-DECODE_CHUNK = 32
+DECODE_CHUNK = 16
 DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
 DECODE_MAX_WARPS = 4  # warps a block
 # K/V buffers a warp, in order of preference. Two (the next chunk copied while one is

@@ -98,17 +98,19 @@ def test_decode_one_query_window_and_graph_grid():
     got = run(cache, q, npos, None, window=40)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one, window=40), rtol=2e-4, atol=2e-5)
     plan = A.attention_plan(1, 4, 2, 32, cache.n_ctx)
-    # 256 keys: 8 chunks, a chunk a warp, 4 warps a block
-    assert plan["n_splits"] == A.decode_plan(2, cache.n_ctx, plan["warps"]) == 2 and plan["warps"] == 4
+    # 256 keys: a chunk a warp, 4 warps a block
+    assert plan["warps"] == 4 and plan["chunk"] == A.DECODE_CHUNK
+    assert plan["n_splits"] == A.decode_plan(2, cache.n_ctx, 4, plan["chunk"]) == 256 // (4 * plan["chunk"])
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
     A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
                            cuda.to_device(npos.astype(np.int32)), n_keys=cache.n_ctx, out=out)
     np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
-def test_decode_graph_grid_with_an_empty_split():
-    # 40 keys in a grid sized for 256: the second split has no chunk and only marks l = 0;
-    # its accumulators (never written: NaN scratch) must not reach the output
+def test_decode_graph_grid_with_an_empty_split(monkeypatch):
+    # 40 keys in a grid sized for 256 (chunks of 32): the second split has no chunk and only
+    # marks l = 0; its accumulators (never written: NaN scratch) must not reach the output
+    monkeypatch.setattr(A, "DECODE_CHUNK", 32)
     cache, q, kv, cpos, npos = setup(39, 1, d=32)
     one = np.ones((1, 1), bool)
     ns = A.attention_plan(1, 4, 2, 32, cache.n_ctx)["n_splits"]
