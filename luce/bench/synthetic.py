@@ -144,6 +144,8 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     w.add_float32(f"{a}.rope.freq_base", shape.rope_base)
     if tokenizer_from is not None:
         _copy_tokenizer(w, tokenizer_from)
+    else:
+        _byte_tokenizer(w, shape.vocab_size)
     for name, shp in shape.tensor_shapes().items():
         qtype = types(name)
         arr = tensors[name] if tensors and name in tensors else random_tensor(name, shp, qtype, rng)
@@ -156,6 +158,29 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _byte_tokenizer(w, n_vocab: int) -> None:
+    """A byte-level BPE tokenizer (gpt2 model, no merges) of n_vocab >= 257 tokens: the 256
+    bytes, filler tokens, and an end-of-text token last, so that a random-weight model
+    loads with luce.load and any text round-trips."""
+    if n_vocab < 257:
+        return
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for x in range(256):  # GPT-2's printable stand-ins for the other bytes
+        if x not in bs:
+            bs.append(x)
+            cs.append(256 + n)
+            n += 1
+    byte_char = dict(zip(bs, map(chr, cs)))
+    tokens = [byte_char[x] for x in range(256)] + [f"<|filler{i}|>" for i in range(n_vocab - 257)] + ["<|eot|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * (n_vocab - 256))  # 3: control
+    w.add_token_merges([])
+    w.add_eos_token_id(n_vocab - 1)
 
 
 def _copy_tokenizer(w, src) -> None:

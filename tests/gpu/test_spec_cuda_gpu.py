@@ -38,3 +38,41 @@ def test_spec_lossless_on_cuda(gpu_model, mode, drafter):
     assert out == plain
     if drafter == "self":
         assert stats.acceptance_length > 4
+
+
+# A random-weight Q4_K_M qwen3 (Q4_K and Q6_K matrices, head dim 128): the types a real
+# Q4_K_M model takes through the GPU's kernels (decode: matvec_fast and the one-query
+# attention kernel; verification: matvec_mma and the tensor-core attention), where
+# SmolLM2 (Q4_1 / Q8_0) takes other paths. A random model's greedy choices are close
+# calls far more often than a trained model's, so any disagreement between the decode
+# and the verification forwards shows up as a different token.
+@pytest.fixture(scope="module")
+def q4k_model(tmp_path_factory):
+    import luce
+    from luce.bench.synthetic import tiny, write_gguf
+    shape = tiny("qwen3", 4096, n_layers=4, n_embd=1024, n_ff=2048, n_heads=8, n_kv_heads=2, head_dim=128)
+    path = write_gguf(tmp_path_factory.mktemp("q4km") / "q4km.gguf", shape, seed=11)
+    return luce.load(path, backend="cuda", n_ctx=N_CTX)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_spec_lossless_on_cuda_q4_k_m(q4k_model, mode):
+    import numpy as np
+    import luce.spec as spec
+    from luce.spec import DraftModel, SpecOptions
+    rng = np.random.default_rng(3)
+    diverged = []
+    for p in range(4):
+        prompt = [int(t) for t in rng.integers(0, 4000, 20 + 7 * p)]
+
+        def run(opts, drafter):
+            out = []
+            for d in spec.stream(q4k_model, prompt, opts, drafter, session=q4k_model.new_session(N_CTX),
+                                 temperature=0, max_tokens=64, ignore_eos=True):
+                out += d.token_ids
+            return out
+        plain = run(SpecOptions(), None)
+        got = run(SpecOptions(mode=mode, draft_max=6), DraftModel(q4k_model, n_ctx=N_CTX))
+        if got != plain:
+            diverged.append((p, next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)))
+    assert not diverged, f"prompts (index, first differing token) that left plain greedy: {diverged}"
