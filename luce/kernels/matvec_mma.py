@@ -120,53 +120,92 @@ def frag_col(q4, c, s):
     return 128 * (c >> 1) + 32 * (s & 3) + 16 * (c & 1) + 4 * (s >> 2)
 
 
+# x enters the mma as f16, whose largest value is 65504; activations past it (the SwiGLU
+# products a down projection takes reach 1e5 in a random-weight Q4_K_M model) became inf and
+# NaN. So each row of x whose largest |value| reaches 2**15 is scaled by a power of two into
+# range (exact, and f16 keeps its 11 bits for all but values ~1e-9 of the largest), and the
+# row's outputs are scaled back in the epilogue; other rows are left as they were (scale 1).
+F16_SAFE = np.float32(32768.0)  # rows with max |x| at or above this are scaled down
+
+
+@device(inline=True)
+def _row_scales(maxabs):
+    """(down, up): powers of two with maxabs * down < 2**15 and down * up == 1 (1, 1 when
+    maxabs < 2**15 already). Halvings and doublings: exact."""
+    down = np.float32(1.0)
+    up = np.float32(1.0)
+    m = maxabs
+    e = 0
+    while m >= F16_SAFE and e < 126:
+        m *= np.float32(0.5)
+        down *= np.float32(0.5)
+        up *= np.float32(2.0)
+        e += 1
+    return down, up
+
+
+FRAG_THREADS = 256
+
+
 @cuda.jit
-def _frags_kernel(x, n_x, q4, out):
-    # one thread a (row of x, block, lane group, step): two f16x2 words, columns (0, 2) and
-    # (1, 3) of the step's four; rows from n_x up to the fragments' 8 are zeros. Layout:
-    # [block][step pair][row][lane group][4 words], so that the 32 lanes of a warp (8 rows
-    # x 4 lane groups) load one contiguous 512 bytes for a fragment's two steps (laid out
-    # row-major, a warp's loads touched 32 lines: L1 was 91% busy at 23 rows, H200)
-    i = cuda.grid(1)
+def _frags_kernel(x, n_x, q4, out, scales):
+    # A block a row t of the fragments (rows from n_x up to the fragments' 8 are zeros): the
+    # row's largest |x| first (its scale), then one item a (block, lane group, step): two
+    # f16x2 words, columns (0, 2) and (1, 3) of the step's four. Layout: [block][step
+    # pair][row][lane group][4 words], so that the 32 lanes of a warp (8 rows x 4 lane
+    # groups) load one contiguous 512 bytes for a fragment's two steps (laid out row-major, a
+    # warp's loads touched 32 lines: L1 was 91% busy at 23 rows, H200)
+    from ._reduce import block_max
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
     nb = x.shape[1] // QK
-    rows8 = out.shape[0] // (nb * QK // 2)
-    if i >= out.shape[0] // 2:
-        return
-    s = i % 16
-    c = (i // 16) % 4
-    b = (i // 64) % nb
-    t = i // (64 * nb)
-    col = b * QK + frag_col(q4, c, s)
-    v0 = v1 = v2 = v3 = np.float32(0.0)
-    if t < n_x:
-        v0 = x[t, col]
-        v1 = x[t, col + 1]
-        v2 = x[t, col + 2]
-        v3 = x[t, col + 3]
-    o = (((b * 8 + (s >> 1)) * rows8 + t) * 4 + c) * 4 + 2 * (s & 1)
-    out[o] = f32x2_to_f16x2(v0, v2)
-    out[o + 1] = f32x2_to_f16x2(v1, v3)
+    rows8 = cuda.gridDim.x
+    buf = cuda.shared.array(FRAG_THREADS, np.float32)
+    live = t < n_x
+    tx = min(t, n_x - 1)
+    mx = np.float32(0.0)
+    if live:
+        for i in range(tid, x.shape[1] // 4, cuda.blockDim.x):
+            mx = max(mx, max(max(abs(x[tx, 4 * i]), abs(x[tx, 4 * i + 1])),
+                             max(abs(x[tx, 4 * i + 2]), abs(x[tx, 4 * i + 3]))))
+    down, up = _row_scales(block_max(mx, buf))
+    if tid == 0:
+        scales[t] = up
+    for i in range(tid, nb * 64, cuda.blockDim.x):
+        s = i % 16
+        c = (i // 16) % 4
+        b = i // 64
+        col = b * QK + frag_col(q4, c, s)
+        v0 = v1 = v2 = v3 = np.float32(0.0)
+        if live:
+            v0 = x[tx, col] * down
+            v1 = x[tx, col + 1] * down
+            v2 = x[tx, col + 2] * down
+            v3 = x[tx, col + 3] * down
+        o = (((b * 8 + (s >> 1)) * rows8 + t) * 4 + c) * 4 + 2 * (s & 1)
+        out[o] = f32x2_to_f16x2(v0, v2)
+        out[o + 1] = f32x2_to_f16x2(v1, v3)
 
 
-# (rows8, K, stream) -> buffer: fixed addresses, so captured graphs stay valid; one per stream,
-# so that two backends (a draft's and a target's) never share one in flight
+# (rows8, K, stream) -> (fragments, row scales): fixed addresses, so captured graphs stay
+# valid; one per stream, so that two backends (a draft's and a target's) never share one in
+# flight
 _SCRATCH: dict = {}
 
 
 def x_frags(x_dev, qtype, stream=0):
     """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view (rows
-    padded to a multiple of 8 with zeros; layout in _frags_kernel). The buffer is kept per
+    padded to a multiple of 8 with zeros; layout in _frags_kernel), and each row's scale
+    (float32 [rows8]: what the row's products are multiplied by). The buffers are kept per
     shape and stream and reused by every call on it (the stream orders them)."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
     key = (rows8, k, id(stream))
     if key not in _SCRATCH:
-        _SCRATCH[key] = cuda.device_array(rows8 * k // 2, np.uint32)
-    out = _SCRATCH[key]
-    n = out.shape[0] // 2
-    threads = 32 if SIM else 256
-    _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out)
-    return out.view(np.uint16)
+        _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), cuda.device_array(rows8, np.float32))
+    out, scales = _SCRATCH[key]
+    _frags_kernel[rows8, 32 if SIM else FRAG_THREADS, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out, scales)
+    return out.view(np.uint16), scales
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,7 +316,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
     block = block_q4_k if Q4 else block_q6_k
 
     @jit
-    def kernel(w0, w1, xq, n_out, nb, n_x, bias, res, has_bias, has_res, out):
+    def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -321,11 +360,12 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
             nn = cuda.blockIdx.x * ROWS + (0 if gated else 16 * (ft % TL)) + (ln >> 2) + 8 * (e4 >> 1)
             if t < n_x and nn < n_out:
+                v *= xs[t]  # the row's scale (1 unless x was scaled into f16's range)
                 if gated:
                     u = red[0, ln, e + 4]
                     for ww in range(1, W):
                         u += red[ww, ln, e + 4]
-                    v = silu(v) * u
+                    v = silu(v) * (u * xs[t])
                 if has_bias:
                     v += bias[nn]
                 if has_res:  # may be out itself (the residual stream, in place)
@@ -371,7 +411,7 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     gated = w_up is not None
     w16, _ = weight_u16(w_dev, qtype, k)
     u16 = weight_u16(w_up, qtype, k)[0] if gated else w16
-    xq = x_frags(x_dev, qtype, stream)
+    xq, xs = x_frags(x_dev, qtype, stream)
     if out is None:
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
     pt, pw = plan(n_x, n_out, k, gated)
@@ -381,5 +421,5 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     r = residual if residual is not None else out
     rows = 16 if gated else 16 * tiles
     _kernel(qtype, -(-n_x // 8), tiles, warps, gated)[-(-n_out // rows), 32 * warps, stream](
-        w16, u16, xq, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out)
+        w16, u16, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out)
     return out

@@ -63,6 +63,28 @@ def test_matvec_mma_gated_bias_residual(qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_matvec_mma_x_past_f16_range(qtype):
+    """Rows of x past f16's largest value (65504: a SwiGLU product of a random-weight model
+    reaches 1e5) are scaled into range and back: finite, within the same relative bound,
+    plain and gated; a row of small values beside them is computed as if alone (bit for bit:
+    its scale stays 1)."""
+    n_x, n_out, k = 3, 16, 512
+    raw = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    x[0] *= 3e5
+    x[1, 7] = -2.5e6
+    w_dev = cuda.to_device(raw)
+    got = matvec_mma(w_dev, qtype, cuda.to_device(x), n_out).copy_to_host()
+    assert np.isfinite(got).all()
+    err = np.abs(got - matvec_ref(raw, qtype, x))
+    assert np.all(err <= 2.0 ** -9 * _bound(raw, qtype, x, n_out, k) + 1e-6)
+    alone = matvec_mma(w_dev, qtype, cuda.to_device(x[2:]), n_out).copy_to_host()
+    np.testing.assert_array_equal(got[2], alone[0])
+    gated = matvec_mma(w_dev, qtype, cuda.to_device(x), n_out, w_up=w_dev).copy_to_host()
+    assert np.isfinite(gated).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_frag_cols_cover_each_block_once(qtype):
     cols = sorted(frag_col(int(qtype == T.Q4_K), c, s) + i for c in range(4) for s in range(16) for i in range(4))
     assert cols == list(range(256))
@@ -80,8 +102,8 @@ PTX_CHECK = """
 from numba import cuda
 from luce.kernels import matvec_mma as M
 from luce.kernels.dequant import T
-sig = ("void(uint16[::1], uint16[::1], uint16[::1], int64, int64, int64, float32[::1], float32[:, ::1], int64, "
-       "int64, float32[:, ::1])")
+sig = ("void(uint16[::1], uint16[::1], uint16[::1], float32[::1], int64, int64, int64, float32[::1], float32[:, ::1], "
+       "int64, int64, float32[:, ::1])")
 from luce.kernels.ptx import ptxas_usage
 for qt, nt, tiles, warps, gated in [(T.Q4_K, 1, 1, 4, False), (T.Q4_K, 3, 2, 4, False), (T.Q4_K, 4, 1, 8, False),
                                     (T.Q4_K, 3, 2, 4, True), (T.Q4_K, 4, 2, 4, True), (T.Q6_K, 1, 1, 8, False),
