@@ -43,6 +43,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ._reduce import block_max
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
 from .matvec import silu
@@ -155,7 +156,6 @@ def _frags_kernel(x, n_x, q4, out, scales):
     # pair][row][lane group][4 words], so that the 32 lanes of a warp (8 rows x 4 lane
     # groups) load one contiguous 512 bytes for a fragment's two steps (laid out row-major, a
     # warp's loads touched 32 lines: L1 was 91% busy at 23 rows, H200)
-    from ._reduce import block_max
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nb = x.shape[1] // QK
