@@ -115,9 +115,10 @@ for qt, nt, tiles, warps, gated in [(T.Q4_K, 1, 1, 4, False), (T.Q4_K, 3, 2, 4, 
     assert use["registers"] * 32 * warps <= 65536, (qt, nt, tiles, warps, use)  # the block can launch
     assert ".local" not in code and use["spill_bytes"] == 0, (qt, nt, tiles, warps, gated, use)
     print(qt.name, nt, tiles, warps, gated, use)
-code = cuda.compile_ptx(M._frags_kernel.py_func, "void(float32[:, ::1], int64, int64, uint32[::1], float32[::1])",
-                        cc=(9, 0))[0]
-assert ".local" not in code and ".f64" not in code
+for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
+               (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])")]:
+    code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
+    assert ".local" not in code and ".f64" not in code
 print("PTX OK")
 """
 
