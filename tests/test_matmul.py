@@ -125,6 +125,32 @@ def test_small_m_split_k(qtype, m, n, k, splits, use_mma, tile, extra):
     run(qtype, m, n, k, tile=tile, splits=splits, use_mma=use_mma, **extra)
 
 
+@pytest.mark.parametrize("use_mma", [False, True])
+def test_rows_past_f16_range(use_mma):
+    """X converted to f16 first (as on the GPU): rows with values past 65504 are scaled into
+    range and their outputs scaled back (finite, same bound); the other rows' outputs are
+    the bits they have without those rows."""
+    qtype, m, n, k = "Q4_K", 5, 40, 512
+    w = random_w(qtype, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[1] *= 4e5
+    x[3, 9] = -7e6
+    w_dev = cuda.to_device(w)
+    tile, splits = pick_tile(m, n, k, qtype)  # the same sums for 5 rows and for 3
+    kw = dict(use_mma=use_mma, x_convert=True, tile=tile, splits=splits)
+    y = matmul(cuda.to_device(x), w_dev, qtype, n, k, **kw).copy_to_host()
+    rows = [0, 1, 2, 4]
+    check(y[rows], x[rows], w, as_qtype(qtype), n, k)
+    # row 3: one value of 7e6 times weights that the f16 decode (s q + o, 2^-10 of |s q| +
+    # |o|) leaves far less exact than |w|, which the bound counts: finite and within 2^-5
+    ref3 = matmul_ref(x[3:4], w, qtype, (n, k))[0]
+    bound3 = np.abs(x[3]) @ np.abs(dequantize(w, qtype, (n, k))).T
+    assert np.isfinite(y[3]).all() and (np.abs(y[3] - ref3) <= 2.0 ** -5 * bound3).all()
+    plain = [0, 2, 4]
+    y_plain = matmul(cuda.to_device(x[plain]), w_dev, qtype, n, k, **kw).copy_to_host()
+    np.testing.assert_array_equal(y[plain], y_plain)
+
+
 # ---------------------------------------------------------------- GPU code generation
 # The simulator never compiles the GPU code. With libNVVM installed, compile the small-M
 # kernels to PTX in a subprocess without the simulator (no GPU or driver needed once numba
@@ -137,11 +163,11 @@ from luce.kernels import matmul as MM
 from luce.kernels.ptx import ptxas_path, ptxas_usage
 ptxas = ptxas_path()  # the dev extra's nvidia-cuda-nvcc-cu12 ships one
 u16, f32, i32 = types.uint16[::1], types.float32[::1], types.int32[::1]
-sig = (u16, u16, f32, f32, f32, f32, i32) + (types.int64,) * 5
+sig = (u16, u16, f32, f32, f32, f32, i32, f32) + (types.int64,) * 5
 for q, m, split, bias_res in [("Q4_K", 16, True, False), ("Q6_K", 16, True, True), ("Q4_K", 32, True, True),
                               ("Q6_K", 32, False, False), ("Q4_K", 64, True, False), ("Q6_K", 64, True, True)]:
     tile, _ = MM.pick_tile(m, 4096, 4096, q, sim=False)
-    kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split)
+    kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split, bias_res)
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
     name = f"{q} {tile} split={split}"
     assert ".local" not in ptx, name + ": local arrays left in memory"

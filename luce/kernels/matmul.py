@@ -49,6 +49,7 @@ from numba import cuda
 
 from .device import device
 from .dequant import dequantize
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale
 from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32,
                   sts4)
 from .quant_types import as_qtype, block_elems, row_bytes
@@ -328,7 +329,7 @@ def auto_splits(tile, m: int, n: int, k: int, per_sm: int) -> int:
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None,
-           split=False):
+           split=False, scaled=False):
     spec = _SPECS[qtype]
     BM, BN, BK, WM, WN, frag = tile[:6]
     STAGES = tile[6] if len(tile) > 6 else 1
@@ -365,6 +366,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     ASZ, BSZ = BM * SA, BN * SA        # words of one buffer of each tile
     ASH, BSH = ASZ * STAGES, BSZ * STAGES  # shared sizes must be compile-time constants
     HAS_BIAS, HAS_RES, XF16, MMA = has_bias, has_res, x_f16, use_mma
+    SCALED = bool(scaled)  # x rows scaled into f16's range by to_f16: outputs times xs[m]
 
     @_dev
     def load_tiles(x, w, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N):
@@ -525,8 +527,10 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         return True
 
     @_dev
-    def emit(y, bias, res, M, N, m, n, v):
+    def emit(y, bias, res, xs, M, N, m, n, v):
         if m < M and n < N:
+            if SCALED:
+                v *= xs[m]
             if HAS_BIAS:
                 v += bias[n]
             if HAS_RES:
@@ -536,7 +540,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     jit = cuda.jit(launch_bounds=(NT, min_blocks)) if min_blocks else cuda.jit
 
     @jit
-    def kernel(x, w, y, bias, res, ws, cnt, M, N, K, rowh_w, nsplit):
+    def kernel(x, w, y, bias, res, ws, cnt, xs, M, N, K, rowh_w, nsplit):
         As = cuda.shared.array(ASH, np.uint32, alignment=SHARED16)  # 16-byte stores, ldmatrix
         Bs = cuda.shared.array(BSH, np.uint32, alignment=SHARED16)
         scr = cuda.shared.array(SCR, np.uint32)
@@ -616,14 +620,14 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                     m = m0 + wm + 16 * i + g
                     n = n0 + wn + 8 * j + 2 * t
                     e = 4 * (i * NT8 + j)
-                    emit(y, bias, res, M, N, m, n, acc[e])
-                    emit(y, bias, res, M, N, m, n + 1, acc[e + 1])
-                    emit(y, bias, res, M, N, m + 8, n, acc[e + 2])
-                    emit(y, bias, res, M, N, m + 8, n + 1, acc[e + 3])
+                    emit(y, bias, res, xs, M, N, m, n, acc[e])
+                    emit(y, bias, res, xs, M, N, m, n + 1, acc[e + 1])
+                    emit(y, bias, res, xs, M, N, m + 8, n, acc[e + 2])
+                    emit(y, bias, res, xs, M, N, m + 8, n + 1, acc[e + 3])
         else:
             for i in range(TM):
                 for j in range(TN):
-                    emit(y, bias, res, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i * TN + j])
+                    emit(y, bias, res, xs, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i * TN + j])
 
     return kernel, NT
 
@@ -652,7 +656,7 @@ def _ptr(a) -> int:
 
 
 def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None,
-               split=False):
+               split=False, scaled=False):
     """The compiled-on-first-launch kernel for one configuration, and its block size.
     split: compile the split-K epilogue (partial sums through a workspace)."""
     qtype = as_qtype(qtype)
@@ -660,18 +664,35 @@ def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_
         raise NotImplementedError(f"matmul: {qtype.name} is not supported (have {sorted(t.name for t in _SPECS)})")
     tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
     use_mma = (not SIM) if use_mma is None else bool(use_mma)
-    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split))
+    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split), bool(scaled))
     if key not in _KERNELS:
         _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks,
-                               bool(split))
+                               bool(split), bool(scaled))
     return _KERNELS[key]
 
 
 @cuda.jit
-def _to_f16_kernel(x, out, n2):
+def _to_f16_kernel(x, out, n2, k, flags):
+    # a thread a pair of values; a row with a value past f16's range is flagged for the fixup
     i = cuda.grid(1)
     if i < n2:
-        out[i] = f32x2_to_f16x2(x[2 * i], x[2 * i + 1])
+        a = x[2 * i]
+        b = x[2 * i + 1]
+        out[i] = f32x2_to_f16x2(a, b)
+        if max(abs(a), abs(b)) >= F16_SAFE:
+            flags[2 * i // k] = 1
+
+
+@cuda.jit
+def _to_f16_fixup(x2, out, flags, scales):
+    # a block a row (luce.kernels.f16_range): its scale; a flagged row rewritten scaled
+    t = cuda.blockIdx.x
+    buf = cuda.shared.array(FIXUP_THREADS, np.float32)
+    down = row_fixup_scale(x2, t, x2.shape[0], flags, scales, buf)
+    if down != 0:  # the same for the whole block
+        k = x2.shape[1]
+        for c in range(cuda.threadIdx.x, k // 2, cuda.blockDim.x):
+            out[t * (k // 2) + c] = f32x2_to_f16x2(x2[t, 2 * c] * down, x2[t, 2 * c + 1] * down)
 
 
 _XBUF: dict = {}
@@ -680,19 +701,32 @@ _XBUF: dict = {}
 _RETIRED: list = []
 
 
-def to_f16(x, stream=0):
-    """float32 device array -> its f16 copy (uint16 view) in a buffer kept between calls.
-
-    One buffer per process, grown on demand and reused: a caller running matmuls on several
-    streams at once must convert X itself. A fixed address also keeps CUDA graphs valid."""
-    n = x.size
-    buf = _XBUF.get("x")
-    if buf is None or buf.size < n // 2:
+def _grown(name: str, n: int, make):
+    buf = _XBUF.get(name)
+    if buf is None or buf.size < n:
         _RETIRED.append(buf)  # a captured graph may still point at it: never freed
-        buf = _XBUF["x"] = cuda.device_array(max(n // 2, 1 << 16), np.uint32)
+        buf = _XBUF[name] = make(n)
+    return buf
+
+
+def to_f16(x, k: int, stream=0):
+    """float32 device array of rows of k -> (its f16 copy as a uint16 view, each row's scale
+    as float32): rows past f16's range are scaled into it by a power of two, and a product
+    over them must multiply row m's outputs by scale[m] (1 for every other row). Buffers
+    kept between calls.
+
+    One set of buffers per process, grown on demand and reused: a caller running matmuls on
+    several streams at once must convert X itself. A fixed address also keeps CUDA graphs
+    valid."""
+    n = x.size
+    m_rows = n // k
+    buf = _grown("x", max(n // 2, 1 << 16), lambda c: cuda.device_array(c, np.uint32))
+    flags = _grown("flags", max(m_rows, 1024), new_flags)
+    scales = _grown("scales", max(m_rows, 1024), lambda c: cuda.device_array(c, np.float32))
     n2 = n // 2
-    _to_f16_kernel[-(-n2 // 256), 256, stream](_flat(x), buf, n2)
-    return buf[:n2].view(np.uint16)
+    _to_f16_kernel[-(-n2 // 256), 256, stream](_flat(x), buf, n2, k, flags)
+    _to_f16_fixup[m_rows, 32 if SIM else FIXUP_THREADS, stream](_flat(x).reshape(m_rows, k), buf, flags, scales)
+    return buf[:n2].view(np.uint16), scales
 
 
 _SPLITBUF: dict = {}
@@ -723,7 +757,8 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     tensor cores (default on a GPU) or FMAs (default in the simulator). x_convert: turn a
     float32 X into f16 in a separate pass first (default: on the tensor-core path; see
     to_f16), which halves the X traffic that every column block repeats and the kernel's
-    registers. tile (BM, BN, BK, WM, WN, frag, stages) and splits (split-K factor): default
+    registers, and scales rows past f16's range into it (luce.kernels.f16_range; the
+    in-kernel conversion does not). tile (BM, BN, BK, WM, WN, frag, stages) and splits (split-K factor): default
     pick_tile(M, n_out, k, qtype); a given tile runs unsplit unless splits says otherwise.
     Returns out.
     """
@@ -761,10 +796,12 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         raise ValueError("matmul: residual must be float32 [M, n_out]")
     use_mma = (not SIM) if use_mma is None else bool(use_mma)
     x16 = x.dtype == np.float16
+    xs = None  # row scales of a float32 X converted here (luce.kernels.f16_range)
     if not x16 and (use_mma if x_convert is None else x_convert):
-        x, x16 = to_f16(x, stream), True
+        (x, xs), x16 = to_f16(x, k, stream), True
     split = splits > 1
-    kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks, split)
+    kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks, split,
+                          xs is not None)
     if "d" not in _DUMMY:
         _DUMMY["d"] = cuda.device_array(1, np.float32)
         _DUMMY["i"] = cuda.device_array(1, np.int32)
@@ -777,7 +814,7 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         grid = grid + (splits,)
     kern[grid, nt, stream](_flat(x).view(np.uint16), _flat(w).view(np.uint16), _flat(out),
                            dummy if bias is None else _flat(bias), dummy if residual is None else _flat(residual),
-                           ws, cnt, m_rows, n_out, k, rb // 2, splits)
+                           ws, cnt, dummy if xs is None else xs, m_rows, n_out, k, rb // 2, splits)
     return out
 
 

@@ -43,7 +43,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._reduce import block_max
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
 from .matvec import silu
@@ -121,32 +121,8 @@ def frag_col(q4, c, s):
     return 128 * (c >> 1) + 32 * (s & 3) + 16 * (c & 1) + 4 * (s >> 2)
 
 
-# x enters the mma as f16, whose largest value is 65504; activations past it (the SwiGLU
-# products a down projection takes reach 1e5 in a random-weight Q4_K_M model) became inf,
-# then NaN logits. So a row of x whose largest |value| reaches 2**15 is scaled by a power of
-# two into range (exact; f16 keeps its 11 bits for all but values ~1e-9 of the largest) and
-# its outputs are scaled back in the epilogue. Such rows are rare, so the conversion stays
-# one thread an item over the whole grid (a block a row, finding each row's largest value
-# first, made the 23-node verification forward 13% slower: 7.43 ms against 6.58, H200) and
-# only flags rows that overflow; a second launch rewrites the flagged rows scaled and sets
-# every row's scale (1 for the others, whose bits are then what they always were).
-F16_SAFE = np.float32(32768.0)  # rows with max |x| at or above this are scaled down
-
-
-@device(inline=True)
-def _row_scales(maxabs):
-    """(down, up): powers of two with maxabs * down < 2**15 and down * up == 1 (1, 1 when
-    maxabs < 2**15 already). Halvings and doublings: exact."""
-    down = np.float32(1.0)
-    up = np.float32(1.0)
-    m = maxabs
-    e = 0
-    while m >= F16_SAFE and e < 126:
-        m *= np.float32(0.5)
-        down *= np.float32(0.5)
-        up *= np.float32(2.0)
-        e += 1
-    return down, up
+# x enters as f16: rows past its range are flagged here and rewritten scaled by
+# _frags_fixup (luce.kernels.f16_range).
 
 
 @device(inline=True)
@@ -186,31 +162,15 @@ def _frags_kernel(x, n_x, q4, out, flags):
         flags[t] = 1
 
 
-FIXUP_THREADS = 256
-
-
 @cuda.jit
 def _frags_fixup(x, n_x, q4, out, flags, scales):
-    # A block a row: every row's scale; a flagged row (the flag is the whole block's, so no
-    # thread skips a barrier alone) is rewritten scaled into range and unflagged for the
-    # next call. Unflagged rows cost one load.
+    # a block a row: its scale; a flagged row rewritten scaled into f16's range
     t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    if flags[t] == 0:
-        if tid == 0:
-            scales[t] = np.float32(1.0)
-        return
-    per_row = (x.shape[1] // QK) * 64
     buf = cuda.shared.array(FIXUP_THREADS, np.float32)
-    mx = np.float32(0.0)
-    for e in range(tid, x.shape[1], cuda.blockDim.x):
-        mx = max(mx, abs(x[t, e]))
-    down, up = _row_scales(block_max(mx, buf))  # its barriers: every thread has read the flag
-    for i in range(tid, per_row, cuda.blockDim.x):
-        _frag_item(x, t, n_x, q4, i, cuda.gridDim.x, down, out)
-    if tid == 0:
-        scales[t] = up
-        flags[t] = 0
+    down = row_fixup_scale(x, t, n_x, flags, scales, buf)
+    if down != 0:  # the same for the whole block
+        for i in range(cuda.threadIdx.x, (x.shape[1] // QK) * 64, cuda.blockDim.x):
+            _frag_item(x, t, n_x, q4, i, cuda.gridDim.x, down, out)
 
 
 # (rows8, K, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
@@ -228,7 +188,7 @@ def x_frags(x_dev, qtype, stream=0):
     rows8 = -(-n_x // 8) * 8
     key = (rows8, k, id(stream))
     if key not in _SCRATCH:
-        _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), cuda.to_device(np.zeros(rows8, np.int32)),
+        _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
                          cuda.device_array(rows8, np.float32))
     out, flags, scales = _SCRATCH[key]
     q4 = int(as_qtype(qtype) == T.Q4_K)
