@@ -175,3 +175,27 @@ def test_small_m_fma_path_and_x_in_kernel():
 def test_big_tile_from_128_rows():
     assert pick_tile(128, 4096, 4096, "Q4_K") == (TILE_GPU, 1)
     check_small("Q4_K", 128, 4096, 4096)
+
+
+def test_matmul_rows_past_f16_range_gpu():
+    """Prefill rows with values past f16's 65504 (as a down projection's SwiGLU products can
+    reach) at a real shape: finite, within the usual bound; the plain rows' outputs are the
+    bits they get without the big rows (same tile and split)."""
+    from luce.bench.synthetic import random_quant_rows
+    from luce.kernels.quant_types import as_qtype
+    rng = np.random.default_rng(4)
+    q, m, n, k = as_qtype("Q6_K"), 96, 4096, 12288
+    w = random_quant_rows(q, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[5] *= 3e5
+    x[70] *= 1e6
+    tile, splits = pick_tile(m, n, k, q)
+    w_dev = cuda.to_device(w)
+    y = matmul(cuda.to_device(x), w_dev, q, n, k, tile=tile, splits=splits).copy_to_host()
+    assert np.isfinite(y).all()
+    ref = matmul_ref(x, w, q, (n, k))
+    bound = np.abs(x) @ np.abs(dequantize(w, q, (n, k))).T
+    assert (np.abs(y - ref) <= 2.0 ** -8 * bound + 1e-4).all()
+    plain = [i for i in range(m) if i not in (5, 70)]
+    y2 = matmul(cuda.to_device(x[plain]), w_dev, q, n, k, tile=tile, splits=splits).copy_to_host()
+    np.testing.assert_array_equal(y[plain], y2)

@@ -71,3 +71,26 @@ def test_bench_matvec_mma_rows():
     from luce.bench.kernels_matvec_mma import bench_matvec_mma
     rows = bench_matvec_mma(rows=(1, 23), shapes=(("Q4_K", 4096, 12288, True),), reps=3)
     assert [r["rows"] for r in rows] == [1, 23] and all(r["time_us"] > 0 and r["current_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_matvec_mma_rows_past_f16_range_gpu(gated):
+    """23 rows of x at the down projection's shape, two of them past f16's 65504: finite,
+    within the bound; the others the same bits as without them."""
+    rng = np.random.default_rng(9)
+    qtype, n_out, k, n_x = T.Q6_K, 4096, 12288, 23
+    raw = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    x[3] *= 2e5
+    x[17, 100] = 5e6
+    w = cuda.to_device(raw)
+    up = w if gated else None
+    got = matvec_mma(w, qtype, cuda.to_device(x), n_out, w_up=up).copy_to_host()
+    assert np.isfinite(got).all()
+    if not gated:
+        rows = [i for i in range(n_x) if i != 17]  # 17: one huge value times weights whose f16 decode is loose
+        bound = np.abs(x[rows]) @ np.abs(dequantize(raw.reshape(-1), qtype, (n_out, k))).T
+        assert (np.abs(got[rows] - matvec_ref(raw, qtype, x)[rows]) <= 2.0 ** -9 * bound + 1e-5).all()
+    plain = [i for i in range(n_x) if i not in (3, 17)]
+    alone = matvec_mma(w, qtype, cuda.to_device(x[plain]), n_out, w_up=up).copy_to_host()
+    np.testing.assert_array_equal(got[plain], alone)
