@@ -82,7 +82,8 @@ def test_profile_forward_covers_every_op(tiny_llama):
         calls[op] = calls.get(op, 0) + r["calls"]
         assert r["us per forward"] > 0
     L = cfg.n_layers
-    assert calls["linear"] == 5 * L + 1 and calls["gated_linear"] == L and calls["attention"] == L
+    assert calls["linear"] == 2 * L + 1 and calls["linears"] == L and calls["gated_linear"] == L
+    assert calls["attention"] == L
     assert calls["embed"] == 1 and calls["qk_rope"] == L and calls["rms_norm"] == 2 * L + 1  # q/k norms in qk_rope
     labels = [r["op"] for r in prof["rows"]]
     assert any(lab.startswith("linear ") and "x" in lab for lab in labels), labels
@@ -257,9 +258,10 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
         kg.commit()
         rel = np.linalg.norm(b - a, axis=-1) / np.linalg.norm(a, axis=-1)
         assert rel.max() < 2e-2, rel.max()
-    # the decode step: q, k, v, o, gate/up, down and the output head (all Q4_K here) over
-    # int8 x from five inputs: three norms' outputs, the attention's and the gated one
-    assert seen == {"xq": 7, "norm": 3, "quantize": 2}, seen
+    # the decode step: q with k (one launch), v, o, gate/up, down and the output head (all
+    # Q4_K here) over int8 x from five inputs: three norms' outputs, the attention's and the
+    # gated one
+    assert seen == {"xq": 6, "norm": 3, "quantize": 2}, seen
 
 
 def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
@@ -283,3 +285,36 @@ def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
     gpu.forward_greedy(fam, cfg, w, kv, [4], [0])
     with pytest.raises(RuntimeError, match="reused"):
         got[0]
+
+
+def test_paired_projections_same_logits(tmp_path, monkeypatch):
+    """Decode's q and k projections in one launch (PAIR_PROJECTIONS) give the logits the
+    separate launches give, bit for bit (the simulator's grid is the same for both), on a
+    Q4_K model with q/k biases (qwen2)."""
+    import gguf
+    from luce.backends import cuda as cuda_backend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("qwen2", 64, n_layers=1, n_embd=256, n_ff=256, n_heads=2, n_kv_heads=1, head_dim=128)
+    path = write_gguf(tmp_path / "q2.gguf", shape, types=lambda n: Q.F32 if "norm" in n or n.endswith(".bias")
+                      else Q.Q4_K, seed=4)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    gpu = cuda_backend.CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    assert w.layers[0].bq is not None and w.layers[0].bk is not None
+    from luce.kernels import matvec_fast as mf
+    calls = []
+    pair_fn = mf.matvec_fast_pair
+    monkeypatch.setattr(mf, "matvec_fast_pair", lambda *a, **k: calls.append(1) or pair_fn(*a, **k))
+    logits = []
+    for pair in (True, False):
+        monkeypatch.setattr(cuda_backend, "PAIR_PROJECTIONS", pair)
+        kv = gpu.new_cache(cfg, 16)
+        logits.append(gpu.forward(fam, cfg, w, kv, [5], [0], None, [0]))
+    assert calls == [1]  # the paired launch ran (one layer), and only when asked for
+    np.testing.assert_array_equal(logits[0], logits[1])

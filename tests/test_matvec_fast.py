@@ -75,6 +75,29 @@ def test_matvec_fast_x_rows(qtype, n_x, n_rows, n_cols, groups):
     np.testing.assert_allclose(out.copy_to_host(), swiglu_ref(raw, up, qtype, x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype,n_x,n_a,n_b,n_cols,bias", [
+    (T.Q4_K, 1, 21, 5, 768, False),   # the second weight's blocks start after a partial block
+    (T.Q6_K, 2, 16, 12, 512, True),   # two x rows, biases, rows at every offset
+    (T.Q8_0, 1, 3, 40, 256, True),    # (sizes a multiple of 16 bytes: no fallback)
+], ids=ID)
+def test_matvec_fast_pair(qtype, n_x, n_a, n_b, n_cols, bias):
+    """Two weights of one x in one launch (q and k): each output as matvec_fast makes it
+    alone with the same lane groups and warps (the same bits), and against the reference."""
+    from luce.kernels.matvec_fast import matvec_fast_pair
+    rng = np.random.default_rng(int(qtype) + n_a)
+    wa, wb = weights(rng, qtype, n_a, n_cols), weights(rng, qtype, n_b, n_cols)
+    x = rng.standard_normal((n_x, n_cols)).astype(np.float32)
+    ba, bb = (rng.standard_normal(n).astype(np.float32) if bias else None for n in (n_a, n_b))
+    dev = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+    oa, ob = nan_device((n_x, n_a)), nan_device((n_x, n_b))
+    matvec_fast_pair(dev(wa), dev(wb), qtype, dev(x), oa, ob, dev(ba), dev(bb), groups=2, warps=1)
+    for w, b, o in ((wa, ba, oa), (wb, bb, ob)):
+        alone = nan_device(o.shape)
+        matvec_fast(dev(w), qtype, dev(x), out=alone, bias=dev(b), groups=2, warps=1)
+        np.testing.assert_array_equal(o.copy_to_host(), alone.copy_to_host())
+        assert_close(o.copy_to_host(), matvec_ref(w, qtype, x, bias=b), w, qtype, x)
+
+
 @pytest.mark.parametrize("qtype", sorted(FAST_TYPES, key=int), ids=ID)
 def test_matvec_fast_epilogues(qtype):
     run(qtype, 8, 256, bias=True, residual=True, x2d=True)
@@ -174,7 +197,7 @@ from numba import cuda
 from numba.cuda import types
 from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
-sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4
+sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64)
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
     for glu, br, nw, inl, un, g in [(False, False, F.NW, True, None, 8), (False, True, F.NW, True, None, 4),
@@ -192,8 +215,14 @@ for q in F.FAST_SPECS:
         smem = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
         sums = 4 * (F.SX_MAX if F.FAST_SPECS[q].sums and not inl else 1)
         assert smem == 4 * 32 * nw * F.ROWS * (2 if glu else 1) + sums, (name, smem)
+# q and k in one launch (pair), with and without biases
+for q in F.FAST_SPECS:
+    for br in (False, True):
+        ptx, _ = cuda.compile_ptx(F._make_kernel(q, False, br, False, F.NW, True, None, 8, 1, False, True).py_func,
+                                  sig, cc=(9, 0))
+        assert not re.search(r"\.local\b", ptx), f"{q.name} pair: local memory"
 # units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
-sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4
+sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64)
 for q in F.X8_TYPES:
     for glu, g, nx in [(False, 8, 1), (True, 16, 1), (False, 4, 3)]:
         k = F._make_kernel(q, glu, False, False, F.NW, True, None if nx == 1 else 1, g, nx, True)

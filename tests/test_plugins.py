@@ -504,3 +504,33 @@ def test_qk_rope_built_from_overridden_parts():
     assert seen == [(2, 4, 16), (2, 2, 16)]
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+LINEAR_OVERRIDE = '''
+from luce.plugins import hookimpl
+CALLS = []
+
+@hookimpl
+def register_kernels(register):
+    def my_linear(x, w, bias=None, residual=None):
+        CALLS.append(w.shape)
+        y = x @ w.T
+        return y if bias is None else y + bias
+    register("qwen3", "linear", my_linear, backend="cpu")
+'''
+
+
+def test_linears_goes_through_an_overridden_linear(sites, tmp_path):
+    """The forward asks for q, k and v with `linears`: a plugin that overrides only `linear`
+    must still see every projection."""
+    import importlib
+    from luce.backends.cpu import NumpyOps
+    site = tmp_path / "site"
+    _fake_dist(site, "luce-linear-override", "luce_linear_override", LINEAR_OVERRIDE)
+    sites.add(site)
+    ops = plugins.ops_with_overrides(NumpyOps(), "qwen3", "cpu")
+    ws = [np.ones((3, 4), np.float32), np.ones((2, 4), np.float32)]
+    q, k = ops.linears(np.ones((1, 4), np.float32), ws, [None, np.ones(2, np.float32)])
+    assert importlib.import_module("luce_linear_override").CALLS == [(3, 4), (2, 4)]
+    np.testing.assert_array_equal(k, [[5.0, 5.0]])
+    assert plugins.ops_with_overrides(NumpyOps(), "llama", "cpu").linears.__func__ is NumpyOps.linears

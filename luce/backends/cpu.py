@@ -38,6 +38,10 @@ class NumpyOps:
             y += residual
         return y
 
+    def linears(self, x, ws, biases):
+        """linear(x, w, b) for each (w, b): several projections of one x."""
+        return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+
     @staticmethod
     def new_layer():
         pass

@@ -71,6 +71,10 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 # (luce.bench.x8_drift), enough to change greedy tokens at near-ties and to make decode and
 # the (float) verification forward of speculative decoding disagree there.
 MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
+# Decode's q and k projections (same type and width) as one matvec_fast launch: the 1024-row
+# k projection alone is a latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200,
+# 77d259d) plus a graph gap. Not yet timed end to end; LUCE_PAIR_PROJECTIONS=0 turns it off.
+PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -197,6 +201,32 @@ class CudaOps:
             matvec(w.raw, w.qtype, x[s:e], out=out[s:e], bias=bias,
                    residual=None if residual is None else residual[s:e], stream=self.stream)
         return out
+
+    def linears(self, x, ws, biases):
+        """linear(x, w, b) for each (w, b). On decode widths, two consecutive weights of one
+        type and width that matvec_fast takes (q and k of a Q4_K_M model) run as one
+        launch (PAIR_PROJECTIONS)."""
+        outs, i = [], 0
+        while i < len(ws):
+            if i + 1 < len(ws) and self._pairable(x, ws[i], ws[i + 1], biases[i], biases[i + 1]):
+                from ..kernels.matvec_fast import matvec_fast_pair
+                w, w2 = ws[i], ws[i + 1]
+                n = x.shape[0]
+                outs += matvec_fast_pair(w.raw, w2.raw, w.qtype, x, self._out((n, w.shape[0])),
+                                         self._out((n, w2.shape[0])), biases[i], biases[i + 1], stream=self.stream,
+                                         xq=self._x8(x, w.qtype))
+                i += 2
+            else:
+                outs.append(self.linear(x, ws[i], biases[i]))
+                i += 1
+        return outs
+
+    @staticmethod
+    def _pairable(x, w: DeviceWeight, w2: DeviceWeight, b, b2) -> bool:
+        from ..kernels.matvec_fast import FAST_TYPES
+        n = x.shape[0]
+        return (PAIR_PROJECTIONS and n <= FAST_MATVEC_MAX_ROWS and w.qtype == w2.qtype and w.qtype in FAST_TYPES
+                and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None) and not _takes_mma(n, w.qtype, w.shape[1]))
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES

@@ -241,7 +241,8 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
 def _routing_note() -> str:
     """Kernel routing set through the environment changes what a run measures: say so in the record."""
     import os
-    return "".join(f"; {k}={os.environ[k]}" for k in ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST", "LUCE_MATVEC_X8") if os.environ.get(k))
+    keys = ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST", "LUCE_MATVEC_X8", "LUCE_PAIR_PROJECTIONS")
+    return "".join(f"; {k}={os.environ[k]}" for k in keys if os.environ.get(k))
 
 
 def _by_op(be, fam, cfg, w, kv, n_tokens: int, reps: int) -> list[dict]:

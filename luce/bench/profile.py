@@ -36,12 +36,18 @@ class _Recorder:
 
 
 def _label(name, args) -> str:
-    ws = [a for a in args if hasattr(a, "qtype") and hasattr(a, "shape") and hasattr(a, "raw")]
+    def is_w(a):
+        return hasattr(a, "qtype") and hasattr(a, "shape") and hasattr(a, "raw")
+
+    def desc(w):
+        return f"{getattr(w.qtype, 'name', w.qtype)} {w.shape[0]}x{w.shape[1]}"
+    groups = [a for a in args if isinstance(a, (tuple, list)) and a and all(is_w(w) for w in a)]
+    if groups:  # linears: every projection it runs
+        return f"{name} " + " + ".join(desc(w) for w in groups[0])
+    ws = [a for a in args if is_w(a)]
     if not ws:
         return name
-    w = ws[0]
-    return f"{name} {getattr(w.qtype, 'name', w.qtype)} {w.shape[0]}x{w.shape[1]}" + (
-        f" (+{len(ws) - 1})" if len(ws) > 1 else "")
+    return f"{name} {desc(ws[0])}" + (f" (+{len(ws) - 1})" if len(ws) > 1 else "")
 
 
 def _time_graph(be, fn, reps: int, arena) -> float:

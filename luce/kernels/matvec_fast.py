@@ -57,7 +57,7 @@ from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "swiglu_fast", "bench_matvec_fast"]
+__all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_pair", "swiglu_fast", "bench_matvec_fast"]
 
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
@@ -672,7 +672,10 @@ def _make_group_sum(lanes):
 
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False):
+                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False, pair: bool = False):
+    """pair: two weights of the same x in one launch (a model's q and k projections): the row
+    blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
+    a residual."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
     SXN = SX_MAX if SUMS else 1
@@ -687,10 +690,11 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     LS = L if SIM else 1       # partials per row pair and warp that reach shared memory
     RED = NT * NA * NV
     group_sum = _make_group_sum(L)
-    assert G * L == 32 and not (SUMS and NX > 1)
+    PAIR = pair
+    assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
 
     @cuda.jit
-    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs):
+    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
         acc = cuda.local.array(NA, np.float32)
@@ -712,17 +716,23 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
             cuda.syncthreads()
         # A capped grid loops over row blocks (the sums above are then made once per
         # block, not once per row block); all warps of a block run the same iterations.
-        for rblk in range(cuda.blockIdx.x, -(-n_rows // RPB), cuda.gridDim.x):
-            row0 = rblk * RPB + ROWS * g
+        nba = -(-n_rows // RPB)
+        nblk = nba + (-(-n_rows_b // RPB) if PAIR else 0)
+        for rblk in range(cuda.blockIdx.x, nblk, cuda.gridDim.x):
+            second = PAIR and rblk >= nba  # a row block of the pair's second weight
+            wr = w_up if second else w
+            nr = n_rows_b if second else n_rows
+            lblk = rblk - nba if second else rblk
+            row0 = lblk * RPB + ROWS * g
             # Rows past the end repeat the last row and are not stored: every warp runs the
             # same loop, as the block-wide barriers need.
-            ra = min(row0, n_rows - 1)
-            rb = min(row0 + 1, n_rows - 1)
+            ra = min(row0, nr - 1)
+            rb = min(row0 + 1, nr - 1)
             for e in range(NA):
                 acc[e] = np.float32(0.0)
                 if glu:
                     accu[e] = np.float32(0.0)
-            rows_dot(w, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
+            rows_dot(wr, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
             if glu:
                 rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, accu)
             # red[thread, x row, row of the pair, gate/up]
@@ -734,7 +744,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
             for o in range(tid, RPB * NX, NT):  # (x row, row): coalesced stores
                 r = o // RPB if NX > 1 else 0
                 rr = o - r * RPB
-                row = rblk * RPB + rr
+                row = lblk * RPB + rr
                 e = r * ROWS + (rr & 1)  # ROWS == 2
                 gi = rr >> 1
                 y = np.float32(0.0)
@@ -745,14 +755,17 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                         y += red[k]
                         if glu:
                             u += red[k + 1]
-                if row < n_rows:
+                if row < nr:
                     if glu:
                         y = _mv.silu(y) * u
                     if has_bias:
-                        y += bias[row]
+                        y += bias_b[row] if second else bias[row]
                     if has_res:
                         y += res[r * n_rows + row]
-                    out[r * n_rows + row] = y
+                    if second:
+                        out_b[r * nr + row] = y
+                    else:
+                        out[r * nr + row] = y
             cuda.syncthreads()
     return kernel
 
@@ -795,7 +808,9 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None, xq=None):
+            unroll=None, groups=None, xq=None, pair=None):
+    """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
+    product with x goes to out_b in the same launch (w_list then holds one weight)."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -828,9 +843,14 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     rb = row_bytes(qtype, n_cols)
     # The v4 loads need 16-byte aligned bases, and ld16's second piece must not leave the
     # buffer: its size a multiple of 16 bytes guarantees that.
-    if any(_addr(w) % 16 or (w.size * 2) % 16 for w, _ in ws) or _addr(x) % 16:
+    wb, n_rows_b = weight_u16(pair[0], qtype, n_cols) if pair else (None, 0)
+    if pair and (residual is not None or (bias is None) != (pair[2] is None)):
+        raise ValueError("matvec_fast pair: both weights with a bias or neither, and no residual")
+    if any(_addr(w) % 16 or (w.size * 2) % 16 for w, _ in ws + ([(wb, 0)] if pair else [])) or _addr(x) % 16:
         if len(w_list) == 2:
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
+        if pair:
+            _mv.matvec(pair[0], qtype, x_dev, out=pair[1], bias=pair[2], stream=stream)
         return _mv.matvec(w_list[0], qtype, x_dev, out=out, bias=bias, residual=residual, stream=stream)
     out_shape = (n_rows,) if len(xshape) == 1 else (nx, n_rows)
     if out is None:
@@ -838,17 +858,20 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     out_flat = _mv._flat_f32(out, "out", nx * n_rows)
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", nx * n_rows) if residual is not None else _mv._dummy()
-    g, nw = grid_shape(qtype, n_rows)
+    out_b, bias_b = (_mv._flat_f32(pair[1], "out_b", nx * n_rows_b),
+                     _mv._flat_f32(pair[2], "bias_b", n_rows_b) if pair[2] is not None else b) if pair else (out_flat, b)
+    g, nw = grid_shape(qtype, n_rows + n_rows_b)
     g, nw = groups or g, warps or nw
     un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8)
-    grid = -(-n_rows // (ROWS * g))
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair))
+    grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
         grid = min(grid, per_sm * _sm_count())
     w0 = ws[0][0]
-    w1 = ws[1][0] if len(ws) == 2 else w0
-    kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols)
+    w1 = ws[1][0] if len(ws) == 2 else (wb if pair else w0)
+    kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols,
+                                out_b, bias_b, n_rows_b)
     return out
 
 
@@ -865,6 +888,16 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
                    groups, xq)
+
+
+def matvec_fast_pair(w_a, w_b, qtype, x_dev, out_a, out_b, bias_a=None, bias_b=None, stream=0, *, xq=None,
+                     groups=None, warps=None):
+    """out_a = W_a x (+ bias_a) and out_b = W_b x (+ bias_b) in one launch (two projections of
+    one x with weights of one type and width: a model's q and k), each as matvec_fast gives
+    it; the grid sized for both. Returns (out_a, out_b)."""
+    _launch([w_a], qtype, x_dev, out_a, bias_a, None, stream, warps, None, 0, None, groups, xq,
+            pair=(w_b, out_b, bias_b))
+    return out_a, out_b
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,

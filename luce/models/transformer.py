@@ -94,9 +94,8 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
     for li, lw in enumerate(w.layers):
         ops.new_layer()  # a layer's temporaries may reuse the previous layer's memory
         h = ops.rms_norm(x, lw.attn_norm, eps)
-        q = ops.linear(h, lw.wq, lw.bq)
-        k = ops.linear(h, lw.wk, lw.bk)
-        v = ops.linear(h, lw.wv, lw.bv)
+        # one op for the three projections of h: a backend may run several in one launch
+        q, k, v = ops.linears(h, (lw.wq, lw.wk, lw.wv), (lw.bq, lw.bk, lw.bv))
         q = ops.split_heads(q, cfg.n_heads, cfg.head_dim)
         k = ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
         v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)

@@ -419,6 +419,9 @@ def ops_with_overrides(base_ops, family, backend: str):
         from ..kernels.qk_rope import qk_rope_from  # the fused op would bypass them
         overrides["qk_rope"] = qk_rope_from(overrides.get("rms_norm") or getattr(base_ops, "rms_norm"),
                                             overrides.get("rope") or getattr(base_ops, "rope"))
+    if "linear" in overrides and "linears" not in overrides:  # the grouped op would bypass it
+        lin = overrides["linear"]
+        overrides["linears"] = lambda x, ws, biases: [lin(x, w, b) for w, b in zip(ws, biases)]
     if isinstance(base_ops, type):
         return _OverriddenOps(base_ops, overrides)
     # an ops instance: a copy whose own methods also reach the overrides through self
