@@ -290,7 +290,7 @@ def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
 def test_paired_projections_same_logits(tmp_path, monkeypatch):
     """Decode's q and k projections in one launch (PAIR_PROJECTIONS) give the logits the
     separate launches give, bit for bit (the simulator's grid is the same for both), on a
-    Q4_K model with q/k biases (qwen2)."""
+    Q8_0 model with q/k biases (qwen2)."""
     import gguf
     from luce.backends import cuda as cuda_backend
     from luce.bench.synthetic import tiny, write_gguf
@@ -298,9 +298,9 @@ def test_paired_projections_same_logits(tmp_path, monkeypatch):
     from luce.models.transformer import build_weights
     from luce.plugins import family_for
     Q = gguf.GGMLQuantizationType
-    shape = tiny("qwen2", 64, n_layers=1, n_embd=256, n_ff=256, n_heads=2, n_kv_heads=1, head_dim=128)
+    shape = tiny("qwen2", 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
     path = write_gguf(tmp_path / "q2.gguf", shape, types=lambda n: Q.F32 if "norm" in n or n.endswith(".bias")
-                      else Q.Q4_K, seed=4)
+                      else Q.Q8_0, seed=4)
     f = GGUFFile(path)
     fam = family_for(path, f.architecture)
     cfg = fam.read_config(f)
