@@ -226,7 +226,8 @@ class CudaOps:
         from ..kernels.matvec_fast import FAST_TYPES
         n = x.shape[0]
         return (PAIR_PROJECTIONS and n <= FAST_MATVEC_MAX_ROWS and w.qtype == w2.qtype and w.qtype in FAST_TYPES
-                and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None) and not _takes_mma(n, w.qtype, w.shape[1]))
+                and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None)
+                and not _takes_mma(n, w.qtype, w.shape[1]))
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
         from ..kernels.matmul import MATMUL_TYPES

@@ -8,7 +8,7 @@ power of two into range (exact; f16 keeps its 11 bits for all but values ~1e-9 o
 largest) and its outputs are multiplied back by the inverse in the product's epilogue.
 
 Such rows are rare, so a conversion stays one thread an item over the whole grid and only
-flags rows that overflow; a second launch (`fixup_rows`, a block a row) rewrites the flagged
+flags rows that overflow; a second launch (a block a row, `row_fixup_scale`) rewrites the flagged
 rows scaled, sets every row's scale (1 for the rest, whose bits are what they would be
 without any of this) and clears the flags for the next call. A first form, a block a row
 finding each row's largest value before converting, made the H200's 23-node verification

@@ -858,8 +858,11 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     out_flat = _mv._flat_f32(out, "out", nx * n_rows)
     b = _mv._flat_f32(bias, "bias", n_rows) if bias is not None else _mv._dummy()
     r = _mv._flat_f32(residual, "residual", nx * n_rows) if residual is not None else _mv._dummy()
-    out_b, bias_b = (_mv._flat_f32(pair[1], "out_b", nx * n_rows_b),
-                     _mv._flat_f32(pair[2], "bias_b", n_rows_b) if pair[2] is not None else b) if pair else (out_flat, b)
+    out_b, bias_b = out_flat, b  # the pair's second output and bias (never read without one)
+    if pair:
+        out_b = _mv._flat_f32(pair[1], "out_b", nx * n_rows_b)
+        if pair[2] is not None:
+            bias_b = _mv._flat_f32(pair[2], "bias_b", n_rows_b)
     g, nw = grid_shape(qtype, n_rows + n_rows_b)
     g, nw = groups or g, warps or nw
     un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
