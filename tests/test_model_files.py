@@ -73,3 +73,22 @@ def test_unknown_architecture_lists_known_ones(bad_files):
     for arch in ("llama", "qwen2", "qwen3"):
         assert arch in str(e.value)
     assert "docs/plugins.md" in str(e.value)
+
+
+def test_synthetic_model_loads_with_its_byte_tokenizer(tmp_path):
+    """A random-weight GGUF written without another file's tokenizer carries a byte-level
+    one: luce.load takes it, any text round-trips, and the last token ends text."""
+    import luce
+    from luce.bench.synthetic import tiny, write_gguf
+    shape = tiny("qwen3", 300, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
+    m = luce.load(write_gguf(tmp_path / "t.gguf", shape, types=_f32_types, seed=1), backend="cpu", n_ctx=32)
+    text = "héllo wörld\n\t€"
+    ids = m.tokenizer.encode(text)
+    assert len(ids) == len(text.encode()) and max(ids) < 256
+    assert m.tokenizer.decode(ids) == text
+    assert m.tokenizer.eos_id == 299
+
+
+def _f32_types(name):
+    import gguf
+    return gguf.GGMLQuantizationType.F32

@@ -164,16 +164,10 @@ def _byte_tokenizer(w, n_vocab: int) -> None:
     """A byte-level BPE tokenizer (gpt2 model, no merges) of n_vocab >= 257 tokens: the 256
     bytes, filler tokens, and an end-of-text token last, so that a random-weight model
     loads with luce.load and any text round-trips."""
+    from ..text.tokenizer import _bytes_to_unicode  # GPT-2's byte alphabet, as the tokenizer reads it
     if n_vocab < 257:
         return
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for x in range(256):  # GPT-2's printable stand-ins for the other bytes
-        if x not in bs:
-            bs.append(x)
-            cs.append(256 + n)
-            n += 1
-    byte_char = dict(zip(bs, map(chr, cs)))
+    byte_char = _bytes_to_unicode()
     tokens = [byte_char[x] for x in range(256)] + [f"<|filler{i}|>" for i in range(n_vocab - 257)] + ["<|eot|>"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

@@ -758,8 +758,9 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     float32 X into f16 in a separate pass first (default: on the tensor-core path; see
     to_f16), which halves the X traffic that every column block repeats and the kernel's
     registers, and scales rows past f16's range into it (luce.kernels.f16_range; the
-    in-kernel conversion does not). tile (BM, BN, BK, WM, WN, frag, stages) and splits (split-K factor): default
-    pick_tile(M, n_out, k, qtype); a given tile runs unsplit unless splits says otherwise.
+    in-kernel conversion does not). tile (BM, BN, BK, WM, WN, frag, stages) and splits
+    (split-K factor): default pick_tile(M, n_out, k, qtype); a given tile runs unsplit
+    unless splits says otherwise.
     Returns out.
     """
     qtype = as_qtype(qtype)
