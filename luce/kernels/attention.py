@@ -432,7 +432,7 @@ def decode_shape(dim: int, rows: int) -> tuple[int, int, int]:
     return 0, 0, 0
 
 
-def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1, chunk: int = 32) -> int:
+def decode_plan(n_kv_heads: int, n_keys: int, warps: int, chunk: int) -> int:
     """Splits (blocks along the keys) of the decode kernel for a grid sized for n_keys keys:
     about a chunk a warp up to DECODE_TARGET_WARPS warps in all."""
     chunks = max(1, ceil_div(n_keys, chunk))
@@ -441,7 +441,7 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int = 1, chunk: int = 32) -
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int = 32):
+def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step."""
