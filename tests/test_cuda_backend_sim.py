@@ -147,7 +147,8 @@ def test_matvec_mma_routing(monkeypatch):
     """With the tensor-core small-M product routed for 1-8 tokens (luce.backends.cuda.
     MATVEC_MMA_ROWS; 2-32 by default), the backend's linear (Q4_K with a bias; Q6_K adding into
     the residual stream in place) and gated FFN ops of a 3-token forward go through it and
-    match the float64 references; a Q8_0 weight and a 9-token forward do not."""
+    match the float64 references; a Q8_0 weight and a 9-token forward do not. Its linears
+    convert x once per weight type."""
     import gguf
     from numba import cuda
     from luce.backends import cuda as C
@@ -194,6 +195,14 @@ def test_matvec_mma_routing(monkeypatch):
     ops.linear(xd, w8)
     ops.linear(cuda.to_device(np.ones((9, 256), np.float32)), w4)
     assert len(calls) == 3, calls
+    # linears (q, k, v): one conversion of x per weight type, each product right
+    (r4b, w4b), (r6b, w6b) = weight(Q.Q4_K, 16), weight(Q.Q6_K, 16)
+    convs, real_frags = [], M.x_frags
+    monkeypatch.setattr(M, "x_frags", lambda *a, **k: convs.append(a[1].name) or real_frags(*a, **k))
+    got = ops.linears(xd, [w4, w4b, w6b], [cuda.to_device(bias), None, None])
+    assert convs == ["Q4_K", "Q6_K"], convs
+    for g, (raw, qt, b) in zip(got, [(raw4, Q.Q4_K, bias), (r4b, Q.Q4_K, None), (r6b, Q.Q6_K, None)]):
+        close(g.copy_to_host(), matvec_ref(raw, qt, x, bias=b), raw, qt, x)
 
 
 def test_matvec_mma_rows_from_env(monkeypatch):

@@ -151,6 +151,28 @@ def test_rows_past_f16_range(use_mma):
     np.testing.assert_array_equal(y[plain], y_plain)
 
 
+def test_to_f16_scales_rows_in_every_chunk():
+    """The conversion scales flagged rows wherever they lie, sets each row's scale (a power
+    of two; 1 for rows in range, whose f16 bits are plain), and leaves the flags cleared:
+    the next call on the same buffers scales nothing."""
+    from luce.kernels.matmul import to_f16
+    m, k = 40, 32
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[3] *= 1e5
+    x[36, 5] = 3e6
+    q, scales = to_f16(cuda.to_device(x), k)
+    q, scales = q.copy_to_host()[:m * k].reshape(m, k), scales.copy_to_host()[:m]
+    big = [3, 36]
+    assert (scales[big] > 1).all() and (np.delete(scales, big) == 1).all()
+    assert np.all(np.log2(scales) == np.round(np.log2(scales)))
+    np.testing.assert_array_equal(q, (x / scales[:, None]).astype(np.float16).view(np.uint16))
+    assert np.isfinite(q.view(np.float16).astype(np.float32)).all()
+    x[big] = 1.0
+    q2, scales2 = to_f16(cuda.to_device(x), k)
+    assert (scales2.copy_to_host()[:m] == 1).all()
+    np.testing.assert_array_equal(q2.copy_to_host()[:m * k].reshape(m, k), x.astype(np.float16).view(np.uint16))
+
+
 # ---------------------------------------------------------------- GPU code generation
 # The simulator never compiles the GPU code. With libNVVM installed, compile the small-M
 # kernels to PTX in a subprocess without the simulator (no GPU or driver needed once numba

@@ -205,8 +205,9 @@ class CudaOps:
     def linears(self, x, ws, biases):
         """linear(x, w, b) for each (w, b). On decode widths, two consecutive weights of one
         type and width that matvec_fast takes (q and k of a Q4_K_M model) run as one
-        launch (PAIR_PROJECTIONS)."""
-        outs, i = [], 0
+        launch (PAIR_PROJECTIONS); on matvec_mma's widths, weights of one type share x's
+        conversion."""
+        outs, i, frags = [], 0, {}
         while i < len(ws):
             if i + 1 < len(ws) and self._pairable(x, ws[i], ws[i + 1], biases[i], biases[i + 1]):
                 from ..kernels.matvec_fast import matvec_fast_pair
@@ -216,6 +217,15 @@ class CudaOps:
                                          self._out((n, w2.shape[0])), biases[i], biases[i + 1], stream=self.stream,
                                          xq=self._x8(x, w.qtype))
                 i += 2
+            elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
+                # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
+                from ..kernels.matvec_mma import matvec_mma, x_frags
+                w = ws[i]
+                if w.qtype not in frags:
+                    frags[w.qtype] = x_frags(x, w.qtype, self.stream)
+                outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((x.shape[0], w.shape[0])),
+                                       bias=biases[i], stream=self.stream, frags=frags[w.qtype]))
+                i += 1
             else:
                 outs.append(self.linear(x, ws[i], biases[i]))
                 i += 1

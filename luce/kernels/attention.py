@@ -72,8 +72,9 @@ def tree_mask_bits(mask: np.ndarray) -> np.ndarray:
 # Flash-decoding: grid (split, kv head, query tile); the splits share the pages a tile
 # must read at run time (meta gives the length: a graph sized for the whole context still
 # spreads a short one over every split), each walks its 64-token pages with an online
-# softmax and leaves (acc, m, l) per row; a combine kernel merges the splits. One split
-# writes the normalized output directly.
+# softmax and leaves (acc, m, l) per row; the one-query (decode) kernel merges the splits in
+# the last block of a tile to finish (luce.kernels.split_merge), the others in a combine
+# kernel after them. One split writes the normalized output directly.
 # A query tile is QT rows of (query, head in the GQA group): all q heads sharing a kv
 # head are served by one read of each K/V tile.
 import functools  # noqa: E402
@@ -447,6 +448,8 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step."""
     from ._reduce import warp_barrier, warp_groupsum
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
+    from .split_merge import arrive, merge_rows
+    merge = merge_rows(dim)
     CH = chunk
     LPK = 32 // CH  # lanes a key in the score pass
     G = group
@@ -491,7 +494,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
-               out, part_o, part_ml):
+               out, part_o, part_ml, counter):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         q0 = cuda.blockIdx.z * QT
@@ -509,6 +512,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         mo = cuda.shared.array((W, R, dim), np.float32)
         mml = cuda.shared.array((W, R, 2), np.float32)
         red = cuda.shared.array(RED, np.float32)
+        ibuf = cuda.shared.array(1, np.int32)
         n_chunks = (n_keys + CH - 1) // CH
         cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
         c_lo = (split * W + wid) * cps
@@ -517,144 +521,147 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         trips = max(0, min(cps, n_chunks - split * W * cps))
         if trips == 0:
             # past the last chunk (a graph's grid is sized for the whole context): only the
-            # combine's l = 0. The same for the whole block, so no barrier is skipped alone.
+            # merge's l = 0. The same for the whole block, so no barrier is skipped alone.
             attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
-            return
-        # the first chunk's copies run while the queries load
-        _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
-        s = cuda.local.array(R, np.float32)
-        m = cuda.local.array(R, np.float32)
-        lsum = cuda.local.array(R, np.float32)
-        acc = cuda.local.array(NACC, np.float32)
-        pk = cuda.local.array(R, np.float32)
-        vw = cuda.local.array(DW, np.uint32)
-        for e in range(tid, R * dim, W * 32):
-            r = e // dim
-            qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
-            qs[r, e % dim] = q[qi, hkv * G + r % G, e % dim] * scale
-        rbits = cuda.local.array(R, np.uint64)  # each row's tree-mask word and query position
-        rpos = cuda.local.array(R, np.int32)
-        for r in range(R):
-            m[r] = -math.inf
-            lsum[r] = 0.0
-            qc = min(q0 + r // G, n_q - 1)
-            rbits[r] = U64(0) if causal else U64(mask_bits[qc])
-            rpos[r] = q_pos[qc] if window > 0 else 0
-        for e in range(NACC):
-            acc[e] = 0.0
-        pb = wid * CH * R
-        cuda.syncthreads()
-        cp_async_commit()
-        for it in range(trips):
-            c = c_lo + it
-            live = c < n_chunks
-            j0 = c * CH if live else 0
-            key_end = n_keys if live else 0  # an empty chunk: no key is present
-            if NB == 1:
-                if it > 0:
-                    _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid,
-                                 lane, 0)
+        else:
+            # the first chunk's copies run while the queries load
+            _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
+            s = cuda.local.array(R, np.float32)
+            m = cuda.local.array(R, np.float32)
+            lsum = cuda.local.array(R, np.float32)
+            acc = cuda.local.array(NACC, np.float32)
+            pk = cuda.local.array(R, np.float32)
+            vw = cuda.local.array(DW, np.uint32)
+            for e in range(tid, R * dim, W * 32):
+                r = e // dim
+                qi = min(q0 + r // G, n_q - 1)  # rows past the last query: computed, never stored
+                qs[r, e % dim] = q[qi, hkv * G + r % G, e % dim] * scale
+            rbits = cuda.local.array(R, np.uint64)  # each row's tree-mask word and query position
+            rpos = cuda.local.array(R, np.int32)
+            for r in range(R):
+                m[r] = -math.inf
+                lsum[r] = 0.0
+                qc = min(q0 + r // G, n_q - 1)
+                rbits[r] = U64(0) if causal else U64(mask_bits[qc])
+                rpos[r] = q_pos[qc] if window > 0 else 0
+            for e in range(NACC):
+                acc[e] = 0.0
+            pb = wid * CH * R
+            cuda.syncthreads()
+            cp_async_commit()
+            for it in range(trips):
+                c = c_lo + it
+                live = c < n_chunks
+                j0 = c * CH if live else 0
+                key_end = n_keys if live else 0  # an empty chunk: no key is present
+                if NB == 1:
+                    if it > 0:
+                        _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c, n_chunks, n_keys, wid,
+                                     lane, 0)
+                        cp_async_commit()
+                    cp_async_wait()
+                else:  # double buffering: the next chunk's copies run while this one is computed
+                    if it + 1 < trips:
+                        _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c + 1, n_chunks, n_keys, wid,
+                                     lane, (it + 1) & 1)
                     cp_async_commit()
-                cp_async_wait()
-            else:  # double buffering: the next chunk's copies run while this one is computed
-                if it + 1 < trips:
-                    _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c + 1, n_chunks, n_keys, wid,
-                                 lane, (it + 1) & 1)
-                cp_async_commit()
-                cp_async_wait_prior()
-            warp_barrier()
-            b = it & 1 if NB == 2 else 0
-            kb = (wid * NB + b) * KWORDS
-            vb = (wid * NB + b) * VWORDS
-            for r in range(R):
-                s[r] = 0.0
-            key = lane // LPK
-            part = lane % LPK
-            for i in range(PPL):
-                pc = i * LPK + part  # a key's lanes read adjacent pieces: one bank row
-                w0, w1, w2, w3 = lds4(ksh, kb + key * KROW + 4 * pc)
-                for h in range(8):
-                    word = w0 if h < 2 else (w1 if h < 4 else (w2 if h < 6 else w3))
-                    kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
-                    for r in range(R):
-                        s[r] += qs[r, 8 * pc + h] * kx
-            if LPK > 1:
+                    cp_async_wait_prior()
+                warp_barrier()
+                b = it & 1 if NB == 2 else 0
+                kb = (wid * NB + b) * KWORDS
+                vb = (wid * NB + b) * VWORDS
                 for r in range(R):
-                    s[r] = warp_groupsum(s[r], LPK, red, wid, lane)
-            # which rows see key j: all committed keys (inside the window), and of the new
-            # ones the query's ancestors and itself (tree) or its predecessors (chain)
-            j = j0 + key
-            for r in range(R):
-                qi = q0 + r // G
-                s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, key_end, qi, causal, rbits[r], window, rpos[r],
-                                          kv_pos)
-            for r in range(R):
-                cm = max(m[r], warp_allmax(s[r], red, wid, lane))
-                p = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
-                al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
-                m[r] = cm
-                # a key's p counted once: by the first of its lanes
-                lsum[r] = lsum[r] * al + warp_allsum(p if part == 0 else np.float32(0.0), red, wid, lane)
-                for d in range(DL):
-                    acc[r * DL + d] *= al
-                if part == 0:
-                    ps[pb + key * R + r] = p
-            warp_barrier()
-            # shared loads of 8 or 16 bytes with no index arithmetic beyond a base and an
-            # offset: numba's indexing costs ~24 integer instructions a key here
-            for k in range(CH):
-                if R % 4 == 0:
-                    for r4 in range(R // 4):
-                        pk[4 * r4], pk[4 * r4 + 1], pk[4 * r4 + 2], pk[4 * r4 + 3] = lds4(ps, pb + k * R + 4 * r4)
-                else:
-                    for r in range(R):
-                        pk[r] = ps[pb + k * R + r]
-                if DW == 4:
-                    vw[0], vw[1], vw[2], vw[3] = lds4(vsh, vb + k * RW + lane * 4)
-                elif DW == 2:
-                    vw[0], vw[1] = lds2(vsh, vb + k * RW + lane * 2)
-                elif DL >= 2:
-                    vw[0] = vsh[vb + k * RW + lane]
-                else:  # head dim 32: a lane owns one half of a word
-                    vw[0] = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
-                for wd in range(DW):
-                    for hh in range(min(2, DL)):
-                        vx = f16_bits_to_f32(U(vw[wd] >> U(16 * hh)) & U(0xFFFF))
+                    s[r] = 0.0
+                key = lane // LPK
+                part = lane % LPK
+                for i in range(PPL):
+                    pc = i * LPK + part  # a key's lanes read adjacent pieces: one bank row
+                    w0, w1, w2, w3 = lds4(ksh, kb + key * KROW + 4 * pc)
+                    for h in range(8):
+                        word = w0 if h < 2 else (w1 if h < 4 else (w2 if h < 6 else w3))
+                        kx = f16_bits_to_f32(U(word >> U(16 * (h & 1))) & U(0xFFFF))
                         for r in range(R):
-                            acc[r * DL + wd * 2 + hh] += pk[r] * vx
-            warp_barrier()  # later copies overwrite these buffers
-        # merge the block's warps: each leaves (m, l, acc) in shared memory
-        for r in range(R):
-            for d in range(DL):
-                mo[wid, r, lane * DL + d] = acc[r * DL + d]
-            if lane == 0:
-                mml[wid, r, 0] = m[r]
-                mml[wid, r, 1] = lsum[r]
-        cuda.syncthreads()
-        for e in range(tid, R * dim, W * 32):
-            r = e // dim
-            d = e % dim
-            qi = q0 + r // G
-            if qi < n_q:
-                big = np.float32(-math.inf)
-                for w in range(W):
-                    if mml[w, r, 1] > 0:
-                        big = max(big, mml[w, r, 0])
-                o = np.float32(0.0)
-                ll = np.float32(0.0)
-                for w in range(W):
-                    if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
-                        f = math.exp(mml[w, r, 0] - big)
-                        o += mo[w, r, d] * f
-                        ll += mml[w, r, 1] * f
-                hq = hkv * G + r % G
-                if direct:
-                    out[qi, hq, d] = o / ll
-                else:
-                    part_o[split, qi, hq, d] = o
-                    if d == 0:
-                        part_ml[split, qi, hq, 0] = big
-                        part_ml[split, qi, hq, 1] = ll
+                            s[r] += qs[r, 8 * pc + h] * kx
+                if LPK > 1:
+                    for r in range(R):
+                        s[r] = warp_groupsum(s[r], LPK, red, wid, lane)
+                # which rows see key j: all committed keys (inside the window), and of the new
+                # ones the query's ancestors and itself (tree) or its predecessors (chain)
+                j = j0 + key
+                for r in range(R):
+                    qi = q0 + r // G
+                    s[r] = attention_mma.seen(s[r], j, qi, n_q, n_past, key_end, qi, causal, rbits[r], window, rpos[r],
+                                              kv_pos)
+                for r in range(R):
+                    cm = max(m[r], warp_allmax(s[r], red, wid, lane))
+                    p = np.float32(0.0) if s[r] == -math.inf else math.exp(s[r] - cm)
+                    al = np.float32(1.0) if cm == -math.inf else math.exp(m[r] - cm)
+                    m[r] = cm
+                    # a key's p counted once: by the first of its lanes
+                    lsum[r] = lsum[r] * al + warp_allsum(p if part == 0 else np.float32(0.0), red, wid, lane)
+                    for d in range(DL):
+                        acc[r * DL + d] *= al
+                    if part == 0:
+                        ps[pb + key * R + r] = p
+                warp_barrier()
+                # shared loads of 8 or 16 bytes with no index arithmetic beyond a base and an
+                # offset: numba's indexing costs ~24 integer instructions a key here
+                for k in range(CH):
+                    if R % 4 == 0:
+                        for r4 in range(R // 4):
+                            pk[4 * r4], pk[4 * r4 + 1], pk[4 * r4 + 2], pk[4 * r4 + 3] = lds4(ps, pb + k * R + 4 * r4)
+                    else:
+                        for r in range(R):
+                            pk[r] = ps[pb + k * R + r]
+                    if DW == 4:
+                        vw[0], vw[1], vw[2], vw[3] = lds4(vsh, vb + k * RW + lane * 4)
+                    elif DW == 2:
+                        vw[0], vw[1] = lds2(vsh, vb + k * RW + lane * 2)
+                    elif DL >= 2:
+                        vw[0] = vsh[vb + k * RW + lane]
+                    else:  # head dim 32: a lane owns one half of a word
+                        vw[0] = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
+                    for wd in range(DW):
+                        for hh in range(min(2, DL)):
+                            vx = f16_bits_to_f32(U(vw[wd] >> U(16 * hh)) & U(0xFFFF))
+                            for r in range(R):
+                                acc[r * DL + wd * 2 + hh] += pk[r] * vx
+                warp_barrier()  # later copies overwrite these buffers
+            # merge the block's warps: each leaves (m, l, acc) in shared memory
+            for r in range(R):
+                for d in range(DL):
+                    mo[wid, r, lane * DL + d] = acc[r * DL + d]
+                if lane == 0:
+                    mml[wid, r, 0] = m[r]
+                    mml[wid, r, 1] = lsum[r]
+            cuda.syncthreads()
+            for e in range(tid, R * dim, W * 32):
+                r = e // dim
+                d = e % dim
+                qi = q0 + r // G
+                if qi < n_q:
+                    big = np.float32(-math.inf)
+                    for w in range(W):
+                        if mml[w, r, 1] > 0:
+                            big = max(big, mml[w, r, 0])
+                    o = np.float32(0.0)
+                    ll = np.float32(0.0)
+                    for w in range(W):
+                        if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
+                            f = math.exp(mml[w, r, 0] - big)
+                            o += mo[w, r, d] * f
+                            ll += mml[w, r, 1] * f
+                    hq = hkv * G + r % G
+                    if direct:
+                        out[qi, hq, d] = o / ll
+                    else:
+                        part_o[split, qi, hq, d] = o
+                        if d == 0:
+                            part_ml[split, qi, hq, 0] = big
+                            part_ml[split, qi, hq, 1] = ll
+        # the tile's last block to finish merges the splits (luce.kernels.split_merge)
+        if not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
+            merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32)
 
     return kernel
 
@@ -777,6 +784,22 @@ def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0):
     _combine(dim)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out)
 
 
+# stream -> zeroed int32 counters of luce.kernels.split_merge (each launch leaves them at 0):
+# fixed addresses for captured graphs; one set per stream, so that launches in flight on two
+# streams never count on one; outgrown sets are kept, since a graph may still point at them
+_COUNTERS: dict = {}
+_COUNTERS_RETIRED: list = []
+
+
+def merge_counters(n: int, stream=0):
+    """At least n zeroed split-merge counters for launches on `stream`."""
+    c = _COUNTERS.get(id(stream))
+    if c is None or c.size < n:
+        _COUNTERS_RETIRED.append(c)
+        c = _COUNTERS[id(stream)] = cuda.to_device(np.zeros(max(n, 256), np.int32), stream=stream)
+    return c
+
+
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
                    max_splits: int | None = None, q8: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
@@ -847,13 +870,14 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     if mask_bits is None:
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
     flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
-    if plan.get("kind") == "mma":
-        attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
-            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml)
-    elif plan.get("kind") == "row":
+    if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"])[
             (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
+            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))
+        return out
+    if plan.get("kind") == "mma":
+        attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml)
     else:

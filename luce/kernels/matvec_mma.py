@@ -173,9 +173,10 @@ def _frags_fixup(x, n_x, q4, out, flags, scales):
             _frag_item(x, t, n_x, q4, i, cuda.gridDim.x, down, out)
 
 
-# (rows8, K, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
+# (rows8, K, layout, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
 # captured graphs stay valid; one per stream, so that two backends (a draft's and a
-# target's) never share one in flight
+# target's) never share one in flight; one per layout, so that fragments made for one weight
+# type stay valid while the other type's are made (q and k, then v)
 _SCRATCH: dict = {}
 
 
@@ -186,12 +187,12 @@ def x_frags(x_dev, qtype, stream=0):
     shape and stream and reused by every call on it (the stream orders them)."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    key = (rows8, k, id(stream))
+    q4 = int(as_qtype(qtype) == T.Q4_K)
+    key = (rows8, k, q4, id(stream))
     if key not in _SCRATCH:
         _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
                          cuda.device_array(rows8, np.float32))
     out, flags, scales = _SCRATCH[key]
-    q4 = int(as_qtype(qtype) == T.Q4_K)
     n = out.shape[0] // 2
     threads = 32 if SIM else 256
     _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, q4, out, flags)
@@ -393,16 +394,18 @@ def _check(qtype, x_dev, what):
 
 
 def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=None, stream=0, tiles=None,
-               warps=None, w_up=None):
+               warps=None, w_up=None, frags=None):
     """y [n_x, n_out] = x [n_x, K] @ W^T (+ bias) (+ residual) for a Q4_K or Q6_K weight (raw
     uint8 rows) and 1..MAX_ROWS rows of x (float32, on the device); residual may be out
     itself. With w_up (same type and shape): silu(x W^T) * (x W_up^T), no bias or residual.
-    Same semantics as matvec_ref / swiglu_ref. tiles, warps: see plan (its choice by default)."""
+    Same semantics as matvec_ref / swiglu_ref. tiles, warps: see plan (its choice by default).
+    frags: x_frags(x_dev, qtype, stream) already made for this x (products of one x and
+    weight type share one conversion)."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma")
     gated = w_up is not None
     w16, _ = weight_u16(w_dev, qtype, k)
     u16 = weight_u16(w_up, qtype, k)[0] if gated else w16
-    xq, xs = x_frags(x_dev, qtype, stream)
+    xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
     if out is None:
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
     pt, pw = plan(n_x, n_out, k, gated)

@@ -300,11 +300,12 @@ for dim, group, qt, mask, chunk in [(128, 4, 1, I1, 32), (128, 8, 1, I1, 32), (6
                                     (128, 4, 2, "uint64[::1]", 32), (128, 2, 4, "uint64[::1]", 32),
                                     (128, 4, 2, I1, 32), (128, 4, 1, I1, 8), (128, 4, 1, I1, 16)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
-           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
+           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1})")
     attention.DECODE_CHUNK = chunk
     code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group)), sig)
     # registers only; K and V rows by cp.async, K read back 16 bytes at a time
     assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
+    assert "atom.global.add" in code and ".f64" not in code, (dim, group, qt)  # merges its splits, in float32
 from luce.kernels import attention_mma
 for dim, warps in [(128, 4), (128, 6), (64, 5), (32, 8)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, uint64[::1], int64, "

@@ -1,0 +1,110 @@
+"""The flash-decoding split merge, run by the last block of a query tile to finish.
+
+An attention kernel split over the keys leaves, for each split and query row, its output
+not yet normalized and its softmax (max m, sum l). Merging them took a second kernel (the
+combine in luce.kernels.attention). For decode both launches are latency chains (H200,
+Nsight Compute, Qwen3-8B shape over 640 keys: 10% achieved occupancy in the attention
+kernel, 6% in its combine), so the second launch's gap and ramp cost about as much as the
+merge itself. Here every block of the grid, empty splits included, counts itself done on
+its tile's counter; the one that counts last sees every split's partials (each block
+fences its writes before counting) and merges them in the same launch, one warp a query
+row, and leaves the counter at 0 for the next launch.
+
+Splits that saw no key (l == 0) get weight 0; their partial outputs, never written, are
+read but not used.
+
+Decode takes it (H200, Qwen3-8B shape, 2143d32+: 640 keys in an 8K-sized grid 14.07 ->
+13.29 us, 8K keys 33.62 -> 32.76). The tensor-core tree kernel does not: its tiles hold 64+
+rows and few blocks, so one block merging a tile's rows a warp at a time took a 23-node
+tree from 22.0 to 66.3 us over 640 keys and 78.7 to 136.0 over 8K; the combine kernel
+spreads the same work over a block per (query, head)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._reduce import ceil_div, warp_allmax
+from .device import device
+
+
+@device(inline=True)
+def arrive(counter, slot, n_blocks, ibuf, tid):
+    """Block-wide, after a block's last write: True in the last of n_blocks blocks counting
+    on counter[slot] (the same answer in all its threads), which then sees their writes and
+    resets the slot. ibuf: int32 shared, one or more."""
+    # release: this block's partials visible device-wide before its count
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        ibuf[0] = cuda.atomic.add(counter, slot, 1)
+    cuda.syncthreads()
+    last = ibuf[0] == n_blocks - 1
+    if last:
+        cuda.threadfence()
+        if tid == 0:
+            counter[slot] = 0
+    return last
+
+
+@functools.lru_cache(maxsize=None)
+def merge_rows(dim: int):
+    """The device function merging head dim `dim`'s splits for a tile of query rows."""
+    DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
+    NEG = np.float32(-math.inf)  # a Python float would make the max and exp float64
+
+    @device(inline=True)
+    def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt):
+        """Block-wide, in the tile's last block: out[q, h] for its query rows r0.. r0 + rows
+        (row r: query r // G, q head hkv * G + r % G; those below n_rows), from the
+        partials part_o [split, q, h, dim] and part_ml [split, q, h, (m, l)]."""
+        wid = tid // 32
+        lane = tid % 32
+        nw = nt // 32
+        acc = cuda.local.array(DL, np.float32)
+        va = cuda.local.array(DL, np.float32)
+        vb = cuda.local.array(DL, np.float32)
+        for rb in range(0, rows, nw):  # the same trips in every warp (the simulator's barriers)
+            row = r0 + rb + wid
+            live = rb + wid < rows and row < n_rows
+            qi = row // G if live else 0
+            hq = hkv * G + row % G if live else 0
+            mv = NEG
+            last = np.float32(-1.0)
+            if live:
+                for s in range(lane, n_splits, 32):
+                    if part_ml[s, qi, hq, 1] > 0:
+                        mv = max(mv, part_ml[s, qi, hq, 0])
+                        last = np.float32(s)
+            big = warp_allmax(mv, red, wid, lane)
+            n_used = int(warp_allmax(last, red, wid, lane)) + 1
+            for d in range(DL):
+                acc[d] = 0.0
+            den = np.float32(0.0)
+            # two splits a trip: their loads in flight together
+            for s in range(0, n_used, 2):
+                s2 = min(s + 1, n_used - 1)
+                la = part_ml[s, qi, hq, 1]
+                ma = part_ml[s, qi, hq, 0]
+                lb = part_ml[s2, qi, hq, 1] if s2 > s else np.float32(0.0)
+                mb = part_ml[s2, qi, hq, 0]
+                for d in range(DL):
+                    c = min(lane + 32 * d, dim - 1)
+                    va[d] = part_o[s, qi, hq, c]
+                    vb[d] = part_o[s2, qi, hq, c]
+                wa = math.exp(ma - big) if la > 0 else np.float32(0.0)
+                wb = math.exp(mb - big) if lb > 0 else np.float32(0.0)
+                den += la * wa + lb * wb
+                for d in range(DL):
+                    # an unwritten partial may hold anything, NaN included: select, not multiply
+                    acc[d] += (va[d] * wa if wa != 0 else np.float32(0.0)) + (vb[d] * wb if wb != 0
+                                                                               else np.float32(0.0))
+            if live:
+                for d in range(DL):
+                    c = lane + 32 * d
+                    if c < dim:
+                        out[qi, hq, c] = acc[d] / den
+
+    return merge
