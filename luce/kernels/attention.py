@@ -397,7 +397,12 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # latency chain at 16 (Nsight Compute: ~4.5K instructions a warp, 0.49 eligible warps a
 # scheduler, 10% achieved occupancy).
 DECODE_CHUNK = 16
-DECODE_TARGET_WARPS = 1024  # warps over a long context: ~8 an H200 SM, a chunk or two each
+# Warps over a long context (~12 an H200 SM: one wave at 3 blocks of 4 warps an SM). H200,
+# 8B shape, the kernel merging its own splits (f4d4220): over 8K keys 41.9 / 33.4 / 30.7 /
+# 31.5 us at 512 / 1024 / 1536 / 2048 (16 / 32 / 48 / 64 splits); over 640 keys in an
+# 8K-sized grid 12.6 / 13.4 / 13.9 / 15.2 us (more splits, more empty blocks and partials
+# to merge). 1536 trades 0.5 us a layer at short context for 2.7 at 8K.
+DECODE_TARGET_WARPS = 1536
 DECODE_MAX_WARPS = 4  # warps a block
 # K/V buffers a warp, in order of preference. Two (the next chunk copied while one is
 # computed) halve the warps an SM holds; on the H200 (8B shape, 8K keys, 64 splits) one
