@@ -18,6 +18,7 @@ from luce.kernels.dequant import dequantize
 from luce.kernels.matmul import MATMUL_TYPES, TILE_GPU, TILE_SIM, TILES_SMALL_M, choose_splits, matmul, matmul_ref, \
     pick_tile
 from luce.kernels.quant_types import as_qtype
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 rng = np.random.default_rng()
 
@@ -204,28 +205,8 @@ print("PTX OK", "ptxas" if ptxas else "(no ptxas)")
 '''
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ptx_check():
-    """The PTX check in the background from the module's first test on: the simulator tests
-    keep one core busy, the compiles take the other one meanwhile."""
-    import tempfile
-    from luce.kernels.ptx import run_check
-    # temp files, not pipes: nobody reads a pipe until the last test, and a full one stalls the compile
-    out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = run_check(PTX_CHECK, background=(out_f, err_f))
-
-    def result():
-        proc.wait(timeout=600)
-        out_f.seek(0)
-        err_f.seek(0)
-        return proc.returncode, out_f.read(), err_f.read()
-    yield result
-    if proc.poll() is None:  # its test was deselected
-        proc.kill()
-        proc.communicate()
+ptx_check = background_ptx_check(PTX_CHECK)
 
 
 def test_small_m_kernels_compile_to_ptx(ptx_check):
-    rc, out, err = ptx_check()
-    # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
-    assert rc == 0 and "PTX OK" in out, out[-2000:] + err[-4000:]
+    assert_ptx_ok(ptx_check)

@@ -15,6 +15,7 @@ from luce.kernels.dequant import DEVICE_SPECS, SUPPORTED_TYPES, dequantize, dequ
 from luce.kernels.matvec import MATVEC_TYPES, matvec, matvec_ref, swiglu, swiglu_ref
 from luce.kernels.quant_types import row_bytes
 from test_dequant import random_tensor
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 BY_VALUE = lambda q: int(q)  # noqa: E731
 IDS = lambda q: q.name  # noqa: E731
@@ -197,8 +198,8 @@ print("PTX OK")
 '''
 
 
-def test_gpu_kernels_compile_to_ptx():
-    from luce.kernels.ptx import run_check
-    # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
-    r = run_check(PTX_CHECK)
-    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+ptx_check = background_ptx_check(PTX_CHECK)
+
+
+def test_gpu_kernels_compile_to_ptx(ptx_check):
+    assert_ptx_ok(ptx_check)

@@ -19,6 +19,7 @@ from luce.kernels.matvec import matvec_ref, swiglu_ref
 from luce.kernels import matvec_fast as F
 from luce.kernels.matvec_fast import FAST_TYPES, matvec_fast, swiglu_fast
 from test_matvec import assert_close, nan_device, weights  # one tolerance for both matvecs
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 ID = lambda v: getattr(v, "name", str(v))  # noqa: E731
 
@@ -235,8 +236,8 @@ print("PTX OK")
 '''
 
 
-def test_matvec_fast_compiles_to_ptx():
-    from luce.kernels.ptx import run_check
-    # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
-    r = run_check(PTX_CHECK)
-    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+ptx_check = background_ptx_check(PTX_CHECK)
+
+
+def test_matvec_fast_compiles_to_ptx(ptx_check):
+    assert_ptx_ok(ptx_check)

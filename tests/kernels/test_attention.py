@@ -11,6 +11,7 @@ from numba import cuda
 from luce.kernels import attention as A
 from luce.kernels.attention import attention_cache_cuda, attention_ref, causal_mask, tree_mask, tree_mask_bits
 from luce.kv.paged import PagedKVCache
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 rng = np.random.default_rng()
 D = 16
@@ -317,11 +318,11 @@ print("PTX OK")
 '''
 
 
-def test_gpu_kernels_compile_to_ptx():
-    from luce.kernels.ptx import run_check
-    # libNVVM comes with the dev extra (nvidia-cuda-nvcc-cu12): missing, this fails
-    r = run_check(PTX_CHECK)
-    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+ptx_check = background_ptx_check(PTX_CHECK)
+
+
+def test_gpu_kernels_compile_to_ptx(ptx_check):
+    assert_ptx_ok(ptx_check)
 
 
 @pytest.mark.parametrize("d", [16, 80])  # not multiples of 32: a lane's last dim may be past the head's

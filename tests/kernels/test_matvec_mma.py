@@ -13,6 +13,7 @@ from luce.kernels.dequant import T, dequantize
 from luce.kernels.matvec import matvec_ref
 from luce.kernels.matvec_mma import frag_col, matvec_mma
 from tests.test_dequant import random_tensor
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 rng = np.random.default_rng(7)
 
@@ -124,8 +125,9 @@ print("PTX OK")
 """
 
 
-def test_matvec_mma_compiles_to_ptx():
+ptx_check = background_ptx_check(PTX_CHECK)
+
+
+def test_matvec_mma_compiles_to_ptx(ptx_check):
     """The sm_90 code: tensor cores, no local memory, no float64, launchable."""
-    from luce.kernels.ptx import run_check
-    r = run_check(PTX_CHECK)
-    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert_ptx_ok(ptx_check)
