@@ -328,3 +328,43 @@ def test_paired_projections_same_logits(tmp_path, monkeypatch):
         logits.append(gpu.forward(fam, cfg, w, kv, [5], [0], None, [0]))
     assert calls == [1]  # the paired launch ran (one layer), and only when asked for
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
+    """The tensor-core products skip the f16 guard's fixup for an RMSNorm's output when
+    sqrt(K) max|w| < 2**15 (load_tensor records max|w|) and for attention's output over an
+    f16 pool; any other x, and a norm with a larger weight, keep it."""
+    import gguf
+    from numba import cuda
+    from luce.backends import cuda as C
+    from luce.gguf_file import TensorInfo
+    from luce.kernels import matvec_mma as M
+    Q = gguf.GGMLQuantizationType
+    monkeypatch.setattr(C, "MATVEC_MMA_ROWS", range(1, 9))
+    guards = []
+    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: guards.append(k["guard"]) or k["out"])
+    be = C.CUDABackend(use_graphs=False)
+    ops = C.CudaOps(be, None)
+    ops.arena = C.Arena(1 << 20)
+
+    def norm_weight(scale):
+        data = np.full(256, scale, np.float32)
+        return be.load_tensor(TensorInfo("n", Q.F32, (256,), data.nbytes, data.view(np.uint8)))
+
+    w = C.DeviceWeight(cuda.to_device(np.zeros((16, 144), np.uint8)), Q.Q4_K, (16, 256))
+    x = cuda.to_device(np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32))
+    small, big = norm_weight(2.0), norm_weight(2100.0)  # sqrt(256) * 2100 = 33600 >= 0.99 * 2**15
+    assert small.luce_absmax == 2.0
+    ops.linear(ops.rms_norm(x, small, 1e-6), w)
+    ops.linear(ops.rms_norm(x, big, 1e-6), w)
+    ops.linear(x, w)
+    ops.linear(ops.merge_heads(x.reshape((3, 2, 128))), w)
+    heads = x.reshape((3, 2, 128))
+    ops._in_range.append(heads)  # as attention marks its output over an f16 pool
+    ops.linear(ops.merge_heads(heads), w)
+    assert guards == [False, True, True, True, False]
+    ops.new_layer()
+    h = ops.rms_norm(x, small, 1e-6)
+    ops.new_layer()  # a layer's marks do not outlive it
+    ops.linear(h, w)
+    assert guards[-1] is True

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -133,6 +134,10 @@ class CudaOps:
         self.mask_bits = None
         self.n_keys = 0
         self._xq = None  # (x, its int8 form): q, k (and gate with up) share one quantize_x
+        # arrays of this layer whose every |value| is below 2**15 (an RMSNorm's output with a
+        # small enough weight, attention over an f16 pool): their tensor-core products skip
+        # the f16 guard's fixup launch (luce.kernels.f16_range)
+        self._in_range = []
 
     # -- memory -------------------------------------------------------------------
     def _out(self, shape):
@@ -141,6 +146,11 @@ class CudaOps:
     def new_layer(self):
         self.arena.release()
         self._xq = None
+        self._in_range = []
+
+    def _guard(self, x) -> bool:
+        """Whether x's f16 conversion needs the guard (not known to be in range)."""
+        return not any(x is a for a in self._in_range)
 
     def _x8(self, x, qtype):
         """quantize_x(x) where the matvec of `qtype` has int8-x units and MATVEC_X8 is on,
@@ -175,8 +185,14 @@ class CudaOps:
             xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
             rms_norm_quantize(x, w, eps, out, xq, stream=self.stream)
             self._xq = (out, xq)
-            return out
-        return rms_norm_cuda(x, w, eps, out=out, stream=self.stream)
+        else:
+            rms_norm_cuda(x, w, eps, out=out, stream=self.stream)
+        # |x_i| / rms(x) <= sqrt(K): the output stays below sqrt(K) max|w| (load_tensor
+        # records max|w| of every vector it uploads)
+        wmax = getattr(w, "luce_absmax", None)
+        if wmax is not None and wmax * math.sqrt(x.shape[len(x.shape) - 1]) < 0.99 * 2.0 ** 15:
+            self._in_range.append(out)
+        return out
 
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul
@@ -188,13 +204,13 @@ class CudaOps:
         out = residual if residual is not None else self._out((n, w.shape[0]))
         if _takes_mma(n, w.qtype, w.shape[1]):
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
-                              stream=self.stream)
+                              stream=self.stream, guard=self._guard(x))
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream,
                                xq=self._x8(x, w.qtype))
         if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
-                          stream=self.stream)
+                          stream=self.stream, x_guard=self._guard(x))
         # a few rows; also long prefill of types the matmul lacks, 64 rows at a time
         for s in range(0, n, MAX_MATVEC_ROWS):
             e = min(n, s + MAX_MATVEC_ROWS)
@@ -222,7 +238,7 @@ class CudaOps:
                 from ..kernels.matvec_mma import matvec_mma, x_frags
                 w = ws[i]
                 if w.qtype not in frags:
-                    frags[w.qtype] = x_frags(x, w.qtype, self.stream)
+                    frags[w.qtype] = x_frags(x, w.qtype, self.stream, self._guard(x))
                 outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((x.shape[0], w.shape[0])),
                                        bias=biases[i], stream=self.stream, frags=frags[w.qtype]))
                 i += 1
@@ -247,7 +263,7 @@ class CudaOps:
         qt = w_gate.qtype
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
-                              stream=self.stream, w_up=w_up.raw)
+                              stream=self.stream, w_up=w_up.raw, guard=self._guard(x))
         if w_up.qtype == qt:
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
@@ -264,9 +280,11 @@ class CudaOps:
     def split_heads(x, n_heads, head_dim):
         return x.reshape((x.shape[0], n_heads, head_dim))
 
-    @staticmethod
-    def merge_heads(x):
-        return x.reshape((x.shape[0], x.shape[1] * x.shape[2]))
+    def merge_heads(self, x):
+        y = x.reshape((x.shape[0], x.shape[1] * x.shape[2]))
+        if not self._guard(x):
+            self._in_range.append(y)
+        return y
 
     @staticmethod
     def take_rows(x, rows):
@@ -291,9 +309,12 @@ class CudaOps:
         plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys)
         ns = plan["n_splits"]
         scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
-        return paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
-                                    self.mask_bits, window=window or 0, n_keys=self.n_keys,
-                                    out=self._out((n, hq, d)), scratch=scratch, stream=self.stream)
+        out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
+                                   self.mask_bits, window=window or 0, n_keys=self.n_keys,
+                                   out=self._out((n, hq, d)), scratch=scratch, stream=self.stream)
+        if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
+            self._in_range.append(out)
+        return out
 
 
 class CUDABackend:
@@ -326,7 +347,10 @@ class CUDABackend:
         cuda = self.cuda
         Q = gguf.GGMLQuantizationType
         if len(info.shape) == 1:  # norms and biases: small, float32
-            return cuda.to_device(dequantize(info.data, info.qtype, info.shape).astype(np.float32))
+            host = dequantize(info.data, info.qtype, info.shape).astype(np.float32)
+            dev = cuda.to_device(host)
+            dev.luce_absmax = float(np.abs(host).max()) if host.size else 0.0  # see CudaOps.rms_norm
+            return dev
         rows, cols = info.shape
         if info.qtype == Q.F32:  # the kernels read f16/bf16/quantized rows: keep f32 matrices as f16
             raw = dequantize(info.data, info.qtype, info.shape).astype(np.float16).view(np.uint8)
@@ -492,6 +516,7 @@ class CUDABackend:
         def run():
             ops.arena.reset()
             ops._xq = None
+            ops._in_range = []
             ops.mask_bits = mask_d if tree else None
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
             if argmax is not None:
