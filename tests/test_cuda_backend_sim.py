@@ -368,3 +368,32 @@ def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
     ops.new_layer()  # a layer's marks do not outlive it
     ops.linear(h, w)
     assert guards[-1] is True
+
+
+def test_gemma3_numerics_in_simulator(tmp_path):
+    """Gemma 3's numerics on the device (embedding scale, post-norms joined by `add`, GeGLU,
+    a sliding window shorter than the sequence) against the CPU backend."""
+    import gguf
+    from luce.backends.cpu import CPUBackend
+    from luce.backends.cuda import CUDABackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("gemma3", 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32,
+                 sliding_window=4)
+    path = write_gguf(tmp_path / "gemma3.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=4)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    assert fam.name == "gemma3" and cfg.layer_window(0) == 4 and cfg.ffn_act == "gelu_tanh"
+    cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
+    w_cpu, w_gpu = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
+    kv_cpu, kv_gpu = cpu.new_cache(cfg, 16), gpu.new_cache(cfg, 16)
+    for tokens, positions, rows in [([3, 17, 42, 8, 9, 30], np.arange(6), [5]), ([11], [6], None), ([12], [7], None)]:
+        a = cpu.forward(fam, cfg, w_cpu, kv_cpu, tokens, positions, None, rows)
+        b = gpu.forward(fam, cfg, w_gpu, kv_gpu, tokens, positions, None, rows)
+        kv_cpu.commit()
+        kv_gpu.commit()
+        np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device

@@ -25,10 +25,10 @@ def hf_model(path, **kw):
     return m.eval()
 
 
-def compare(path, ids, hf_kwargs=None, n_generate=64):
+def compare(path, ids, hf_kwargs=None, n_generate=64, n_ctx=512):
     import torch
     import luce
-    model = luce.load(path, backend="cpu", n_ctx=512)
+    model = luce.load(path, backend="cpu", n_ctx=n_ctx)
     hf = hf_model(path, **(hf_kwargs or {}))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
@@ -47,10 +47,10 @@ def compare(path, ids, hf_kwargs=None, n_generate=64):
     return rel.max()
 
 
-def real_ids(path, n=72):
+def real_ids(path, n=72, text=TEXT):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ids = tok(TEXT)["input_ids"]
+    ids = tok(text)["input_ids"]
     assert len(ids) >= n
     return ids[:n]
 
@@ -76,3 +76,23 @@ def test_random_qwen3_matches_transformers(tmp_path, smollm2_path):
     rng = np.random.default_rng(2)
     ids = rng.integers(0, 49152, size=80).tolist()
     compare(path, ids, hf_kwargs={"head_dim": 32})
+
+
+def test_gemma3_270m_matches_transformers():
+    """Past its 512-token sliding window too (5 windowed layers a global one), and the
+    figures tests/test_gemma3.py checks without torch are what transformers computes."""
+    import json
+    from pathlib import Path
+    import torch
+    from luce.models.test_models import gemma3_270m_path
+    path = gemma3_270m_path()
+    compare(path, real_ids(path))
+    long_ids = real_ids(path, n=600, text=TEXT * 7)
+    compare(path, long_ids, n_generate=16, n_ctx=1024)
+    rec = json.loads((Path(__file__).parent / "data" / "gemma3_270m_transformers.json").read_text())
+    hf = hf_model(path)
+    with torch.no_grad():
+        assert hf(torch.tensor([rec["long_ids"]])).logits[0].argmax(-1).tolist() == rec["long_argmax"]
+        p = rec["greedy_prompt"]
+        out = hf.generate(torch.tensor([p]), max_new_tokens=len(rec["greedy_tokens"]), do_sample=False)[0, len(p):]
+    assert out.tolist() == rec["greedy_tokens"]

@@ -10,7 +10,7 @@ import weakref
 
 import numpy as np
 
-from ..kernels.activation import swiglu_ref
+from ..kernels.activation import geglu_ref, swiglu_ref
 from ..kernels.attention import attention_ref, causal_mask
 from ..kernels.dequant import dequantize
 from ..kernels.embedding import embed_ref
@@ -46,8 +46,22 @@ class NumpyOps:
     def new_layer():
         pass
 
-    def gated_linear(self, x, w_gate, w_up):
+    def gated_linear(self, x, w_gate, w_up, act="silu"):
+        if act == "gelu_tanh":
+            return geglu_ref(x @ w_gate.T, x @ w_up.T)
+        if act != "silu":
+            raise ValueError(f"gated_linear: unknown activation {act!r}")
         return self.swiglu(x @ w_gate.T, x @ w_up.T)
+
+    @staticmethod
+    def scale(x, s):
+        return x * np.float32(s)
+
+    @staticmethod
+    def add(x, y):
+        """x + y (the residual stream plus a normed output)."""
+        x += y
+        return x
 
     @staticmethod
     def split_heads(x, n_heads, head_dim):

@@ -255,10 +255,24 @@ class CudaOps:
                 and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None)
                 and not _takes_mma(n, w.qtype, w.shape[1]))
 
-    def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight):
+    def scale(self, x, s):
+        from ..kernels.elementwise import axpby_cuda
+        return axpby_cuda(x, x, s, 0.0, out=x, stream=self.stream)
+
+    def add(self, x, y):
+        from ..kernels.elementwise import axpby_cuda
+        return axpby_cuda(x, y, 1.0, 1.0, out=x, stream=self.stream)
+
+    def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight, act="silu"):
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
         from ..kernels.matvec_mma import matvec_mma
+        if act != "silu":  # GeGLU (Gemma): two products, then the activation
+            from ..kernels.activation import glu_cuda
+            if act != "gelu_tanh":
+                raise ValueError(f"gated_linear: unknown activation {act!r}")
+            g, u = self.linear(x, w_gate), self.linear(x, w_up)
+            return glu_cuda(g, u, "geglu", out=g, stream=self.stream)
         n = x.shape[0]
         qt = w_gate.qtype
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):

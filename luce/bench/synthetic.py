@@ -38,6 +38,7 @@ class ModelShape:
     n_ctx_train: int = 40960
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
+    sliding_window: int | None = None
 
     def tensor_shapes(self) -> dict[str, tuple[int, int] | tuple[int]]:
         """name -> numpy shape (rows, cols) of every tensor the family reads."""
@@ -52,9 +53,12 @@ class ModelShape:
                 p + "ffn_gate.weight": (self.n_ff, d), p + "ffn_up.weight": (self.n_ff, d),
                 p + "ffn_down.weight": (d, self.n_ff),
             })
-            if self.arch == "qwen3":
+            if self.arch in ("qwen3", "gemma3"):
                 out[p + "attn_q_norm.weight"] = (hd,)
                 out[p + "attn_k_norm.weight"] = (hd,)
+            if self.arch == "gemma3":
+                out[p + "post_attention_norm.weight"] = (d,)
+                out[p + "post_ffw_norm.weight"] = (d,)
             if self.arch == "qwen2":
                 out[p + "attn_q.bias"] = (self.n_heads * hd,)
                 out[p + "attn_k.bias"] = (self.n_kv_heads * hd,)
@@ -142,6 +146,8 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
     w.add_float32(f"{a}.rope.freq_base", shape.rope_base)
+    if shape.sliding_window is not None:
+        w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
     if tokenizer_from is not None:
         _copy_tokenizer(w, tokenizer_from)
     else:
@@ -221,6 +227,10 @@ class SyntheticFile:
     def config(self):
         from ..models.config import ROPE_ADJACENT, ROPE_HALVES, ModelConfig
         s = self.shape
+        if s.arch not in ("llama", "qwen2", "qwen3"):
+            from ..errors import LuceError
+            raise LuceError(f"synthetic benchmark models: llama, qwen2 or qwen3 shapes, not {s.arch} "
+                            "(write_gguf writes a gemma3 file that luce.load reads)")
         return ModelConfig(arch=s.arch, n_layers=s.n_layers, n_embd=s.n_embd, n_ff=s.n_ff, n_heads=s.n_heads,
                            n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab_size=s.vocab_size,
                            n_ctx_train=s.n_ctx_train, rms_eps=s.rms_eps, rope_base=s.rope_base,

@@ -32,6 +32,23 @@ class ModelConfig:
     qk_norm: bool = False
     tied_output: bool = False
     sliding_window: int | None = None
+    # Gemma-style numerics (defaults: none of it)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(n_embd))
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before their residual add
+    ffn_act: str = "silu"  # the FFN gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    swa_pattern: int = 0  # with sliding_window: every swa_pattern-th layer is global (0: none is)
+    rope_base_swa: float | None = None  # the windowed layers' RoPE base (None: rope_base)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: it attends to the whole context)."""
+        if self.sliding_window is None or self.swa_pattern and (i + 1) % self.swa_pattern == 0:
+            return None
+        return self.sliding_window
+
+    def layer_rope_base(self, i: int) -> float:
+        if self.rope_base_swa is not None and self.layer_window(i) is not None:
+            return self.rope_base_swa
+        return self.rope_base
 
     @property
     def q_dim(self) -> int:
@@ -42,8 +59,10 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-def read_config(f: GGUFFile, *, rope_style: str, qkv_bias: bool = False, qk_norm: bool = False) -> ModelConfig:
-    """Read the `{arch}.*` keys every llama-like GGUF carries."""
+def read_config(f: GGUFFile, *, rope_style: str, qkv_bias: bool = False, qk_norm: bool = False,
+                **extra) -> ModelConfig:
+    """Read the `{arch}.*` keys every llama-like GGUF carries; `extra`: other ModelConfig
+    fields (a family's numerics)."""
     a = f.architecture
     n_embd = f.get_int(f"{a}.embedding_length")
     n_heads = f.get_int(f"{a}.attention.head_count")
@@ -70,4 +89,5 @@ def read_config(f: GGUFFile, *, rope_style: str, qkv_bias: bool = False, qk_norm
         qk_norm=qk_norm,
         tied_output="output.weight" not in f.tensors,
         sliding_window=(f.get_int(f"{a}.attention.sliding_window") if f"{a}.attention.sliding_window" in f.metadata else None),
+        **extra,
     )

@@ -1,4 +1,4 @@
-"""The decoder-only transformer forward shared by the llama, qwen2 and qwen3 families.
+"""The decoder-only transformer forward shared by the llama, qwen2, qwen3 and gemma3 families.
 
 Written once against a backend's op interface (`ops`), so the CPU reference and the
 CUDA backend run the same code. One signature serves prefill (a chain of tokens),
@@ -30,6 +30,8 @@ class LayerWeights:
     bv: Any = None
     q_norm: Any = None
     k_norm: Any = None
+    post_attn_norm: Any = None
+    post_ffn_norm: Any = None
 
 
 @dataclass
@@ -52,6 +54,8 @@ def tensor_names(cfg: ModelConfig) -> list[str]:
             names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
         if cfg.qk_norm:
             names += [p + "attn_q_norm.weight", p + "attn_k_norm.weight"]
+        if cfg.post_norms:
+            names += [p + "post_attention_norm.weight", p + "post_ffw_norm.weight"]
     names.append("output_norm.weight")
     if not cfg.tied_output:
         names.append("output.weight")
@@ -74,6 +78,7 @@ def build_weights(cfg: ModelConfig, f: GGUFFile, load) -> Weights:
             w_gate=t(p + "ffn_gate.weight"), w_up=t(p + "ffn_up.weight"), w_down=t(p + "ffn_down.weight"),
             bq=opt(p + "attn_q.bias"), bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
             q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
+            post_attn_norm=opt(p + "post_attention_norm.weight"), post_ffn_norm=opt(p + "post_ffw_norm.weight"),
         ))
     tok = t("token_embd.weight")
     return Weights(tok_embd=tok, layers=layers, out_norm=t("output_norm.weight"),
@@ -91,6 +96,8 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
     """
     eps = cfg.rms_eps
     x = ops.embed(w.tok_embd, tokens)
+    if cfg.embed_scale != 1.0:
+        x = ops.scale(x, cfg.embed_scale)
     for li, lw in enumerate(w.layers):
         ops.new_layer()  # a layer's temporaries may reuse the previous layer's memory
         h = ops.rms_norm(x, lw.attn_norm, eps)
@@ -100,12 +107,20 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         k = ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
         v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)
         q, k = ops.qk_rope(q, k, positions, lw.q_norm if cfg.qk_norm else None, lw.k_norm if cfg.qk_norm else None,
-                           eps, cfg.rope_dim, cfg.rope_base, cfg.rope_style)
-        o = ops.attention(kv, li, q, k, v, positions, mask, cfg.sliding_window)
-        x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
+                           eps, cfg.rope_dim, cfg.layer_rope_base(li), cfg.rope_style)
+        o = ops.attention(kv, li, q, k, v, positions, mask, cfg.layer_window(li))
+        if cfg.post_norms:  # Gemma: the output normed before it joins the residual stream
+            x = ops.add(x, ops.rms_norm(ops.linear(ops.merge_heads(o), lw.wo), lw.post_attn_norm, eps))
+        else:
+            x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
         h = ops.rms_norm(x, lw.ffn_norm, eps)
-        g = ops.gated_linear(h, lw.w_gate, lw.w_up)  # silu(h Wg) * (h Wu): one fused pass on the GPU
-        x = ops.linear(g, lw.w_down, residual=x)
+        # act(h Wg) * (h Wu): SwiGLU in one fused pass on the GPU
+        g = ops.gated_linear(h, lw.w_gate, lw.w_up) if cfg.ffn_act == "silu" else \
+            ops.gated_linear(h, lw.w_gate, lw.w_up, act=cfg.ffn_act)
+        if cfg.post_norms:
+            x = ops.add(x, ops.rms_norm(ops.linear(g, lw.w_down), lw.post_ffn_norm, eps))
+        else:
+            x = ops.linear(g, lw.w_down, residual=x)
     if logits_rows is not None:
         x = ops.take_rows(x, logits_rows)
     x = ops.rms_norm(x, w.out_norm, eps)

@@ -23,6 +23,7 @@ pytestmark = [
 from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref  # noqa: E402
 from luce.kernels.attention import (attention_cache_cuda, attention_ref, causal_mask, tree_mask,  # noqa: E402
                                     tree_mask_bits)
+from luce.kernels.elementwise import axpby_cuda, axpby_ref  # noqa: E402
 from luce.kernels.embedding import embed_cuda, embed_quant_cuda, embed_ref  # noqa: E402
 from luce.kernels.norm import rms_norm_cuda, rms_norm_ref  # noqa: E402
 from luce.kernels.rope import rope_cuda, rope_ref  # noqa: E402
@@ -87,6 +88,17 @@ def test_glu(kind, ref):
     out = nan_out(g.shape)
     glu_cuda(cuda.to_device(g), cuda.to_device(u), kind, out=out)
     np.testing.assert_allclose(out.copy_to_host(), ref(g, u), rtol=1e-5, atol=1e-5)
+
+
+def test_axpby_residual_and_scale():
+    """Gemma's post-norm residual add (512 tokens x 5376) and embedding scale."""
+    x, y = randn(512, 5376), randn(512, 5376)
+    out = nan_out(x.shape)
+    axpby_cuda(cuda.to_device(x), cuda.to_device(y), 1.0, 1.0, out=out)
+    np.testing.assert_array_equal(out.copy_to_host(), axpby_ref(x, y, 1.0, 1.0))
+    xd = cuda.to_device(x)
+    axpby_cuda(xd, xd, 73.3, 0.0, out=xd)
+    np.testing.assert_allclose(xd.copy_to_host(), 73.3 * x, rtol=1e-6)
 
 
 def test_softmax_vocab():

@@ -240,12 +240,12 @@ def test_graph_sized_grid():
 # ---------------------------------------------------------------- GPU code generation
 # The simulator never compiles the GPU path (warp-shuffle reductions, register tiles,
 # shared-memory views). When libNVVM is installed, compile every kernel of norm, rope,
-# activation, embedding, sampling, paging and attention to sm_90 PTX in a subprocess
+# activation, elementwise, embedding, sampling, paging and attention to sm_90 PTX in a subprocess
 # without the simulator (no GPU or driver needed); skipped otherwise.
 PTX_CHECK = r'''
 import os, re, sys
 from numba import cuda
-from luce.kernels import activation, attention, embedding, norm, paging, qk_rope, quantize_x, rope, sampling
+from luce.kernels import activation, attention, elementwise, embedding, norm, paging, qk_rope, quantize_x, rope, sampling
 
 def ptx(kernel, sig):
     return cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))[0]
@@ -279,6 +279,7 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
     assert use["registers"] * threads <= 65536, (k, threads, use)
     assert "shfl.sync" in code, k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
+               (elementwise._axpby_kernel, "void(float32[::1], float32[::1], float32, float32, float32[::1])"),
                (qk_rope._qk_rope_kernel, f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
                                          "float64[::1], int64, int64)"),
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),

@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE, GLU activations, softmax and embedding gather: CUDA kernels against
+"""RMSNorm, RoPE, GLU activations, a x + b y, softmax and embedding gather: CUDA kernels against
 their numpy references.
 
 These run in the CUDA simulator (tests/conftest.py) and so cover the shared-memory
@@ -10,6 +10,7 @@ import pytest
 from numba import cuda
 
 from luce.kernels.activation import geglu_ref, glu_cuda, softmax_cuda, softmax_ref, swiglu_ref
+from luce.kernels.elementwise import axpby_cuda, axpby_ref
 from luce.kernels.embedding import embed_cuda, embed_quant_cuda, embed_ref
 from luce.kernels.norm import rms_norm_cuda, rms_norm_ref
 from luce.kernels.rope import rope_cuda, rope_ref
@@ -94,3 +95,21 @@ def test_embed_quantized(qtype):
     embed_quant_cuda(cuda.to_device(raw), as_qtype(qtype), n_cols, cuda.to_device(tok), out=out)
     want = embed_ref(dequantize(raw, as_qtype(qtype), (vocab, n_cols)), tok)
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_axpby():
+    """a x + b y into a poisoned buffer, in place into x (the residual add), and with b = 0
+    (a scale: y is not read, so NaNs there do not matter)."""
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    y = rng.standard_normal((3, 40)).astype(np.float32)
+    out = nan_out(x.shape)
+    axpby_cuda(cuda.to_device(x), cuda.to_device(y), 0.5, -2.0, out=out)
+    np.testing.assert_allclose(out.copy_to_host(), axpby_ref(x, y, 0.5, -2.0), rtol=1e-6, atol=1e-6)
+    xd = cuda.to_device(x)
+    axpby_cuda(xd, cuda.to_device(y), 1.0, 1.0, out=xd)
+    np.testing.assert_array_equal(xd.copy_to_host(), x + y)
+    nan_y = cuda.to_device(np.full_like(x, np.nan))
+    got = axpby_cuda(cuda.to_device(x), nan_y, 25.3, 0.0).copy_to_host()
+    np.testing.assert_array_equal(got, axpby_ref(x, np.zeros_like(x), 25.3, 0.0))
+    with pytest.raises(ValueError, match="sizes"):
+        axpby_cuda(cuda.to_device(x), cuda.to_device(y[:2]), 1.0, 1.0)
