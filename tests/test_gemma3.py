@@ -41,3 +41,24 @@ def test_gemma3_past_its_sliding_window_equals_transformers(gemma):
     kv = gemma.backend.new_cache(gemma.config, 1024)
     logits = gemma.forward(kv, ids, np.arange(len(ids)), logits_rows=rows)
     np.testing.assert_array_equal(logits.argmax(-1), np.asarray(REC["long_argmax"])[rows])
+
+
+def test_gemma3_ddtree_lookup_is_lossless_past_the_window(gemma):
+    """DDTree verification of prompt-lookup guesses over a context already past the sliding
+    window (the tree's nodes see keys by their own positions): the plain greedy tokens."""
+    import luce.spec as spec
+    from luce.spec import PromptLookup, SpecOptions
+    ids = REC["long_ids"][:530]
+
+    def run(opts, drafter):
+        out, stats = [], None
+        for d in spec.stream(gemma, ids, opts, drafter, session=gemma.new_session(600), temperature=0,
+                             max_tokens=12, ignore_eos=True):
+            out += d.token_ids
+            stats = d.stats or stats
+        return out, stats
+    plain, _ = run(SpecOptions(), None)
+    assert len(plain) == 12
+    out, stats = run(SpecOptions(mode="ddtree", draft_max=6), PromptLookup())
+    assert out == plain
+    assert stats.target_forwards < 12  # the repeated text's guesses were taken: trees really ran
