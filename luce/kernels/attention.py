@@ -84,6 +84,7 @@ from numba import cuda  # noqa: E402
 
 from ._reduce import (WARP_RED_SLOTS, block_threads, ceil_div, warp_allmax, warp_allsum)  # noqa: E402
 from . import attention_mma  # noqa: E402
+from .split_merge import used_splits  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
 from .paging import BLOCK  # noqa: E402
@@ -717,7 +718,6 @@ def _combine(dim: int):
     W = COMBINE_WARPS
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions
-    NEG = np.float32(-math.inf)  # a Python float would make the max and exp float64
 
     @cuda.jit
     def combine(part_o, part_ml, n_splits, meta, out):
@@ -732,14 +732,7 @@ def _combine(dim: int):
         red = cuda.shared.array(RED, np.float32)
         osh = cuda.shared.array((W, OW), np.float32)
         lsh = cuda.shared.array(W, np.float32)
-        mv = NEG
-        last = np.float32(-1.0)
-        for s in range(lane, n_splits, 32):
-            if part_ml[s, i, hq, 1] > 0:
-                mv = max(mv, part_ml[s, i, hq, 0])
-                last = np.float32(s)
-        big = warp_allmax(mv, red, wid, lane)
-        n_used = int(warp_allmax(last, red, wid, lane)) + 1
+        big, n_used = used_splits(part_ml, n_splits, i, hq, True, red, wid, lane)
         acc = cuda.local.array(DL, np.float32)
         for d in range(DL):
             acc[d] = 0.0

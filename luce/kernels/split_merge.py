@@ -49,11 +49,25 @@ def arrive(counter, slot, n_blocks, ibuf, tid):
     return last
 
 
+@device(inline=True)
+def used_splits(part_ml, n_splits, qi, hq, live, red, wid, lane):
+    """Warp-wide, for query row (qi, hq): (the largest m among the splits that saw a key,
+    1 + the last such split), each lane scanning every 32nd split. live False: a padding
+    row whose lanes only take part in the warp's reductions (-inf, 0)."""
+    mv = np.float32(-math.inf)
+    last = np.float32(-1.0)
+    if live:
+        for s in range(lane, n_splits, 32):
+            if part_ml[s, qi, hq, 1] > 0:
+                mv = max(mv, part_ml[s, qi, hq, 0])
+                last = np.float32(s)
+    return warp_allmax(mv, red, wid, lane), int(warp_allmax(last, red, wid, lane)) + 1
+
+
 @functools.lru_cache(maxsize=None)
 def merge_rows(dim: int):
     """The device function merging head dim `dim`'s splits for a tile of query rows."""
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
-    NEG = np.float32(-math.inf)  # a Python float would make the max and exp float64
 
     @device(inline=True)
     def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt):
@@ -71,15 +85,7 @@ def merge_rows(dim: int):
             live = rb + wid < rows and row < n_rows
             qi = row // G if live else 0
             hq = hkv * G + row % G if live else 0
-            mv = NEG
-            last = np.float32(-1.0)
-            if live:
-                for s in range(lane, n_splits, 32):
-                    if part_ml[s, qi, hq, 1] > 0:
-                        mv = max(mv, part_ml[s, qi, hq, 0])
-                        last = np.float32(s)
-            big = warp_allmax(mv, red, wid, lane)
-            n_used = int(warp_allmax(last, red, wid, lane)) + 1
+            big, n_used = used_splits(part_ml, n_splits, qi, hq, live, red, wid, lane)
             for d in range(DL):
                 acc[d] = 0.0
             den = np.float32(0.0)
