@@ -30,37 +30,13 @@ class TensorInfo:
         return self.qtype.name
 
 
-class GGUFFile:
-    """A validated, memory-mapped GGUF file."""
+class ModelMetadata:
+    """Typed reading of a model's metadata and tensor table: what a family's read_config and
+    build_weights use. GGUFFile reads them from a file; luce.bench.synthetic makes them."""
+    path: Path
+    metadata: dict
+    tensors: dict
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        _check_header(self.path)
-        import gguf
-
-        try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except (ValueError, IndexError, OSError, KeyError, TypeError) as e:
-            raise ModelFileError(self.path, f"corrupt GGUF ({_short(e)})") from None
-        self.metadata: dict[str, Any] = {}
-        for field in self._reader.fields.values():
-            if field.name.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[field.name] = field.contents()
-            except Exception as e:  # a field that can't be decoded is corruption
-                raise ModelFileError(self.path, f"corrupt metadata field {field.name!r} ({_short(e)})") from None
-        self.tensors: dict[str, TensorInfo] = {}
-        for t in self._reader.tensors:
-            qtype = t.tensor_type
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            data = np.asarray(t.data)
-            raw = data.view(np.uint8).reshape(-1) if data.dtype != np.uint8 else data.reshape(-1)
-            if raw.nbytes != int(t.n_bytes):
-                raise ModelFileError(self.path, f"tensor {t.name!r} is truncated")
-            self.tensors[t.name] = TensorInfo(t.name, qtype, shape, int(t.n_bytes), raw)
-
-    # typed metadata access ---------------------------------------------------------
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
@@ -100,6 +76,37 @@ class GGUFFile:
             return self.tensors[name]
         except KeyError:
             raise ModelFileError(self.path, f"missing tensor {name!r}") from None
+
+
+class GGUFFile(ModelMetadata):
+    """A validated, memory-mapped GGUF file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        _check_header(self.path)
+        import gguf
+
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "r")
+        except (ValueError, IndexError, OSError, KeyError, TypeError) as e:
+            raise ModelFileError(self.path, f"corrupt GGUF ({_short(e)})") from None
+        self.metadata: dict[str, Any] = {}
+        for field in self._reader.fields.values():
+            if field.name.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[field.name] = field.contents()
+            except Exception as e:  # a field that can't be decoded is corruption
+                raise ModelFileError(self.path, f"corrupt metadata field {field.name!r} ({_short(e)})") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in self._reader.tensors:
+            qtype = t.tensor_type
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            data = np.asarray(t.data)
+            raw = data.view(np.uint8).reshape(-1) if data.dtype != np.uint8 else data.reshape(-1)
+            if raw.nbytes != int(t.n_bytes):
+                raise ModelFileError(self.path, f"tensor {t.name!r} is truncated")
+            self.tensors[t.name] = TensorInfo(t.name, qtype, shape, int(t.n_bytes), raw)
 
     def require_types(self, supported) -> None:
         """Fail on the first tensor whose type the backends can't decode."""

@@ -89,6 +89,22 @@ def test_synthetic_model_loads_with_its_byte_tokenizer(tmp_path):
     assert m.tokenizer.eos_id == 299
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_synthetic_file_reads_the_config_its_gguf_does(tmp_path, arch):
+    """A SyntheticFile (benchmark models made in memory) gives its family's read_config
+    the same metadata a GGUF written from the same shape carries: equal configs."""
+    from dataclasses import replace
+    from luce.bench.synthetic import SyntheticFile, tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.plugins import family_for
+    shape = replace(tiny(arch, 300, n_layers=6, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32),
+                    sliding_window=16 if arch == "gemma3" else None, tied_output=arch == "gemma3")
+    f = GGUFFile(write_gguf(tmp_path / "t.gguf", shape, types=_f32_types, seed=1))
+    mine, read = SyntheticFile(shape).config(), family_for(f.path, arch).read_config(f)
+    assert read.rms_eps == pytest.approx(mine.rms_eps, rel=1e-6)  # the file stores float32
+    assert replace(mine, rms_eps=0.0) == replace(read, rms_eps=0.0)
+
+
 def _f32_types(name):
     import gguf
     return gguf.GGMLQuantizationType.F32

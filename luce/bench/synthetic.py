@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..gguf_file import ModelMetadata
+
 Q = None  # gguf.GGMLQuantizationType, imported lazily to keep `luce --help` fast
 
 
@@ -75,6 +77,10 @@ SHAPES: dict[str, ModelShape] = {
     "qwen3-32b": ModelShape("qwen3", 64, 5120, 25600, 64, 8, 128, 151936),
     "llama-3-8b": ModelShape("llama", 32, 4096, 14336, 32, 8, 128, 128256, n_ctx_train=8192, rope_base=500000.0,
                              rms_eps=1e-5),
+    "gemma3-270m": ModelShape("gemma3", 18, 640, 2048, 4, 1, 256, 262144, tied_output=True, n_ctx_train=32768,
+                              sliding_window=512),
+    "gemma3-4b": ModelShape("gemma3", 34, 2560, 10240, 8, 4, 256, 262208, tied_output=True, n_ctx_train=131072,
+                            sliding_window=1024),
 }
 
 
@@ -86,6 +92,16 @@ def q4_k_m_type(name: str):
     if name == "output.weight" or name.endswith("attn_v.weight") or name.endswith("ffn_down.weight"):
         return Qt.Q6_K
     return Qt.Q4_K
+
+
+def fit_type(qtype, n_cols: int):
+    """qtype, or what llama.cpp's quantizer takes instead where a row is not a whole number
+    of 256-wide K-quant blocks (Gemma-3-270M's 640: Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    import gguf
+    if n_cols % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    Qt = _q()
+    return {Qt.Q4_K: Qt.Q5_0, Qt.Q5_K: Qt.Q5_1, Qt.Q6_K: Qt.Q8_0}.get(qtype, qtype)
 
 
 # byte offsets of the f16 scale fields inside one block of each quantized type
@@ -124,6 +140,19 @@ def random_tensor(name: str, shape, qtype, rng: np.random.Generator, std: float 
     return quants.quantize((std * rng.standard_normal(shape)).astype(np.float32), qtype)
 
 
+def shape_metadata(shape: ModelShape) -> dict:
+    """The `{arch}.*` metadata of a model of this shape (what write_gguf writes)."""
+    a = shape.arch
+    md = {"general.architecture": a, f"{a}.block_count": shape.n_layers, f"{a}.context_length": shape.n_ctx_train,
+          f"{a}.embedding_length": shape.n_embd, f"{a}.feed_forward_length": shape.n_ff,
+          f"{a}.attention.head_count": shape.n_heads, f"{a}.attention.head_count_kv": shape.n_kv_heads,
+          f"{a}.attention.key_length": shape.head_dim, f"{a}.attention.value_length": shape.head_dim,
+          f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps, f"{a}.rope.freq_base": shape.rope_base}
+    if shape.sliding_window is not None:
+        md[f"{a}.attention.sliding_window"] = shape.sliding_window
+    return md
+
+
 def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_from=None,
                tensors: dict | None = None) -> Path:
     """Write a random-weight model. `types(name) -> GGMLQuantizationType` picks each tensor's
@@ -135,25 +164,15 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     types = types or q4_k_m_type
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), shape.arch)
-    a = shape.arch
-    w.add_uint32(f"{a}.block_count", shape.n_layers)
-    w.add_uint32(f"{a}.context_length", shape.n_ctx_train)
-    w.add_uint32(f"{a}.embedding_length", shape.n_embd)
-    w.add_uint32(f"{a}.feed_forward_length", shape.n_ff)
-    w.add_uint32(f"{a}.attention.head_count", shape.n_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", shape.n_kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
-    w.add_float32(f"{a}.rope.freq_base", shape.rope_base)
-    if shape.sliding_window is not None:
-        w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
+    for key, v in shape_metadata(shape).items():
+        if key != "general.architecture":  # the writer's own
+            (w.add_float32 if isinstance(v, float) else w.add_uint32)(key, v)
     if tokenizer_from is not None:
         _copy_tokenizer(w, tokenizer_from)
     else:
         _byte_tokenizer(w, shape.vocab_size)
     for name, shp in shape.tensor_shapes().items():
-        qtype = types(name)
+        qtype = fit_type(types(name), shp[-1])
         arr = tensors[name] if tensors and name in tensors else random_tensor(name, shp, qtype, rng)
         if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(name, np.ascontiguousarray(arr))
@@ -202,9 +221,10 @@ def tiny(arch: str, vocab_size: int, **kw) -> ModelShape:
     return replace(base, **kw)
 
 
-class SyntheticFile:
-    """Stands in for a GGUFFile: tensor names, types and shapes, no data. Backends load
-    its tensors with `synthetic_loader`."""
+class SyntheticFile(ModelMetadata):
+    """Stands in for a GGUFFile: metadata, tensor names, types and shapes, no data. Its
+    family reads its config as from a file; backends load its tensors with
+    `synthetic_loader`."""
 
     def __init__(self, name: "str | ModelShape", types=None):
         from ..gguf_file import TensorInfo
@@ -216,26 +236,16 @@ class SyntheticFile:
             from ..errors import LuceError
             raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
         types = types or q4_k_m_type
+        self.path = Path(f"synthetic:{self.name}")
+        self.metadata = shape_metadata(self.shape)
         self.tensors = {}
         for tname, shp in self.shape.tensor_shapes().items():
-            qt = types(tname)
+            qt = fit_type(types(tname), shp[-1])
             self.tensors[tname] = TensorInfo(tname, qt, tuple(shp), _nbytes(qt, shp), None)
 
-    def tensor(self, name: str):
-        return self.tensors[name]
-
     def config(self):
-        from ..models.config import ROPE_ADJACENT, ROPE_HALVES, ModelConfig
-        s = self.shape
-        if s.arch not in ("llama", "qwen2", "qwen3"):
-            from ..errors import LuceError
-            raise LuceError(f"synthetic benchmark models: llama, qwen2 or qwen3 shapes, not {s.arch} "
-                            "(write_gguf writes a gemma3 file that luce.load reads)")
-        return ModelConfig(arch=s.arch, n_layers=s.n_layers, n_embd=s.n_embd, n_ff=s.n_ff, n_heads=s.n_heads,
-                           n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab_size=s.vocab_size,
-                           n_ctx_train=s.n_ctx_train, rms_eps=s.rms_eps, rope_base=s.rope_base,
-                           rope_dim=s.head_dim, rope_style=ROPE_ADJACENT if s.arch == "llama" else ROPE_HALVES,
-                           qkv_bias=s.arch == "qwen2", qk_norm=s.arch == "qwen3", tied_output=s.tied_output)
+        from ..plugins import family_for
+        return family_for(self.path, self.architecture).read_config(self)
 
     @property
     def weight_bytes_per_token(self) -> int:
