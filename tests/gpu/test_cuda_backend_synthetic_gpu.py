@@ -10,22 +10,15 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_random_qwen3_matches_cpu(tmp_path):
+def _cpu_and_gpu(fam, cfg, f, n_ctx):
+    """Both backends on the model in f; `both(tokens, positions, mask, rows, accept)` runs a
+    forward on each, commits, checks the logits agree and returns the CPU's."""
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
-    from luce.kernels.attention import tree_mask
     from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
-    path = write_gguf(tmp_path / "q3.gguf", shape, seed=5)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
     cpu, gpu = CPUBackend(), CUDABackend()
     wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
-    kc, kg = cpu.new_cache(cfg, 512), gpu.new_cache(cfg, 512)
+    kc, kg = cpu.new_cache(cfg, n_ctx), gpu.new_cache(cfg, n_ctx)
 
     def both(tokens, positions, mask=None, rows=None, accept=None):
         a = cpu.forward(fam, cfg, wc, kc, tokens, positions, mask, rows)
@@ -35,6 +28,20 @@ def test_random_qwen3_matches_cpu(tmp_path):
         rel = np.linalg.norm(b - a, axis=-1) / np.linalg.norm(a, axis=-1)
         assert rel.max() < 2e-2, rel.max()
         return a
+    return both, (gpu, wg, kc, kg)
+
+
+def test_random_qwen3_matches_cpu(tmp_path):
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.kernels.attention import tree_mask
+    from luce.plugins import family_for
+    shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
+    path = write_gguf(tmp_path / "q3.gguf", shape, seed=5)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    both, (gpu, wg, kc, kg) = _cpu_and_gpu(fam, cfg, f, 512)
 
     rng = np.random.default_rng(0)
     logits = both(rng.integers(0, 2048, 100), np.arange(100), rows=[99])
@@ -63,11 +70,8 @@ def test_random_gemma3_matches_cpu(tmp_path):
     with a 32-token window, so a 100-token prompt and 24 decode steps pass it), against
     the CPU backend within the same tolerance."""
     import gguf
-    from luce.backends.cpu import CPUBackend
-    from luce.backends.cuda import CUDABackend
     from luce.bench.synthetic import tiny, write_gguf
     from luce.gguf_file import GGUFFile
-    from luce.models.transformer import build_weights
     from luce.plugins import family_for
     Q = gguf.GGMLQuantizationType
     shape = tiny("gemma3", 1024, n_layers=6, n_embd=640, n_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256,
@@ -86,18 +90,7 @@ def test_random_gemma3_matches_cpu(tmp_path):
     fam = family_for(path, f.architecture)
     cfg = fam.read_config(f)
     assert fam.name == "gemma3" and cfg.layer_window(5) is None and cfg.layer_window(4) == 32
-    cpu, gpu = CPUBackend(), CUDABackend()
-    wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
-    kc, kg = cpu.new_cache(cfg, 256), gpu.new_cache(cfg, 256)
-
-    def both(tokens, positions, rows=None):
-        a = cpu.forward(fam, cfg, wc, kc, tokens, positions, None, rows)
-        b = gpu.forward(fam, cfg, wg, kg, tokens, positions, None, rows)
-        kc.commit()
-        kg.commit()
-        rel = np.linalg.norm(b - a, axis=-1) / np.linalg.norm(a, axis=-1)
-        assert rel.max() < 2e-2, rel.max()
-        return a
+    both, _ = _cpu_and_gpu(fam, cfg, f, 256)
 
     rng = np.random.default_rng(1)
     logits = both(rng.integers(0, 1024, 100), np.arange(100), rows=[99])
