@@ -267,11 +267,11 @@ class CudaOps:
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
         from ..kernels.matvec_mma import matvec_mma
-        if act != "silu":  # GeGLU (Gemma): two products, then the activation
+        if act != "silu":  # GeGLU (Gemma): both products as one `linears` (x converted once), then the activation
             from ..kernels.activation import glu_cuda
             if act != "gelu_tanh":
                 raise ValueError(f"gated_linear: unknown activation {act!r}")
-            g, u = self.linear(x, w_gate), self.linear(x, w_up)
+            g, u = self.linears(x, (w_gate, w_up), (None, None))
             return glu_cuda(g, u, "geglu", out=g, stream=self.stream)
         n = x.shape[0]
         qt = w_gate.qtype

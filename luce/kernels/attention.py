@@ -84,6 +84,7 @@ from numba import cuda  # noqa: E402
 
 from ._reduce import (WARP_RED_SLOTS, block_threads, ceil_div, warp_allmax, warp_allsum)  # noqa: E402
 from . import attention_mma  # noqa: E402
+from . import split_merge  # noqa: E402
 from .split_merge import used_splits  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
@@ -782,22 +783,6 @@ def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0):
     _combine(dim)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out)
 
 
-# stream -> zeroed int32 counters of luce.kernels.split_merge (each launch leaves them at 0):
-# fixed addresses for captured graphs; one set per stream, so that launches in flight on two
-# streams never count on one; outgrown sets are kept, since a graph may still point at them
-_COUNTERS: dict = {}
-_COUNTERS_RETIRED: list = []
-
-
-def merge_counters(n: int, stream=0):
-    """At least n zeroed split-merge counters for launches on `stream`."""
-    c = _COUNTERS.get(id(stream))
-    if c is None or c.size < n:
-        _COUNTERS_RETIRED.append(c)
-        c = _COUNTERS[id(stream)] = cuda.to_device(np.zeros(max(n, 256), np.int32), stream=stream)
-    return c
-
-
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
                    max_splits: int | None = None, q8: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
@@ -872,7 +857,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"])[
             (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))
+            window, scale, direct, out, part_o, part_ml, split_merge.merge_counters(n_kvh * plan["n_tiles"], stream))
         return out
     if plan.get("kind") == "mma":
         attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](

@@ -61,6 +61,17 @@ def row_fixup_scale(x, t, n_x, flags, scales, buf):
     return down
 
 
+_UNIT: list = []  # [ones]: the largest set made; outgrown ones are kept (graphs point at them)
+
+
+def unit_scales(n_rows: int):
+    """float32 ones for at least n_rows rows: the row scales of a conversion made without
+    the guard (every |x| known to be below 2**15)."""
+    if not _UNIT or _UNIT[-1].size < n_rows:
+        _UNIT.append(cuda.to_device(np.ones(max(n_rows, 1024), np.float32)))
+    return _UNIT[-1]
+
+
 def new_flags(n_rows: int):
     """Zeroed overflow flags (int32) for n_rows rows; each fixup leaves them zeroed."""
     return cuda.to_device(np.zeros(n_rows, np.int32))

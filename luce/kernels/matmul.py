@@ -49,7 +49,7 @@ from numba import cuda
 
 from .device import device
 from .dequant import dequantize
-from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
 from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32,
                   sts4)
 from .quant_types import as_qtype, block_elems, row_bytes
@@ -726,8 +726,7 @@ def to_f16(x, k: int, stream=0, guard=True):
     n2 = n // 2
     _to_f16_kernel[-(-n2 // 256), 256, stream](_flat(x), buf, n2, k, flags)
     if not guard:
-        ones = _grown("ones", max(m_rows, 1024), lambda c: cuda.to_device(np.ones(c, np.float32)))
-        return buf[:n2].view(np.uint16), ones
+        return buf[:n2].view(np.uint16), unit_scales(m_rows)
     _to_f16_fixup[m_rows, 32 if SIM else FIXUP_THREADS, stream](_flat(x).reshape(m_rows, k), buf, flags, scales)
     return buf[:n2].view(np.uint16), scales
 

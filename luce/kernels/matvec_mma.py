@@ -43,7 +43,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
 from .matvec import silu
@@ -180,9 +180,6 @@ def _frags_fixup(x, n_x, q4, out, flags, scales):
 _SCRATCH: dict = {}
 
 
-_ONES: dict = {}  # rows8 -> float32 ones: the scales of unguarded conversions
-
-
 def x_frags(x_dev, qtype, stream=0, guard=True):
     """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view (rows
     padded to a multiple of 8 with zeros; layout in _frag_item), and each row's scale
@@ -202,9 +199,7 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     threads = 32 if SIM else 256
     _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, q4, out, flags)
     if not guard:
-        if rows8 not in _ONES:
-            _ONES[rows8] = cuda.to_device(np.ones(rows8, np.float32))
-        return out.view(np.uint16), _ONES[rows8]
+        return out.view(np.uint16), unit_scales(rows8)
     _frags_fixup[rows8, 32 if SIM else FIXUP_THREADS, stream](x_dev, n_x, q4, out, flags, scales)
     return out.view(np.uint16), scales
 

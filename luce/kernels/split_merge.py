@@ -114,3 +114,19 @@ def merge_rows(dim: int):
                         out[qi, hq, c] = acc[d] / den
 
     return merge
+
+
+# stream -> zeroed int32 counters of `arrive` (each launch leaves them at 0):
+# fixed addresses for captured graphs; one set per stream, so that launches in flight on two
+# streams never count on one; outgrown sets are kept, since a graph may still point at them
+_COUNTERS: dict = {}
+_COUNTERS_RETIRED: list = []
+
+
+def merge_counters(n: int, stream=0):
+    """At least n zeroed split-merge counters for launches on `stream`."""
+    c = _COUNTERS.get(id(stream))
+    if c is None or c.size < n:
+        _COUNTERS_RETIRED.append(c)
+        c = _COUNTERS[id(stream)] = cuda.to_device(np.zeros(max(n, 256), np.int32), stream=stream)
+    return c

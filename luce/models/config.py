@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf_file import GGUFFile
+from ..gguf_file import ModelMetadata
 
 ROPE_ADJACENT = "adjacent"  # GPT-J style: llama GGUFs store Q/K rows permuted for it
 ROPE_HALVES = "halves"  # NEOX style: qwen2/qwen3 rotate the two halves of a head
@@ -59,7 +59,7 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-def read_config(f: GGUFFile, *, rope_style: str, qkv_bias: bool = False, qk_norm: bool = False,
+def read_config(f: ModelMetadata, *, rope_style: str, qkv_bias: bool = False, qk_norm: bool = False,
                 **extra) -> ModelConfig:
     """Read the `{arch}.*` keys every llama-like GGUF carries; `extra`: other ModelConfig
     fields (a family's numerics)."""

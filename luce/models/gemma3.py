@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from ..errors import LuceError
-from ..gguf_file import GGUFFile
+from ..gguf_file import ModelMetadata
 from .config import ROPE_HALVES, read_config
 from .family import ChatFormat, DraftSpec, ModelFamily, Optimizations
 
@@ -14,7 +14,7 @@ SWA_PATTERN = 6  # layers 5, 11, 17, ... attend globally (llama.cpp and transfor
 ROPE_BASE_SWA = 10_000.0  # not in the GGUF: Gemma 3's rope_local_base_freq
 
 
-def gemma3_config(f: GGUFFile):
+def gemma3_config(f: ModelMetadata):
     cfg = read_config(f, rope_style=ROPE_HALVES, qk_norm=True, post_norms=True, ffn_act="gelu_tanh",
                       swa_pattern=SWA_PATTERN, rope_base_swa=ROPE_BASE_SWA)
     cfg = dataclasses.replace(cfg, embed_scale=math.sqrt(cfg.n_embd))

@@ -114,7 +114,8 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         else:
             x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
         h = ops.rms_norm(x, lw.ffn_norm, eps)
-        # act(h Wg) * (h Wu): SwiGLU in one fused pass on the GPU
+        # act(h Wg) * (h Wu): SwiGLU in one fused pass on the GPU. SwiGLU is asked for without
+        # `act`, so a plugin's gated_linear of the older signature still serves it
         g = ops.gated_linear(h, lw.w_gate, lw.w_up) if cfg.ffn_act == "silu" else \
             ops.gated_linear(h, lw.w_gate, lw.w_up, act=cfg.ffn_act)
         if cfg.post_norms:
