@@ -241,7 +241,7 @@ def test_graph_sized_grid():
 # The simulator never compiles the GPU path (warp-shuffle reductions, register tiles,
 # shared-memory views). When libNVVM is installed, compile every kernel of norm, rope,
 # activation, elementwise, embedding, sampling, paging and attention to sm_90 PTX in a subprocess
-# without the simulator (no GPU or driver needed); skipped otherwise.
+# without the simulator (no GPU or driver needed); without libNVVM (the dev extra installs it) the check fails.
 PTX_CHECK = r'''
 import os, re, sys
 from numba import cuda
