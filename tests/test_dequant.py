@@ -34,6 +34,23 @@ def random_tensor(rng, qtype, shape) -> np.ndarray:
     return blocks.reshape(-1)
 
 
+def abs_terms(raw, qtype, shape) -> np.ndarray:
+    """|scale * q| + |min| per weight: what an f16 decode's rounding is relative to. Where
+    the two terms cancel (w near 0) it is far larger than |w|, so error bounds of products
+    whose weights are decoded in f16 take this, not |w|. Each block is decoded once with its
+    min zeroed and once with its scale zeroed; types without a min give |w|."""
+    fields = F16_FIELDS.get(qtype, ())
+    if len(fields) < 2:
+        return np.abs(dequantize(raw.reshape(-1), qtype, shape))
+    blocks = raw.reshape(-1, block_bytes(qtype))
+    total = 0
+    for off in fields:
+        part = blocks.copy()
+        part[:, off:off + 2] = 0
+        total = total + np.abs(dequantize(part.reshape(-1), qtype, shape))
+    return total
+
+
 def reference(raw, qtype, shape):
     rows = int(np.prod(shape[:-1]))
     return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
