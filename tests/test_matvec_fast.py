@@ -170,6 +170,53 @@ def test_matvec_fast_capped_grid(inline_sums):
     assert_close(out.copy_to_host(), matvec_ref(raw, T.Q4_K, x), raw, T.Q4_K, x)
 
 
+@pytest.mark.parametrize("qtype_o,qtype_p,groups", [(T.Q4_K, T.Q6_K, 2), (T.Q6_K, T.Q4_K, 8), (T.Q8_0, T.Q8_0, 1)],
+                         ids=ID)
+def test_split_rms_norm(qtype_o, qtype_p, groups):
+    """The RMSNorm between a residual product and the projections of its output, with no
+    launch of its own (decode's o or down projection, then q/k/v or gate/up): the residual
+    product stores xg = h * g and its row blocks' sums of h^2 (parts); plain, paired and
+    gated products of xg with x_norm give the projections of rms_norm(h, g), with a bias;
+    the residual stream is as matvec_fast leaves it."""
+    from luce.kernels.matvec_fast import matvec_fast_norm, matvec_fast_pair, norm_parts_max
+    from luce.kernels.norm import rms_norm_ref
+    rng = np.random.default_rng(int(qtype_o) * 7 + groups)
+    d, k_in, n_out, eps = 512, 256, 12, 1e-6
+    wo = weights(rng, qtype_o, d, k_in)
+    a = rng.standard_normal(k_in).astype(np.float32)
+    h = (3 * rng.standard_normal(d)).astype(np.float32)
+    g = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+    h_dev, xg, parts = cuda.to_device(h), nan_device(d), nan_device(norm_parts_max(d))
+    n_parts = matvec_fast_norm(cuda.to_device(wo), qtype_o, cuda.to_device(a), h_dev, cuda.to_device(g), xg, parts,
+                               groups=groups)
+    assert n_parts == -(-d // (F.ROWS * groups))
+    h1 = matvec_ref(wo, qtype_o, a, residual=h)
+    assert_close(h_dev.copy_to_host(), h1, wo, qtype_o, a)
+    got_h1 = h_dev.copy_to_host()
+    np.testing.assert_allclose(xg.copy_to_host(), got_h1 * g, rtol=1e-6)
+    np.testing.assert_allclose(parts.copy_to_host()[:n_parts].sum(), (got_h1.astype(np.float64) ** 2).sum(), rtol=1e-5)
+
+    normed = rms_norm_ref(got_h1, g, eps)
+    wa, wb = weights(rng, qtype_p, n_out, d), weights(rng, qtype_p, n_out + 4, d)
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    x_norm = (parts, n_parts, eps)
+    dev = cuda.to_device
+    out = nan_device(n_out)
+    matvec_fast(dev(wa), qtype_p, xg, out=out, bias=dev(bias), x_norm=x_norm)
+    assert_close(out.copy_to_host(), matvec_ref(wa, qtype_p, normed, bias=bias), wa, qtype_p, normed)
+    oa, ob = nan_device(n_out), nan_device(n_out + 4)
+    matvec_fast_pair(dev(wa), dev(wb), qtype_p, xg, oa, ob, stream=0, x_norm=x_norm)
+    assert_close(oa.copy_to_host(), matvec_ref(wa, qtype_p, normed), wa, qtype_p, normed)
+    assert_close(ob.copy_to_host(), matvec_ref(wb, qtype_p, normed), wb, qtype_p, normed)
+    up = weights(rng, qtype_p, n_out, d)
+    out = nan_device(n_out)
+    swiglu_fast(dev(wa), dev(up), qtype_p, xg, out=out, x_norm=x_norm)
+    want = swiglu_ref(wa, up, qtype_p, normed)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="one float x row"):
+        matvec_fast(dev(wa), qtype_p, dev(np.zeros((2, d), np.float32)), x_norm=x_norm)
+
+
 def test_matvec_fast_rejects():
     rng = np.random.default_rng(0)
     raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))
@@ -198,7 +245,8 @@ from numba import cuda
 from numba.cuda import types
 from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
-sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64)
+norm_args = (f32, f32, f32, types.int64, types.float32)  # gn, xg, parts, n_parts, eps
+sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
     for glu, br, nw, inl, un, g in [(False, False, F.NW, True, None, 8), (False, True, F.NW, True, None, 4),
@@ -215,15 +263,24 @@ for q in F.FAST_SPECS:
         # weights never go through shared memory: it holds the lanes' sums (and x's sums)
         smem = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
         sums = 4 * (F.SX_MAX if F.FAST_SPECS[q].sums and not inl else 1)
-        assert smem == 4 * 32 * nw * F.ROWS * (2 if glu else 1) + sums, (name, smem)
+        assert smem == 4 * 32 * nw * F.ROWS * (2 if glu else 1) + sums + 4, (name, smem)
 # q and k in one launch (pair), with and without biases
 for q in F.FAST_SPECS:
     for br in (False, True):
         ptx, _ = cuda.compile_ptx(F._make_kernel(q, False, br, False, F.NW, True, None, 8, 1, False, True).py_func,
                                   sig, cc=(9, 0))
         assert not re.search(r"\.local\b", ptx), f"{q.name} pair: local memory"
+# the split RMSNorm: the residual product that stores xg and the parts, and its consumers
+for q in F.FAST_SPECS:
+    for glu, br, res, pair, xn, no in [(False, False, True, False, False, True), (False, True, False, True, True, False),
+                                       (True, False, False, False, True, False), (False, False, False, False, True, False)]:
+        k = F._make_kernel(q, glu, br, res, F.NW, True, None, 8, 1, False, pair, xn, no)
+        ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))
+        name = f"{q.name}_norm_glu{int(glu)}_pair{int(pair)}_xnorm{int(xn)}_normout{int(no)}"
+        assert not re.search(r"\.local\b", ptx), name + ": local memory"
+        assert ("rsqrt" in ptx or "sqrt" in ptx) == xn, name
 # units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
-sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64)
+sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 for q in F.X8_TYPES:
     for glu, g, nx in [(False, 8, 1), (True, 16, 1), (False, 4, 3)]:
         k = F._make_kernel(q, glu, False, False, F.NW, True, None if nx == 1 else 1, g, nx, True)

@@ -57,7 +57,8 @@ from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
 
-__all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_pair", "swiglu_fast", "bench_matvec_fast"]
+__all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
+           "bench_matvec_fast"]
 
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
 
@@ -671,11 +672,44 @@ def _make_group_sum(lanes):
     return group_sum
 
 
+def _make_parts_total():
+    """The sum of parts[0:n] in every lane of a warp, the same bits in each (an xor
+    butterfly adds the same two values in every lane, in either order). The simulator has
+    no shuffles: there every thread adds them all up in order."""
+    if SIM:
+        @_dev
+        def parts_total(parts, n, lane):
+            s = np.float32(0.0)
+            for i in range(n):
+                s += parts[i]
+            return s
+        return parts_total
+
+    @cuda.jit(device=True)
+    def parts_total(parts, n, lane):
+        s = np.float32(0.0)
+        for i in range(lane, n, 32):
+            s += parts[i]
+        off = 16
+        while off > 0:
+            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
+            off >>= 1
+        return s
+    return parts_total
+
+
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False, pair: bool = False):
+                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False, pair: bool = False,
+                 x_norm: bool = False, norm_out: bool = False):
     """pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
-    a residual."""
+    a residual.
+
+    The RMSNorm between a residual product and the projections of its output, split between
+    the two launches so it costs no launch of its own (one x row): norm_out (with a residual)
+    also stores xg = y * gn and each row block's sum of y^2 in parts[block]; x_norm (its
+    consumers, x = xg) sums the n_parts parts (every warp, from L2, while its weights load)
+    and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
     SXN = SX_MAX if SUMS else 1
@@ -690,13 +724,19 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     LS = L if SIM else 1       # partials per row pair and warp that reach shared memory
     RED = NT * NA * NV
     group_sum = _make_group_sum(L)
+    parts_total = _make_parts_total()
     PAIR = pair
+    XN, NO = x_norm, norm_out
+    NSQ = RPB if NO else 1
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
+    assert not ((XN or NO) and (NX > 1 or x8)) and not (NO and (glu or pair or not has_res))
 
     @cuda.jit
-    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b):
+    def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
+               gn, xg, parts, n_parts, eps):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
+        nsq = cuda.shared.array(NSQ, np.float32)  # norm_out: the block's y^2, summed in order
         acc = cuda.local.array(NA, np.float32)
         accu = cuda.local.array(NA, np.float32)
         tid = cuda.threadIdx.x
@@ -704,6 +744,9 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
         wid = tid >> 5
         g = lane >> GSH
         first = (lane & (L - 1)) + L * wid
+        rs = np.float32(1.0)
+        if XN:
+            rs = np.float32(1.0) / math.sqrt(parts_total(parts, n_parts, lane) / np.float32(xs) + eps)
         if SUMS:
             # Row-independent: summed once here rather than by every row's units (which
             # cost ~0.5 add per weight element and row).
@@ -756,17 +799,30 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                         if glu:
                             u += red[k + 1]
                 if row < nr:
+                    if XN:
+                        y *= rs
+                        u *= rs
                     if glu:
                         y = _mv.silu(y) * u
                     if has_bias:
                         y += bias_b[row] if second else bias[row]
                     if has_res:
                         y += res[r * n_rows + row]
+                    if NO:
+                        xg[row] = y * gn[row]
+                        nsq[rr] = y * y
                     if second:
                         out_b[r * nr + row] = y
                     else:
                         out[r * nr + row] = y
+                elif NO:
+                    nsq[rr] = np.float32(0.0)
             cuda.syncthreads()
+            if NO and tid == 0:  # read before the next row block's epilogue: a barrier away
+                ss = np.float32(0.0)
+                for i in range(RPB):
+                    ss += nsq[i]
+                parts[lblk] = ss
     return kernel
 
 
@@ -808,9 +864,11 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None, xq=None, pair=None):
+            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None):
     """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
-    product with x goes to out_b in the same launch (w_list then holds one weight)."""
+    product with x goes to out_b in the same launch (w_list then holds one weight).
+    x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
+    parts) (see _make_kernel). Returns out, or with norm_out the number of parts."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -833,6 +891,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         raise ValueError("gate and up weights differ in rows")
     x = _mv._flat_f32(x_dev, "x")
     x8 = xq is not None and qtype in X8_TYPES
+    if (x_norm is not None or norm_out is not None) and (nx != 1 or x8 or len(xshape) != 1 and xshape[0] != 1):
+        raise ValueError("matvec_fast: the split RMSNorm takes one float x row")
     if x8:  # the units read the int8 form of x instead
         from .quantize_x import xq_size
         xq = as_device(xq)
@@ -847,6 +907,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     if pair and (residual is not None or (bias is None) != (pair[2] is None)):
         raise ValueError("matvec_fast pair: both weights with a bias or neither, and no residual")
     if any(_addr(w) % 16 or (w.size * 2) % 16 for w, _ in ws + ([(wb, 0)] if pair else [])) or _addr(x) % 16:
+        if x_norm is not None or norm_out is not None:
+            raise ValueError("matvec_fast: the split RMSNorm needs 16-byte aligned weights and x")
         if len(w_list) == 2:
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
         if pair:
@@ -866,20 +928,32 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     g, nw = grid_shape(qtype, n_rows + n_rows_b)
     g, nw = groups or g, warps or nw
     un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair))
+    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
+                   x_norm is not None, norm_out is not None)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
         grid = min(grid, per_sm * _sm_count())
     w0 = ws[0][0]
     w1 = ws[1][0] if len(ws) == 2 else (wb if pair else w0)
+    gn, xg, parts, n_parts, eps = _mv._dummy(), _mv._dummy(), _mv._dummy(), 0, 0.0
+    if x_norm is not None:
+        parts, n_parts, eps = _mv._flat_f32(x_norm[0], "parts"), int(x_norm[1]), float(x_norm[2])
+        if not 0 < n_parts <= parts.size:
+            raise ValueError(f"matvec_fast: {n_parts} norm parts, the buffer holds {parts.size}")
+    if norm_out is not None:
+        n_parts = -(-n_rows // (ROWS * g))
+        gn, xg = _mv._flat_f32(norm_out[0], "gn", n_rows), _mv._flat_f32(norm_out[1], "xg", n_rows)
+        parts = _mv._flat_f32(norm_out[2], "parts")
+        if parts.size < n_parts:
+            raise ValueError(f"matvec_fast: the norm parts buffer needs {n_parts} floats, has {parts.size}")
     kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols,
-                                out_b, bias_b, n_rows_b)
-    return out
+                                out_b, bias_b, n_rows_b, gn, xg, parts, n_parts, np.float32(eps))
+    return n_parts if norm_out is not None else out
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
-                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None, xq=None):
+                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with up to MAX_X_ROWS activation rows, each weight read once for all of them: x (K,)
     gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps
@@ -888,26 +962,43 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count).
     xq: quantize_x(x), for types in X8_TYPES: their units then multiply int8 x with dp4a
-    (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it."""
+    (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it.
+    x_norm: (parts, n_parts, eps) when x is the xg of matvec_fast_norm: out is then W times
+    the RMSNorm of its result (scaled before the bias)."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
-                   groups, xq)
+                   groups, xq, x_norm=x_norm)
+
+
+def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0, *, warps=None, groups=None) -> int:
+    """residual += W x (one x row), and half of the RMSNorm of the result that follows it in
+    a transformer: xg = result * norm_w, and parts[i] = the sum of squares of the result over
+    the launch's row block i. Returns the number of parts; the projections of the norm take
+    xg as x with x_norm=(parts, n_parts, eps) and finish it, so the norm has no launch."""
+    return _launch([w_dev], qtype, x_dev, residual, None, residual, stream, warps, None, 0, None, groups,
+                   norm_out=(norm_w, xg, parts))
+
+
+def norm_parts_max(n_rows: int) -> int:
+    """The most parts matvec_fast_norm makes for n_rows rows (one a row pair, at one group)."""
+    return -(-n_rows // ROWS)
 
 
 def matvec_fast_pair(w_a, w_b, qtype, x_dev, out_a, out_b, bias_a=None, bias_b=None, stream=0, *, xq=None,
-                     groups=None, warps=None):
+                     groups=None, warps=None, x_norm=None):
     """out_a = W_a x (+ bias_a) and out_b = W_b x (+ bias_b) in one launch (two projections of
     one x with weights of one type and width: a model's q and k), each as matvec_fast gives
     it; the grid sized for both. Returns (out_a, out_b)."""
     _launch([w_a], qtype, x_dev, out_a, bias_a, None, stream, warps, None, 0, None, groups, xq,
-            pair=(w_b, out_b, bias_b))
+            pair=(w_b, out_b, bias_b), x_norm=x_norm)
     return out_a, out_b
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0, unroll=None, groups=None, xq=None):
-    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows and xq as matvec_fast)."""
+                blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None):
+    """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows, xq and x_norm as
+    matvec_fast)."""
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
-                   unroll, groups, xq)
+                   unroll, groups, xq, x_norm=x_norm)
 
 
 # ---------------------------------------------------------------------------------------
