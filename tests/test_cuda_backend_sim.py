@@ -82,13 +82,60 @@ def test_profile_forward_covers_every_op(tiny_llama):
         calls[op] = calls.get(op, 0) + r["calls"]
         assert r["us per forward"] > 0
     L = cfg.n_layers
-    assert calls["linear"] == 2 * L + 1 and calls["linears"] == L and calls["gated_linear"] == L
-    assert calls["attention"] == L
-    assert calls["embed"] == 1 and calls["qk_rope"] == L and calls["rms_norm"] == 2 * L + 1  # q/k norms in qk_rope
+    # o and down with the norm after each (linear_norm), the head; one rms_norm of its own
+    # (the first layer's): q/k norms are in qk_rope
+    assert calls["linear"] == 1 and calls["linear_norm"] == 2 * L and calls["linears"] == L
+    assert calls["gated_linear"] == L and calls["attention"] == L
+    assert calls["embed"] == 1 and calls["qk_rope"] == L and calls["rms_norm"] == 1
     labels = [r["op"] for r in prof["rows"]]
     assert any(lab.startswith("linear ") and "x" in lab for lab in labels), labels
     # the decode step itself is unchanged by the profiling runs
     np.testing.assert_allclose(gpu.forward(fam, cfg, w, kv, [9], [1]), before, rtol=1e-5, atol=1e-5)
+
+
+def test_split_norms_in_decode(tmp_path, monkeypatch):
+    """FUSED_NORM: in a decode step the norms after the o and down projections (the next
+    layer's and the output norm too) have no launch of their own: the residual products
+    store x w and the sums of squares, their readers (q/k paired, v, gate/up, the head)
+    finish the norm. Two layers (a norm read after new_layer), after a 2-token prefill
+    through the carried buffers: the logits as with FUSED_NORM off and as the CPU's."""
+    import gguf
+    from luce.backends import cuda as C
+    from luce.backends.cpu import CPUBackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.kernels import norm as N
+    from luce.models.transformer import build_weights
+    from luce.plugins import family_for
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("qwen3", 64, n_layers=2, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
+    path = write_gguf(tmp_path / "t.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=5)
+    f = GGUFFile(path)
+    fam = family_for(path, f.architecture)
+    cfg = fam.read_config(f)
+    launches = []
+    norm = N.rms_norm_cuda
+    monkeypatch.setattr(N, "rms_norm_cuda", lambda *a, **k: launches.append(1) or norm(*a, **k))
+    cpu = CPUBackend()
+    wc, kc = build_weights(cfg, f, cpu.load_tensor), cpu.new_cache(cfg, 16)
+    want = [cpu.forward(fam, cfg, wc, kc, [4, 7], [0, 1], None, [1])]
+    kc.commit()
+    want.append(cpu.forward(fam, cfg, wc, kc, [9], [2]))
+    gpu = C.CUDABackend(use_graphs=False)
+    wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 16)
+    prefill = gpu.forward(fam, cfg, wg, kg, [4, 7], [0, 1], None, [1])
+    assert len(launches) == 1 + 2 * cfg.n_layers  # 2 rows: every norm launched
+    np.testing.assert_allclose(prefill, want[0], rtol=2e-3, atol=2e-3)  # f16 KV on the device
+    kg.commit()
+    got = {}
+    for fused in (True, False):  # the same step twice (nothing committed)
+        monkeypatch.setattr(C, "FUSED_NORM", fused)
+        del launches[:]
+        got[fused] = gpu.forward(fam, cfg, wg, kg, [9], [2])
+        kg.commit([])
+        assert len(launches) == (1 if fused else 1 + 2 * cfg.n_layers)
+        np.testing.assert_allclose(got[fused], want[1], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5 * np.abs(got[False]).max())
 
 
 def test_device_state_dies_with_its_cache(tiny_llama):

@@ -42,6 +42,11 @@ class NumpyOps:
         """linear(x, w, b) for each (w, b): several projections of one x."""
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
+    def linear_norm(self, x, w, residual, norm_w, eps):
+        """The residual stream's update and the RMSNorm after it: (residual + x W^T, its norm)."""
+        residual = self.linear(x, w, residual=residual)
+        return residual, self.rms_norm(residual, norm_w, eps)
+
     @staticmethod
     def new_layer():
         pass

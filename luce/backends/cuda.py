@@ -76,6 +76,11 @@ MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
 # k projection alone is a latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200,
 # 77d259d) plus a graph gap. Not yet timed end to end; LUCE_PAIR_PROJECTIONS=0 turns it off.
 PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
+# Decode's RMSNorms after the o and down projections, split between the launches around
+# them (luce.kernels.matvec_fast: matvec_fast_norm and x_norm), so they cost no launch of their
+# own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
+# LUCE_FUSED_NORM=0 turns it off.
+FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -91,6 +96,28 @@ class DeviceWeight:
     raw: object  # uint8 device array [rows, row_bytes]
     qtype: object
     shape: tuple[int, int]  # (rows, cols)
+
+
+@dataclass
+class SplitNorm:
+    """rms_norm(x, w) of one row with its scaling left to the products that read it: xg = x w
+    and parts (sums of x^2 by row block) from matvec_fast_norm; x_norm=(parts, n_parts, eps)
+    makes a matvec_fast product of xg one of the norm's output. Ops that cannot take it make
+    the norm itself (CudaOps._plain)."""
+    xg: object
+    parts: object
+    n_parts: int
+    eps: float
+    x: object  # the residual stream it is the norm of, unchanged until its readers have run
+    w: object
+
+    @property
+    def shape(self):
+        return self.xg.shape
+
+    @property
+    def x_norm(self):
+        return self.parts, self.n_parts, self.eps
 
 
 class Arena:
@@ -138,6 +165,10 @@ class CudaOps:
         # small enough weight, attention over an f16 pool): their tensor-core products skip
         # the f16 guard's fixup launch (luce.kernels.f16_range)
         self._in_range = []
+        # linear_norm's outputs, read in the next layer: two sets of buffers outside the
+        # per-layer memory, used in turn ((h, parts, xq) each; made by embed)
+        self._carry = []
+        self._flip = 0
 
     # -- memory -------------------------------------------------------------------
     def _out(self, shape):
@@ -145,8 +176,20 @@ class CudaOps:
 
     def new_layer(self):
         self.arena.release()
-        self._xq = None
-        self._in_range = []
+        carried = [c[0] for c in self._carry]
+        if self._xq is not None and not any(self._xq[0] is h for h in carried):
+            self._xq = None
+        self._in_range = [a for a in self._in_range if any(a is h for h in carried)]
+
+    def _own(self, *names) -> bool:
+        """Whether these ops are this class's own (no plugin kernel swapped in for them)."""
+        return all(getattr(getattr(self, n), "__func__", None) is getattr(CudaOps, n) for n in names)
+
+    def _plain(self, x):
+        """x as an array: a SplitNorm's norm made here, for ops that cannot finish it."""
+        if not isinstance(x, SplitNorm):
+            return x
+        return self.rms_norm(x.x, x.w, x.eps)
 
     def _guard(self, x) -> bool:
         """Whether x's f16 conversion needs the guard (not known to be in range)."""
@@ -172,17 +215,32 @@ class CudaOps:
         out = self._out((n, table.shape[1]))
         rows = self.arena.alloc((n, table.raw.shape[1]), np.uint8)
         embed_quant_cuda(table.raw, table.qtype, table.shape[1], tokens, out=out, rows=rows, stream=self.stream)
-        self.arena.mark()  # the residual stream outlives every layer
+        from ..kernels.matvec_fast import norm_parts_max
+        from ..kernels.quantize_x import xq_size
+        d = table.shape[1]
+        self._carry = [(self.arena.alloc((n, d)), self.arena.alloc((norm_parts_max(d),)),
+                        self.arena.alloc((xq_size(d, n),), np.uint16) if self._x8_rows(out) else None)
+                       for _ in range(2)]
+        self._flip = 0
+        self.arena.mark()  # the residual stream (and the carried norms) outlive every layer
         return out
 
-    def rms_norm(self, x, w, eps):
+    @staticmethod
+    def _x8_rows(x) -> bool:
+        """Whether x's projections take int8 x (MATVEC_X8, decode widths)."""
+        return MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
+
+    def rms_norm(self, x, w, eps, out=None, xq=None):
+        """out (default: new) = RMSNorm of x's rows; xq: where the int8 form goes where the
+        projections take one (default: new)."""
         from ..kernels.norm import rms_norm_cuda
-        out = self._out(x.shape)
-        if MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0:
+        out = self._out(x.shape) if out is None else out
+        if self._x8_rows(x):
             # the norm feeds projections (q, k, v; gate and up; the output head) that take
             # int8 x: made in the same launch
             from ..kernels.quantize_x import rms_norm_quantize, xq_size
-            xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
+            if xq is None:
+                xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
             rms_norm_quantize(x, w, eps, out, xq, stream=self.stream)
             self._xq = (out, xq)
         else:
@@ -194,12 +252,37 @@ class CudaOps:
             self._in_range.append(out)
         return out
 
+    def linear_norm(self, x, w: DeviceWeight, residual, norm_w, eps):
+        """residual += x W^T and the RMSNorm of the result: (residual, norm). The norm goes to
+        the carried buffers (it may be read after the next new_layer). One decode row with
+        a matvec_fast weight: a SplitNorm (FUSED_NORM), whose readers finish the norm."""
+        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast_norm
+        h, parts, xq = self._carry[self._flip]
+        self._flip ^= 1
+        self._in_range = [a for a in self._in_range if a is not h]  # rewritten: rms_norm says again
+        n = x.shape[0]
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and not MATVEC_X8 and h.shape == residual.shape
+                and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
+            n_parts = matvec_fast_norm(w.raw, w.qtype, self._plain(x), residual, norm_w, h, parts,
+                                       stream=self.stream)
+            return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w)
+        residual = self.linear(x, w, residual=residual)
+        if self._own("rms_norm") and h.shape == residual.shape:
+            return residual, self.rms_norm(residual, norm_w, eps, out=h, xq=xq)
+        return residual, self.rms_norm(residual, norm_w, eps)  # a plugin's: its own memory
+
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
         from ..kernels.matmul import MATMUL_TYPES, matmul
         from ..kernels.matvec import matvec
         from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
         from ..kernels.matvec_mma import matvec_mma
         n = x.shape[0]
+        if isinstance(x, SplitNorm):
+            if w.qtype in FAST_TYPES:
+                out = residual if residual is not None else self._out((n, w.shape[0]))
+                return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual, stream=self.stream,
+                                   x_norm=x.x_norm)
+            x = self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
         if _takes_mma(n, w.qtype, w.shape[1]):
@@ -229,11 +312,14 @@ class CudaOps:
                 from ..kernels.matvec_fast import matvec_fast_pair
                 w, w2 = ws[i], ws[i + 1]
                 n = x.shape[0]
-                outs += matvec_fast_pair(w.raw, w2.raw, w.qtype, x, self._out((n, w.shape[0])),
+                split = isinstance(x, SplitNorm)
+                outs += matvec_fast_pair(w.raw, w2.raw, w.qtype, x.xg if split else x, self._out((n, w.shape[0])),
                                          self._out((n, w2.shape[0])), biases[i], biases[i + 1], stream=self.stream,
-                                         xq=self._x8(x, w.qtype))
+                                         xq=None if split else self._x8(x, w.qtype),
+                                         x_norm=x.x_norm if split else None)
                 i += 2
             elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
+                x = self._plain(x)
                 # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
                 from ..kernels.matvec_mma import matvec_mma, x_frags
                 w = ws[i]
@@ -275,6 +361,11 @@ class CudaOps:
             return glu_cuda(g, u, "geglu", out=g, stream=self.stream)
         n = x.shape[0]
         qt = w_gate.qtype
+        if isinstance(x, SplitNorm):
+            if w_up.qtype == qt and qt in FAST_TYPES:
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=self._out((n, w_gate.shape[0])),
+                                   stream=self.stream, x_norm=x.x_norm)
+            x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
                               stream=self.stream, w_up=w_up.raw, guard=self._guard(x))
@@ -300,12 +391,13 @@ class CudaOps:
             self._in_range.append(y)
         return y
 
-    @staticmethod
-    def take_rows(x, rows):
+    def take_rows(self, x, rows):
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         if hi - lo != len(rows):
             raise ValueError("the CUDA backend returns logits for a contiguous range of rows")
-        return x[lo:hi]
+        if (lo, hi) == (0, x.shape[0]):  # the same object: a SplitNorm, or x with its int8 form
+            return x
+        return self._plain(x)[lo:hi]
 
     def rope(self, x, positions, rope_dim, base, style):
         from ..kernels.rope import rope_cuda
@@ -421,7 +513,7 @@ class CUDABackend:
             return
         from ..kernels.attention import attention_plan
         n = max(n_tokens, 1)
-        per_tok = 4 * (6 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
+        per_tok = 4 * (9 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
         # the widest forward's split scratch, or decode's (its own kernel, more splits)
         attn = max(4 * p["n_splits"] * m * cfg.n_heads * (cfg.head_dim + 2) if p["n_splits"] > 1 else 0
                    for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx))

@@ -98,9 +98,12 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
     x = ops.embed(w.tok_embd, tokens)
     if cfg.embed_scale != 1.0:
         x = ops.scale(x, cfg.embed_scale)
+    h = None  # the next norm's output when the op before it made it (linear_norm)
+    n_layers = len(w.layers)
     for li, lw in enumerate(w.layers):
         ops.new_layer()  # a layer's temporaries may reuse the previous layer's memory
-        h = ops.rms_norm(x, lw.attn_norm, eps)
+        if h is None:
+            h = ops.rms_norm(x, lw.attn_norm, eps)
         # one op for the three projections of h: a backend may run several in one launch
         q, k, v = ops.linears(h, (lw.wq, lw.wk, lw.wv), (lw.bq, lw.bk, lw.bv))
         q = ops.split_heads(q, cfg.n_heads, cfg.head_dim)
@@ -111,18 +114,23 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         o = ops.attention(kv, li, q, k, v, positions, mask, cfg.layer_window(li))
         if cfg.post_norms:  # Gemma: the output normed before it joins the residual stream
             x = ops.add(x, ops.rms_norm(ops.linear(ops.merge_heads(o), lw.wo), lw.post_attn_norm, eps))
+            h = ops.rms_norm(x, lw.ffn_norm, eps)
         else:
-            x = ops.linear(ops.merge_heads(o), lw.wo, residual=x)
-        h = ops.rms_norm(x, lw.ffn_norm, eps)
+            # the residual update and the norm after it as one op: the CUDA backend's decode
+            # leaves the norm's scaling to the products that read it (no launch of its own)
+            x, h = ops.linear_norm(ops.merge_heads(o), lw.wo, x, lw.ffn_norm, eps)
         # act(h Wg) * (h Wu): SwiGLU in one fused pass on the GPU. SwiGLU is asked for without
         # `act`, so a plugin's gated_linear of the older signature still serves it
         g = ops.gated_linear(h, lw.w_gate, lw.w_up) if cfg.ffn_act == "silu" else \
             ops.gated_linear(h, lw.w_gate, lw.w_up, act=cfg.ffn_act)
         if cfg.post_norms:
             x = ops.add(x, ops.rms_norm(ops.linear(g, lw.w_down), lw.post_ffn_norm, eps))
-        else:
-            x = ops.linear(g, lw.w_down, residual=x)
-    if logits_rows is not None:
-        x = ops.take_rows(x, logits_rows)
-    x = ops.rms_norm(x, w.out_norm, eps)
-    return ops.linear(x, w.output)
+            h = None
+        else:  # and the next layer's norm (the output norm after the last)
+            next_norm = w.layers[li + 1].attn_norm if li + 1 < n_layers else w.out_norm
+            x, h = ops.linear_norm(g, lw.w_down, x, next_norm, eps)
+    if h is None:
+        h = ops.rms_norm(x, w.out_norm, eps)
+    if logits_rows is not None:  # norms are per row: taking the rows after the norm is the same
+        h = ops.take_rows(h, logits_rows)
+    return ops.linear(h, w.output)

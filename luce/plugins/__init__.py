@@ -392,14 +392,30 @@ def kernel_entries() -> dict[tuple[str, str, str], list[tuple[str, Callable]]]:
 
 
 class _OverriddenOps:
+    """`base` (an op interface: a class of static ops, or an instance) with `overrides`
+    swapped in. An instance's own methods run bound to this view, so the ops they call
+    (linears calling linear) reach the overrides too; every other attribute, read or
+    written, is the instance's own, since a backend keeps per-forward state on it (the CUDA
+    backend's arena, set after this view is made)."""
+
     def __init__(self, base, overrides: dict[str, Callable]):
-        self._base = base
-        self._overrides = overrides
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
 
     def __getattr__(self, name):
         if name in self._overrides:
             return self._overrides[name]
-        return getattr(self._base, name)
+        base = self._base
+        if not isinstance(base, type):
+            import inspect
+            import types
+            raw = inspect.getattr_static(type(base), name, None)
+            if inspect.isfunction(raw):  # a method: bound to the view, not the instance
+                return types.MethodType(raw, self)
+        return getattr(base, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._base, name, value)
 
 
 def ops_with_overrides(base_ops, family, backend: str):
@@ -422,13 +438,7 @@ def ops_with_overrides(base_ops, family, backend: str):
     if "linear" in overrides and "linears" not in overrides:  # the grouped op would bypass it
         lin = overrides["linear"]
         overrides["linears"] = lambda x, ws, biases: [lin(x, w, b) for w, b in zip(ws, biases)]
-    if isinstance(base_ops, type):
-        return _OverriddenOps(base_ops, overrides)
-    # an ops instance: a copy whose own methods also reach the overrides through self
-    import copy
-    ops = copy.copy(base_ops)
-    ops.__dict__.update(overrides)
-    return ops
+    return _OverriddenOps(base_ops, overrides)
 
 
 # -- commands ------------------------------------------------------------------------
