@@ -515,7 +515,8 @@ def register_kernels(register):
     def my_linear(x, w, bias=None, residual=None):
         CALLS.append(w.shape)
         y = x @ w.T
-        return y if bias is None else y + bias
+        y = y if bias is None else y + bias
+        return y if residual is None else y + residual
     register("qwen3", "linear", my_linear, backend="cpu")
 '''
 
@@ -534,3 +535,26 @@ def test_linears_goes_through_an_overridden_linear(sites, tmp_path):
     assert importlib.import_module("luce_linear_override").CALLS == [(3, 4), (2, 4)]
     np.testing.assert_array_equal(k, [[5.0, 5.0]])
     assert plugins.ops_with_overrides(NumpyOps(), "llama", "cpu").linears.__func__ is NumpyOps.linears
+    # and linear_norm (the residual update with the norm after it) reaches it the same way
+    x, norm_w = np.ones((1, 4), np.float32), np.full(3, 2.0, np.float32)
+    res, h = ops.linear_norm(x, ws[0], np.ones((1, 3), np.float32), norm_w, 1e-6)
+    assert importlib.import_module("luce_linear_override").CALLS[-1] == (3, 4)
+    np.testing.assert_array_equal(res, [[5.0, 5.0, 5.0]])
+    np.testing.assert_allclose(h, [[2.0, 2.0, 2.0]], rtol=1e-5)
+
+
+def test_overridden_ops_share_the_backends_state(sites, tmp_path):
+    """A backend sets per-forward state on its op object after the plugin view of it was
+    made (the CUDA backend's arena): the view reads and writes the object's own, and the
+    object's methods, run through the view, reach the overrides."""
+    from luce.backends.cpu import NumpyOps
+    site = tmp_path / "site"
+    _fake_dist(site, "luce-linear-override", "luce_linear_override", LINEAR_OVERRIDE)
+    sites.add(site)
+    base = NumpyOps()
+    ops = plugins.ops_with_overrides(base, "qwen3", "cpu")
+    base.arena = "set after"
+    assert ops.arena == "set after"
+    ops.turn = 3
+    assert base.turn == 3
+    assert ops.gated_linear.__self__ is ops and ops.rms_norm is NumpyOps.rms_norm  # static ops stay plain

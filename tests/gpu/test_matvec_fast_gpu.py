@@ -187,3 +187,35 @@ def test_rms_norm_quantize_gpu(rows, d):
     32B hidden sizes."""
     from test_quantize_x import check_rms_norm_quantize
     check_rms_norm_quantize(rows, d)
+
+
+@pytest.mark.parametrize("qtype_o,qtype_p", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K)], ids=ID)
+def test_split_rms_norm_gpu(qtype_o, qtype_p):
+    """The split RMSNorm at the 8B shape with the default grids (shuffle sums of the parts):
+    down (or o) with residual, then paired q/k, gate/up and a plain product of xg."""
+    from luce.kernels.matvec_fast import matvec_fast_norm, matvec_fast_pair, norm_parts_max
+    from luce.kernels.norm import rms_norm_ref
+    rng = np.random.default_rng(5)
+    d, k_in, eps = 4096, 12288, 1e-6
+    wo = weights(qtype_o, d, k_in, seed=1)
+    a = rng.standard_normal(k_in).astype(np.float32)
+    h = (3 * rng.standard_normal(d)).astype(np.float32)
+    g = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+    h_dev, xg, parts = cuda.to_device(h), cuda.device_array(d, np.float32), cuda.device_array(norm_parts_max(d), np.float32)
+    n_parts = matvec_fast_norm(cuda.to_device(wo), qtype_o, cuda.to_device(a), h_dev, cuda.to_device(g), xg, parts)
+    h1 = h_dev.copy_to_host()
+    check(h1, matvec_ref(wo, qtype_o, a, residual=h), wo, qtype_o, a)
+    np.testing.assert_allclose(xg.copy_to_host(), h1 * g, rtol=1e-6)
+    normed = rms_norm_ref(h1, g, eps)
+    x_norm = (parts, n_parts, eps)
+    wq, wk = weights(qtype_p, 4096, d, seed=2), weights(qtype_p, 1024, d, seed=3)
+    oq, ok = cuda.device_array(4096, np.float32), cuda.device_array(1024, np.float32)
+    matvec_fast_pair(cuda.to_device(wq), cuda.to_device(wk), qtype_p, xg, oq, ok, x_norm=x_norm)
+    check(oq.copy_to_host(), matvec_ref(wq, qtype_p, normed), wq, qtype_p, normed)
+    check(ok.copy_to_host(), matvec_ref(wk, qtype_p, normed), wk, qtype_p, normed)
+    wg, wu = weights(qtype_p, 12288, d, seed=4), weights(qtype_p, 12288, d, seed=6)
+    out = swiglu_fast(cuda.to_device(wg), cuda.to_device(wu), qtype_p, xg, x_norm=x_norm).copy_to_host()
+    want = swiglu_ref(wg, wu, qtype_p, normed)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    out = matvec_fast(cuda.to_device(wk), qtype_p, xg, x_norm=x_norm).copy_to_host()
+    check(out, matvec_ref(wk, qtype_p, normed), wk, qtype_p, normed)
