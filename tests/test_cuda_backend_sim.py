@@ -18,15 +18,26 @@ def tiny_llama(tmp_path_factory):
 
 def _tiny(arch, tmp_path_factory):
     import gguf
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
-    from luce.plugins import family_for
     Q = gguf.GGMLQuantizationType
-    shape = tiny(arch, 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
     # qwen3 keeps F16 for two weights: the F16 products are the simulator's slowest (~2 s a call)
     types = (lambda n: Q.F32 if "norm" in n else Q.Q8_0) if arch == "llama" else \
         (lambda n: Q.F32 if "norm" in n else Q.F16 if "attn_v" in n or "ffn_down" in n else Q.Q8_0)
-    path = write_gguf(tmp_path_factory.mktemp(arch) / "tiny.gguf", shape, types=types, seed=3)
+    return model_file(tmp_path_factory.mktemp(arch) / "tiny.gguf", arch, types, seed=3)
+
+
+def model_file(path, arch, types, seed, **dims):
+    """A tiny random model of `arch` written to path (one layer, 64 wide, unless dims say
+    otherwise; `types`: a tensor name's type, or one type for every matrix): (GGUFFile,
+    family, config)."""
+    import gguf
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.gguf_file import GGUFFile
+    from luce.plugins import family_for
+    if not callable(types):
+        qtype = types
+        types = lambda n: gguf.GGMLQuantizationType.F32 if "norm" in n or n.endswith(".bias") else qtype  # noqa: E731
+    shape = tiny(arch, 64, **(dict(n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32) | dims))
+    write_gguf(path, shape, types=types, seed=seed)
     f = GGUFFile(path)
     fam = family_for(path, f.architecture)
     return f, fam, fam.read_config(f)
@@ -102,17 +113,9 @@ def test_split_norms_in_decode(tmp_path, monkeypatch):
     import gguf
     from luce.backends import cuda as C
     from luce.backends.cpu import CPUBackend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
     from luce.kernels import norm as N
     from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    Q = gguf.GGMLQuantizationType
-    shape = tiny("qwen3", 64, n_layers=2, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
-    path = write_gguf(tmp_path / "t.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=5)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=5, n_layers=2)
     launches = []
     norm = N.rms_norm_cuda
     monkeypatch.setattr(N, "rms_norm_cuda", lambda *a, **k: launches.append(1) or norm(*a, **k))
@@ -275,17 +278,10 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch):
     import gguf
     from luce.backends import cuda as cuda_backend
     from luce.backends.cpu import CPUBackend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
     from luce.kernels import matvec_fast as mf, quantize_x as qx
     from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    Q = gguf.GGMLQuantizationType
-    shape = tiny("qwen3", 64, n_layers=1, n_embd=256, n_ff=256, n_heads=2, n_kv_heads=1, head_dim=128)
-    path = write_gguf(tmp_path / "q4k.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q4_K, seed=9)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    f, fam, cfg = model_file(tmp_path / "q4k.gguf", "qwen3", gguf.GGMLQuantizationType.Q4_K, seed=9, n_embd=256,
+                             n_ff=256, head_dim=128)
     monkeypatch.setattr(cuda_backend, "MATVEC_X8", True)
     seen = {"xq": 0, "quantize": 0, "norm": 0}
     launch, quantize, norm_quantize = mf._launch, qx.quantize_x, qx.rms_norm_quantize
@@ -349,17 +345,8 @@ def test_paired_projections_same_logits(tmp_path, monkeypatch):
     Q8_0 model with q/k biases (qwen2)."""
     import gguf
     from luce.backends import cuda as cuda_backend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
     from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    Q = gguf.GGMLQuantizationType
-    shape = tiny("qwen2", 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32)
-    path = write_gguf(tmp_path / "q2.gguf", shape, types=lambda n: Q.F32 if "norm" in n or n.endswith(".bias")
-                      else Q.Q8_0, seed=4)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    f, fam, cfg = model_file(tmp_path / "q2.gguf", "qwen2", gguf.GGMLQuantizationType.Q8_0, seed=4)
     gpu = cuda_backend.CUDABackend(use_graphs=False)
     w = build_weights(cfg, f, gpu.load_tensor)
     assert w.layers[0].bq is not None and w.layers[0].bk is not None
@@ -422,17 +409,9 @@ def test_gemma3_numerics_in_simulator(tmp_path):
     import gguf
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
     from luce.models.transformer import build_weights
-    from luce.plugins import family_for
-    Q = gguf.GGMLQuantizationType
-    shape = tiny("gemma3", 64, n_layers=1, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32,
-                 sliding_window=4)
-    path = write_gguf(tmp_path / "gemma3.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=4)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    f, fam, cfg = model_file(tmp_path / "gemma3.gguf", "gemma3", gguf.GGMLQuantizationType.Q8_0, seed=4,
+                             sliding_window=4)
     assert fam.name == "gemma3" and cfg.layer_window(0) == 4 and cfg.ffn_act == "gelu_tanh"
     cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
     w_cpu, w_gpu = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
