@@ -27,6 +27,23 @@ def test_gemma3_family_and_config(gemma):
     assert cfg.embed_scale == pytest.approx(640 ** 0.5) and cfg.ffn_act == "gelu_tanh" and cfg.post_norms
 
 
+def test_gemma3_larger_sizes_config():
+    """The 4B-27B shapes: linear RoPE scaling (factor 8 in the file) in the global layers
+    only, and 27B's (62 layers) attention scale 1/sqrt(n_embd / n_heads) (not head_dim),
+    both as llama.cpp reads them; 270M has neither."""
+    from luce.bench.synthetic import SyntheticFile
+    from luce.plugins import family_for
+    cfgs = {}
+    for name in ("gemma3-270m", "gemma3-4b", "gemma3-27b"):
+        f = SyntheticFile(name)
+        cfgs[name] = family_for(f.path, f.architecture).read_config(f)
+    small, four, big = cfgs.values()
+    assert [four.layer_rope_scale(i) for i in (4, 5, 11)] == [1.0, 0.125, 0.125]
+    assert [four.layer_rope_base(i) for i in (4, 5)] == [10_000.0, 1_000_000.0]
+    assert small.layer_rope_scale(5) == 1.0 and small.attn_scale is None and four.attn_scale is None
+    assert big.attn_scale == pytest.approx(1 / 168 ** 0.5) and big.head_dim == 128
+
+
 def test_gemma3_greedy_equals_transformers(gemma):
     assert gemma.tokenize("The capital of France is") == REC["greedy_prompt"]
     out = [t for d in gemma.stream(REC["greedy_prompt"], max_tokens=len(REC["greedy_tokens"]), temperature=0,

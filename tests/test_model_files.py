@@ -108,3 +108,22 @@ def test_synthetic_file_reads_the_config_its_gguf_does(tmp_path, arch):
 def _f32_types(name):
     import gguf
     return gguf.GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize("keys,scale", [
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}, 0.25),
+    ({"rope.scale_linear": 2.0}, 0.5),  # an older converter's key
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, 1.0),  # not linear: not applied here
+    ({"rope.scaling.type": "none"}, 1.0),
+    ({}, 1.0),
+])
+def test_linear_rope_scaling_from_metadata(keys, scale):
+    from luce.bench.synthetic import SyntheticFile
+    from luce.models.config import rope_freq_scale
+    f = SyntheticFile("qwen3-0.6b")
+    f.metadata.update({f"qwen3.{k}": v for k, v in keys.items()})
+    assert rope_freq_scale(f) == scale
+    f.metadata["qwen3.rope.scaling.factor"] = -2.0
+    f.metadata["qwen3.rope.scaling.type"] = "linear"
+    with pytest.raises(ModelFileError, match="rope.scaling.factor"):
+        rope_freq_scale(f)

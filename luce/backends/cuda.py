@@ -399,13 +399,14 @@ class CudaOps:
             return x
         return self._plain(x)[lo:hi]
 
-    def rope(self, x, positions, rope_dim, base, style):
+    def rope(self, x, positions, rope_dim, base, style, freq_scale=1.0):
         from ..kernels.rope import rope_cuda
-        return rope_cuda(x, positions, rope_dim, base, style, stream=self.stream)
+        return rope_cuda(x, positions, rope_dim, base, style, stream=self.stream, freq_scale=freq_scale)
 
-    def qk_rope(self, q, k, positions, q_norm, k_norm, eps, rope_dim, base, style):
+    def qk_rope(self, q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, freq_scale=1.0):
         from ..kernels.qk_rope import qk_rope_cuda
-        return qk_rope_cuda(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, stream=self.stream)
+        return qk_rope_cuda(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, stream=self.stream,
+                            freq_scale=freq_scale)
 
     def attention(self, kv: PagedKVCache, layer, q, k, v, positions, mask, window):
         from ..kernels.attention import attention_plan, paged_attention_cuda

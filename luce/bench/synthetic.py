@@ -41,6 +41,7 @@ class ModelShape:
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     sliding_window: int | None = None
+    rope_scaling: float = 0.0  # linear RoPE scaling's factor (0: none)
 
     def tensor_shapes(self) -> dict[str, tuple[int, int] | tuple[int]]:
         """name -> numpy shape (rows, cols) of every tensor the family reads."""
@@ -80,7 +81,9 @@ SHAPES: dict[str, ModelShape] = {
     "gemma3-270m": ModelShape("gemma3", 18, 640, 2048, 4, 1, 256, 262144, tied_output=True, n_ctx_train=32768,
                               sliding_window=512),
     "gemma3-4b": ModelShape("gemma3", 34, 2560, 10240, 8, 4, 256, 262208, tied_output=True, n_ctx_train=131072,
-                            sliding_window=1024),
+                            sliding_window=1024, rope_scaling=8.0),
+    "gemma3-27b": ModelShape("gemma3", 62, 5376, 21504, 32, 16, 128, 262208, tied_output=True, n_ctx_train=131072,
+                             sliding_window=1024, rope_scaling=8.0),
 }
 
 
@@ -150,6 +153,9 @@ def shape_metadata(shape: ModelShape) -> dict:
           f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps, f"{a}.rope.freq_base": shape.rope_base}
     if shape.sliding_window is not None:
         md[f"{a}.attention.sliding_window"] = shape.sliding_window
+    if shape.rope_scaling:
+        md[f"{a}.rope.scaling.type"] = "linear"
+        md[f"{a}.rope.scaling.factor"] = float(shape.rope_scaling)
     return md
 
 
@@ -166,7 +172,7 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     w = gguf.GGUFWriter(str(path), shape.arch)
     for key, v in shape_metadata(shape).items():
         if key != "general.architecture":  # the writer's own
-            (w.add_float32 if isinstance(v, float) else w.add_uint32)(key, v)
+            (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else w.add_uint32)(key, v)
     if tokenizer_from is not None:
         _copy_tokenizer(w, tokenizer_from)
     else:

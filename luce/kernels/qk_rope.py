@@ -29,12 +29,14 @@ def qk_rope_from(norm, rope):
     """qk_rope as its parts: `norm(x, w, eps)` on each head (when its weight is given), then
     `rope(x, positions, rope_dim, base, style)`. The reference below, and what a plugin
     that overrides `rms_norm` or `rope` gets (luce.plugins.ops_with_overrides)."""
-    def qk_rope(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style):
+    def qk_rope(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, freq_scale=1.0):
         if q_norm is not None:
             q = norm(q, q_norm, eps)
         if k_norm is not None:
             k = norm(k, k_norm, eps)
-        return rope(q, positions, rope_dim, base, style), rope(k, positions, rope_dim, base, style)
+        # the keyword only where it scales: a plugin's rope of the older signature still runs
+        kw = {} if freq_scale == 1.0 else {"freq_scale": freq_scale}
+        return rope(q, positions, rope_dim, base, style, **kw), rope(k, positions, rope_dim, base, style, **kw)
     return qk_rope
 
 
@@ -89,7 +91,8 @@ def _no_norm():
     return t
 
 
-def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, base: float, style: str, stream=0):
+def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, base: float, style: str, stream=0,
+                 freq_scale: float = 1.0):
     """In place on device arrays q [N, Hq, D] and k [N, Hkv, D] (float32); positions: device
     int32 [N]; q_norm/k_norm: device float32 [D], both or neither. Returns (q, k)."""
     n_tok, n_q, dim = q.shape
@@ -103,5 +106,6 @@ def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, bas
     if cuda.config.ENABLE_CUDASIM:  # the simulator's reduction wants a power of two
         nt = 1 << (max(1, dim // 2) - 1).bit_length()
     _qk_rope_kernel[(n_tok, n_q + k.shape[1]), nt, stream](q, k, positions, q_norm, k_norm, has, np.float32(eps),
-                                                           inv_freq_table(rope_dim, base), rope_dim, _STYLE_ID[style])
+                                                           inv_freq_table(rope_dim, base, freq_scale), rope_dim,
+                                                           _STYLE_ID[style])
     return q, k

@@ -6,15 +6,24 @@ import numpy as np
 from ..models.config import ROPE_ADJACENT, ROPE_HALVES
 
 
-def rope_angles(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+def rope_angles(positions: np.ndarray, rope_dim: int, base: float, freq_scale: float = 1.0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = inv_freqs(rope_dim, base, freq_scale)
     ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope_ref(x: np.ndarray, positions: np.ndarray, rope_dim: int, base: float, style: str) -> np.ndarray:
+def inv_freqs(rope_dim: int, base: float, freq_scale: float = 1.0) -> np.ndarray:
+    """float64 base^(-2i/rope_dim) for i < rope_dim / 2, times freq_scale: linear RoPE scaling
+    (1 / the GGUF's rope.scaling.factor) turns position p into p * freq_scale."""
+    inv = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    return inv * freq_scale if freq_scale != 1.0 else inv
+
+
+def rope_ref(x: np.ndarray, positions: np.ndarray, rope_dim: int, base: float, style: str,
+             freq_scale: float = 1.0) -> np.ndarray:
     """x: [N, heads, head_dim]; rotates the first rope_dim dims of every head."""
-    cos, sin = rope_angles(positions, rope_dim, base)
+    cos, sin = rope_angles(positions, rope_dim, base, freq_scale)
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x.astype(np.float32, copy=True)
     if style == ROPE_ADJACENT:
@@ -56,12 +65,12 @@ def rotate(a, b, pos, inv_freq):
     return a * c - b * s, a * s + b * c
 
 
-def inv_freq_table(rope_dim: int, base: float):
-    """The device float64 table base^(-2i/rope_dim), i < rope_dim / 2, made once per shape."""
-    key = (rope_dim, float(base))
+def inv_freq_table(rope_dim: int, base: float, freq_scale: float = 1.0):
+    """inv_freqs on the device, made once per (shape, base, scale)."""
+    key = (rope_dim, float(base), float(freq_scale))
     t = _INV_FREQ.get(key)
     if t is None:
-        t = _INV_FREQ[key] = cuda.to_device(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+        t = _INV_FREQ[key] = cuda.to_device(inv_freqs(rope_dim, base, freq_scale))
     return t
 
 
@@ -87,11 +96,11 @@ def _rope_kernel(x, pos, inv_freq, rope_dim, style):
     x[n, h, ia], x[n, h, ib] = rotate(x[n, h, ia], x[n, h, ib], pos[n], inv_freq[k])
 
 
-def rope_cuda(x, positions, rope_dim: int, base: float, style: str, stream=0):
+def rope_cuda(x, positions, rope_dim: int, base: float, style: str, stream=0, freq_scale: float = 1.0):
     """Rotate device array x [N, H, D] (float32) in place; positions: device int32 [N]."""
     n_tok, n_heads, _ = x.shape
     total = n_tok * n_heads * (rope_dim // 2)
     nt = block_threads(256)
-    _rope_kernel[ceil_div(total, nt), nt, stream](x, positions, inv_freq_table(rope_dim, base), rope_dim,
-                                                  _STYLE_ID[style])
+    _rope_kernel[ceil_div(total, nt), nt, stream](x, positions, inv_freq_table(rope_dim, base, freq_scale),
+                                                  rope_dim, _STYLE_ID[style])
     return x

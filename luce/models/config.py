@@ -38,6 +38,10 @@ class ModelConfig:
     ffn_act: str = "silu"  # the FFN gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     swa_pattern: int = 0  # with sliding_window: every swa_pattern-th layer is global (0: none is)
     rope_base_swa: float | None = None  # the windowed layers' RoPE base (None: rope_base)
+    # linear RoPE scaling: positions times this (1 / rope.scaling.factor) in the layers that
+    # take rope_base (Gemma 3's windowed layers with their own base are not scaled)
+    rope_freq_scale: float = 1.0
+    attn_scale: float | None = None  # attention logits' scale (None: 1 / sqrt(head_dim))
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window (None: it attends to the whole context)."""
@@ -45,10 +49,14 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def _swa_rope(self, i: int) -> bool:
+        return self.rope_base_swa is not None and self.layer_window(i) is not None
+
     def layer_rope_base(self, i: int) -> float:
-        if self.rope_base_swa is not None and self.layer_window(i) is not None:
-            return self.rope_base_swa
-        return self.rope_base
+        return self.rope_base_swa if self._swa_rope(i) else self.rope_base
+
+    def layer_rope_scale(self, i: int) -> float:
+        return 1.0 if self._swa_rope(i) else self.rope_freq_scale
 
     @property
     def q_dim(self) -> int:
@@ -70,6 +78,7 @@ def read_config(f: ModelMetadata, *, rope_style: str, qkv_bias: bool = False, qk
     head_dim = f.get_int(f"{a}.attention.key_length", n_embd // n_heads)
     if "token_embd.weight" not in f.tensors:
         f.tensor("token_embd.weight")  # raises the model-file error
+    extra.setdefault("rope_freq_scale", rope_freq_scale(f))
     vocab = f.tensors["token_embd.weight"].shape[0]
     return ModelConfig(
         arch=a,
@@ -91,3 +100,20 @@ def read_config(f: ModelMetadata, *, rope_style: str, qkv_bias: bool = False, qk
         sliding_window=(f.get_int(f"{a}.attention.sliding_window") if f"{a}.attention.sliding_window" in f.metadata else None),
         **extra,
     )
+
+
+def rope_freq_scale(f: ModelMetadata) -> float:
+    """1 / the factor of linear RoPE scaling (`{arch}.rope.scaling.type` "linear", or an old
+    file's `rope.scale_linear`), as llama.cpp reads it; 1 without one. Other scaling types
+    (YaRN, Llama 3's per-frequency factors) are not applied here."""
+    a = f.architecture
+    kind = f.get_str(f"{a}.rope.scaling.type")
+    factor = f.get_float(f"{a}.rope.scaling.factor", 0.0)
+    if kind is None and not factor:
+        factor, kind = f.get_float(f"{a}.rope.scale_linear", 0.0), "linear"
+    if kind != "linear" or factor in (0.0, 1.0):
+        return 1.0
+    if factor < 0:
+        from ..gguf_file import ModelFileError
+        raise ModelFileError(f.path, f"metadata {a}.rope.scaling.factor should be positive, got {factor}")
+    return 1.0 / factor

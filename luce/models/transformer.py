@@ -7,6 +7,7 @@ says which of the new tokens each one sees): see `forward`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,8 +110,12 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         q = ops.split_heads(q, cfg.n_heads, cfg.head_dim)
         k = ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
         v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)
+        # freq_scale only where positions are scaled: a plugin's qk_rope of the older signature still runs
+        scaled = {} if cfg.layer_rope_scale(li) == 1.0 else {"freq_scale": cfg.layer_rope_scale(li)}
         q, k = ops.qk_rope(q, k, positions, lw.q_norm if cfg.qk_norm else None, lw.k_norm if cfg.qk_norm else None,
-                           eps, cfg.rope_dim, cfg.layer_rope_base(li), cfg.rope_style)
+                           eps, cfg.rope_dim, cfg.layer_rope_base(li), cfg.rope_style, **scaled)
+        if cfg.attn_scale is not None:  # attention scales by 1 / sqrt(head_dim) itself
+            q = ops.scale(q, cfg.attn_scale * math.sqrt(cfg.head_dim))
         o = ops.attention(kv, li, q, k, v, positions, mask, cfg.layer_window(li))
         if cfg.post_norms:  # Gemma: the output normed before it joins the residual stream
             x = ops.add(x, ops.rms_norm(ops.linear(ops.merge_heads(o), lw.wo), lw.post_attn_norm, eps))

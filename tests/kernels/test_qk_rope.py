@@ -7,6 +7,7 @@ import pytest
 from numba import cuda
 
 from luce.kernels.qk_rope import qk_rope_cuda, qk_rope_ref
+from luce.kernels.rope import rope_ref
 
 rng = np.random.default_rng()
 
@@ -26,6 +27,31 @@ def test_qk_rope_matches_reference(style, rope_dim, norm):
     wq, wk = qk_rope_ref(q, k, pos, qw, kw, 1e-6, rope_dim, 1e6, style)
     np.testing.assert_allclose(dq.copy_to_host(), wq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rope_scaling():
+    """freq_scale (1 / a linear scaling factor) turns position p into p * freq_scale: the
+    reference at 8p with scale 1/8 is the reference at p unscaled, and the kernels (qk_rope
+    and rope) follow the reference."""
+    from luce.kernels.rope import rope_cuda
+    n, hq, hkv, d = 2, 2, 1, 32
+    q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    pos = np.array([5, 1234], np.int32)
+    np.testing.assert_allclose(rope_ref(q, 8 * pos, d, 1e6, "halves", freq_scale=0.125),
+                               rope_ref(q, pos, d, 1e6, "halves"), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(rope_ref(q, pos, d, 1e6, "halves", freq_scale=0.125), rope_ref(q, pos, d, 1e6, "halves"))
+    qw = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    qk_rope_cuda(dq, dk, cuda.to_device(pos), cuda.to_device(qw), cuda.to_device(qw), 1e-6, d, 1e6, "halves",
+                 freq_scale=0.125)
+    wq, wk = qk_rope_ref(q, k, pos, qw, qw, 1e-6, d, 1e6, "halves", freq_scale=0.125)
+    np.testing.assert_allclose(dq.copy_to_host(), wq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=1e-5)
+    dk = cuda.to_device(k)
+    rope_cuda(dk, cuda.to_device(pos), d, 1e6, "adjacent", freq_scale=0.125)
+    np.testing.assert_allclose(dk.copy_to_host(), rope_ref(k, pos, d, 1e6, "adjacent", freq_scale=0.125),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_one_norm_weight_is_an_error():
