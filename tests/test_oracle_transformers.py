@@ -96,3 +96,20 @@ def test_gemma3_270m_matches_transformers():
         p = rec["greedy_prompt"]
         out = hf.generate(torch.tensor([p]), max_new_tokens=len(rec["greedy_tokens"]), do_sample=False)[0, len(p):]
     assert out.tolist() == rec["greedy_tokens"]
+
+
+def test_random_gemma3_large_size_rules_match_transformers(tmp_path, smollm2_path):
+    """Gemma 3's 4B-27B numerics, which Gemma-3-270M lacks, on a tiny random model:
+    linear RoPE scaling (factor 8, from the file) in the global layers only, and at 62 layers
+    27B's attention scale 1/sqrt(n_embd / n_heads) (transformers' query_pre_attn_scalar;
+    its GGUF loader reads neither, so they are passed to it), past a 16-token window."""
+    import gguf
+    from luce.bench.synthetic import tiny, write_gguf
+    Q = gguf.GGMLQuantizationType
+    shape = tiny("gemma3", 49152, n_layers=62, n_embd=128, n_ff=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                 sliding_window=16, rope_scaling=8.0, rope_base=1e6, tied_output=True)
+    path = write_gguf(tmp_path / "gemma3-tiny.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0,
+                      seed=3, tokenizer_from=smollm2_path)
+    ids = np.random.default_rng(4).integers(0, 49152, size=60).tolist()
+    compare(path, ids, n_generate=8, hf_kwargs={"rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                                "query_pre_attn_scalar": 128 // 4})

@@ -67,15 +67,15 @@ def test_random_qwen3_matches_cpu(tmp_path):
 def test_random_gemma3_matches_cpu(tmp_path):
     """Gemma 3's path on the device: head_dim 256, GeGLU through two products, post-norms,
     Gemma-3-270M's tensor types (Q5_0, Q8_0, Q4_K, Q6_K), six layers (one global, five
-    with a 32-token window, so a 100-token prompt and 24 decode steps pass it), against
-    the CPU backend within the same tolerance."""
+    with a 32-token window, so a 100-token prompt and 24 decode steps pass it; the global
+    one's positions scaled by 1/8), against the CPU backend within the same tolerance."""
     import gguf
     from luce.bench.synthetic import tiny, write_gguf
     from luce.gguf_file import GGUFFile
     from luce.plugins import family_for
     Q = gguf.GGMLQuantizationType
     shape = tiny("gemma3", 1024, n_layers=6, n_embd=640, n_ff=2048, n_heads=4, n_kv_heads=1, head_dim=256,
-                 sliding_window=32)
+                 sliding_window=32, rope_scaling=8.0)  # 4B-27B's linear RoPE scaling in the global layer
 
     def types(n):  # as in gemma3-270m-q4-k-m
         if "norm" in n:
@@ -90,6 +90,7 @@ def test_random_gemma3_matches_cpu(tmp_path):
     fam = family_for(path, f.architecture)
     cfg = fam.read_config(f)
     assert fam.name == "gemma3" and cfg.layer_window(5) is None and cfg.layer_window(4) == 32
+    assert cfg.layer_rope_scale(5) == 0.125 and cfg.layer_rope_scale(4) == 1.0
     both, _ = _cpu_and_gpu(fam, cfg, f, 256)
 
     rng = np.random.default_rng(1)
