@@ -111,5 +111,6 @@ def test_random_gemma3_large_size_rules_match_transformers(tmp_path, smollm2_pat
     path = write_gguf(tmp_path / "gemma3-tiny.gguf", shape, types=lambda n: Q.F32 if "norm" in n else Q.Q8_0,
                       seed=3, tokenizer_from=smollm2_path)
     ids = np.random.default_rng(4).integers(0, 49152, size=60).tolist()
-    compare(path, ids, n_generate=8, hf_kwargs={"rope_scaling": {"rope_type": "linear", "factor": 8.0},
-                                                "query_pre_attn_scalar": 128 // 4})
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    compare(path, ids, n_generate=8, hf_kwargs={"rope_parameters": rope, "query_pre_attn_scalar": 128 // 4})
