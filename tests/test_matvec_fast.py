@@ -279,6 +279,19 @@ for q in F.FAST_SPECS:
         name = f"{q.name}_norm_glu{int(glu)}_pair{int(pair)}_xnorm{int(xn)}_normout{int(no)}"
         assert not re.search(r"\.local\b", ptx), name + ": local memory"
         assert ("rsqrt" in ptx or "sqrt" in ptx) == xn, name
+# ... and they fit as many blocks an SM (65536 registers) as the products without the norm:
+# a form of the residual product's row-block sum once took Q6_K from 80 to 102 registers
+from luce.kernels.ptx import ptxas_usage
+blocks = lambda regs, nw: 65536 // (-(-regs // 8) * 8 * 32 * nw)
+for q, g in ((F.T.Q4_K, 8), (F.T.Q6_K, 8)):
+    for nw in (4, 8):
+        for glu, res, xn, no in [(False, True, False, True), (True, False, True, False)]:
+            base = ptxas_usage(cuda.compile_ptx(F._make_kernel(q, glu, False, res, nw, True, None, g).py_func, sig,
+                                                cc=(9, 0))[0])
+            k = F._make_kernel(q, glu, False, res, nw, True, None, g, 1, False, False, xn, no)
+            got = ptxas_usage(cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0])
+            assert got["spill_bytes"] == 0 and blocks(got["registers"], nw) >= blocks(base["registers"], nw), \
+                (q.name, nw, glu, base, got)
 # units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
 sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 for q in F.X8_TYPES:

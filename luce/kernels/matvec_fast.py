@@ -727,9 +727,10 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     parts_total = _make_parts_total()
     PAIR = pair
     XN, NO = x_norm, norm_out
-    NSQ = RPB if NO else 1
+    NSQ = RPB if NO and SIM else 1  # the simulator's stand-in for the shuffle sum
+    RMASK = (1 << RPB) - 1 if RPB < 32 else 0xFFFFFFFF  # norm_out: the lanes holding a row block's rows
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
-    assert not ((XN or NO) and (NX > 1 or x8)) and not (NO and (glu or pair or not has_res))
+    assert not ((XN or NO) and (NX > 1 or x8)) and not (NO and (glu or pair or not has_res or RPB > 32))
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
@@ -784,6 +785,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                 if glu:
                     red[(tid * NA + e) * NV + 1] = group_sum(accu[e])
             cuda.syncthreads()
+            sq = np.float32(0.0)  # norm_out: this thread's row's y^2 (rows of a block: warp 0's lanes)
             for o in range(tid, RPB * NX, NT):  # (x row, row): coalesced stores
                 r = o // RPB if NX > 1 else 0
                 rr = o - r * RPB
@@ -810,15 +812,27 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                         y += res[r * n_rows + row]
                     if NO:
                         xg[row] = y * gn[row]
-                        nsq[rr] = y * y
+                        sq = y * y
                     if second:
                         out_b[r * nr + row] = y
                     else:
                         out[r * nr + row] = y
-                elif NO:
-                    nsq[rr] = np.float32(0.0)
+                if NO:
+                    # the row block's y^2 summed by its RPB lanes (warp 0's first: one row each)
+                    # where they stored it. Any later code writing the sum (a thread-0 loop over
+                    # shared memory, or shuffles after the loop) took the kernel from 80 to 102
+                    # registers (Q6_K, sm_90, ptxas 13); this form has 75.
+                    if SIM:
+                        nsq[rr] = sq
+                    else:
+                        off = RPB >> 1
+                        while off > 0:
+                            sq += cuda.shfl_xor_sync(RMASK, sq, off)
+                            off >>= 1
+                        if o == 0:
+                            parts[lblk] = sq
             cuda.syncthreads()
-            if NO and tid == 0:  # read before the next row block's epilogue: a barrier away
+            if NO and SIM and tid == 0:  # read before the next row block's epilogue: a barrier away
                 ss = np.float32(0.0)
                 for i in range(RPB):
                     ss += nsq[i]

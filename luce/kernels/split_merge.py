@@ -64,10 +64,20 @@ def used_splits(part_ml, n_splits, qi, hq, live, red, wid, lane):
     return warp_allmax(mv, red, wid, lane), int(warp_allmax(last, red, wid, lane)) + 1
 
 
+# Splits a warp's merge reads a trip, their loads in flight together: the trips are a chain
+# of L2 round trips (48 splits at 8K keys on the Qwen3-8B shape). Registers of the decode
+# kernel (sm_90, ptxas 13) at 2: 140 (head dim 128, 4 q heads a kv head), 168 (8: the 32B
+# shape), 128 (dim 256; 162 with the loop this replaced); at 4: 164, 218 (3 -> 2 blocks an
+# SM), 156. 4 is not timed on the GPU.
+MERGE_PER_TRIP = 2
+
+
 @functools.lru_cache(maxsize=None)
-def merge_rows(dim: int):
+def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP):
     """The device function merging head dim `dim`'s splits for a tile of query rows."""
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
+    PT = per_trip
+    PTDL = PT * DL  # array shapes must be plain constants
 
     @device(inline=True)
     def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt):
@@ -78,8 +88,9 @@ def merge_rows(dim: int):
         lane = tid % 32
         nw = nt // 32
         acc = cuda.local.array(DL, np.float32)
-        va = cuda.local.array(DL, np.float32)
-        vb = cuda.local.array(DL, np.float32)
+        v = cuda.local.array(PTDL, np.float32)
+        ml = cuda.local.array(PT, np.float32)
+        ll = cuda.local.array(PT, np.float32)
         for rb in range(0, rows, nw):  # the same trips in every warp (the simulator's barriers)
             row = r0 + rb + wid
             live = rb + wid < rows and row < n_rows
@@ -89,24 +100,20 @@ def merge_rows(dim: int):
             for d in range(DL):
                 acc[d] = 0.0
             den = np.float32(0.0)
-            # two splits a trip: their loads in flight together
-            for s in range(0, n_used, 2):
-                s2 = min(s + 1, n_used - 1)
-                la = part_ml[s, qi, hq, 1]
-                ma = part_ml[s, qi, hq, 0]
-                lb = part_ml[s2, qi, hq, 1] if s2 > s else np.float32(0.0)
-                mb = part_ml[s2, qi, hq, 0]
-                for d in range(DL):
-                    c = min(lane + 32 * d, dim - 1)
-                    va[d] = part_o[s, qi, hq, c]
-                    vb[d] = part_o[s2, qi, hq, c]
-                wa = math.exp(ma - big) if la > 0 else np.float32(0.0)
-                wb = math.exp(mb - big) if lb > 0 else np.float32(0.0)
-                den += la * wa + lb * wb
-                for d in range(DL):
-                    # an unwritten partial may hold anything, NaN included: select, not multiply
-                    acc[d] += (va[d] * wa if wa != 0 else np.float32(0.0)) + (vb[d] * wb if wb != 0
-                                                                               else np.float32(0.0))
+            # PT splits a trip: every load of the trip issued before the first use
+            for s in range(0, n_used, PT):
+                for j in range(PT):
+                    sj = min(s + j, n_used - 1)  # past n_used: a repeat, weighted 0
+                    ll[j] = part_ml[sj, qi, hq, 1] if s + j < n_used else np.float32(0.0)
+                    ml[j] = part_ml[sj, qi, hq, 0]
+                    for d in range(DL):
+                        v[j * DL + d] = part_o[sj, qi, hq, min(lane + 32 * d, dim - 1)]
+                for j in range(PT):
+                    w = math.exp(ml[j] - big) if ll[j] > 0 else np.float32(0.0)
+                    den += ll[j] * w
+                    if w != 0:  # an unwritten partial may hold anything, NaN included: skip, not multiply
+                        for d in range(DL):
+                            acc[d] += v[j * DL + d] * w
             if live:
                 for d in range(DL):
                     c = lane + 32 * d
