@@ -217,6 +217,14 @@ def test_split_rms_norm(qtype_o, qtype_p, groups):
         matvec_fast(dev(wa), qtype_p, dev(np.zeros((2, d), np.float32)), x_norm=x_norm)
 
 
+def test_splits_norm_needs_whole_16_byte_pieces():
+    """Weights the fast path would hand to luce.kernels.matvec (no x_norm there): the CUDA
+    backend makes the norm itself for them."""
+    from luce.kernels.matvec_fast import splits_norm
+    odd, even = cuda.to_device(np.zeros((5, 210), np.uint8)), cuda.to_device(np.zeros((16, 210), np.uint8))
+    assert splits_norm(even) and not splits_norm(odd) and not splits_norm(even, odd)
+
+
 def test_matvec_fast_rejects():
     rng = np.random.default_rng(0)
     raw = cuda.to_device(weights(rng, T.Q4_K, 4, 256))

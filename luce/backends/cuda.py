@@ -256,13 +256,13 @@ class CudaOps:
         """residual += x W^T and the RMSNorm of the result: (residual, norm). The norm goes to
         the carried buffers (it may be read after the next new_layer). One decode row with
         a matvec_fast weight: a SplitNorm (FUSED_NORM), whose readers finish the norm."""
-        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast_norm
+        from ..kernels.matvec_fast import FAST_TYPES, matvec_fast_norm, splits_norm
         h, parts, xq = self._carry[self._flip]
         self._flip ^= 1
         self._in_range = [a for a in self._in_range if a is not h]  # rewritten: rms_norm says again
         n = x.shape[0]
-        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and not MATVEC_X8 and h.shape == residual.shape
-                and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and not MATVEC_X8
+                and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             n_parts = matvec_fast_norm(w.raw, w.qtype, self._plain(x), residual, norm_w, h, parts,
                                        stream=self.stream)
             return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w)
@@ -278,7 +278,8 @@ class CudaOps:
         from ..kernels.matvec_mma import matvec_mma
         n = x.shape[0]
         if isinstance(x, SplitNorm):
-            if w.qtype in FAST_TYPES:
+            from ..kernels.matvec_fast import splits_norm
+            if w.qtype in FAST_TYPES and splits_norm(w.raw):
                 out = residual if residual is not None else self._out((n, w.shape[0]))
                 return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual, stream=self.stream,
                                    x_norm=x.x_norm)
@@ -335,11 +336,12 @@ class CudaOps:
 
     @staticmethod
     def _pairable(x, w: DeviceWeight, w2: DeviceWeight, b, b2) -> bool:
-        from ..kernels.matvec_fast import FAST_TYPES
+        from ..kernels.matvec_fast import FAST_TYPES, splits_norm
         n = x.shape[0]
         return (PAIR_PROJECTIONS and n <= FAST_MATVEC_MAX_ROWS and w.qtype == w2.qtype and w.qtype in FAST_TYPES
                 and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None)
-                and not _takes_mma(n, w.qtype, w.shape[1]))
+                and not _takes_mma(n, w.qtype, w.shape[1])
+                and (not isinstance(x, SplitNorm) or splits_norm(w.raw, w2.raw)))
 
     def scale(self, x, s):
         from ..kernels.elementwise import axpby_cuda
@@ -362,7 +364,8 @@ class CudaOps:
         n = x.shape[0]
         qt = w_gate.qtype
         if isinstance(x, SplitNorm):
-            if w_up.qtype == qt and qt in FAST_TYPES:
+            from ..kernels.matvec_fast import splits_norm
+            if w_up.qtype == qt and qt in FAST_TYPES and splits_norm(w_gate.raw, w_up.raw):
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=self._out((n, w_gate.shape[0])),
                                    stream=self.stream, x_norm=x.x_norm)
             x = self._plain(x)

@@ -992,6 +992,13 @@ def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0,
                    norm_out=(norm_w, xg, parts))
 
 
+def splits_norm(*ws) -> bool:
+    """Whether products with these weights (raw device arrays) can take part in the split
+    RMSNorm: 16-byte aligned and a whole number of 16-byte pieces, as the fast path needs
+    (other weights go to luce.kernels.matvec, which has no x_norm)."""
+    return all(_addr(w) % 16 == 0 and (w.size * w.dtype.itemsize) % 16 == 0 for w in ws)
+
+
 def norm_parts_max(n_rows: int) -> int:
     """The most parts matvec_fast_norm makes for n_rows rows (one a row pair, at one group)."""
     return -(-n_rows // ROWS)
