@@ -281,7 +281,7 @@ for q in F.FAST_SPECS:
 # the split RMSNorm: the residual product that stores xg and the parts, and its consumers
 for q in F.FAST_SPECS:
     for glu, br, res, pair, xn, no in [(False, False, True, False, False, True), (False, True, False, True, True, False),
-                                       (True, False, False, False, True, False), (False, False, False, False, True, False)]:
+                                       (True, False, False, False, True, False)]:
         k = F._make_kernel(q, glu, br, res, F.NW, True, None, 8, 1, False, pair, xn, no)
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))
         name = f"{q.name}_norm_glu{int(glu)}_pair{int(pair)}_xnorm{int(xn)}_normout{int(no)}"
@@ -291,15 +291,14 @@ for q in F.FAST_SPECS:
 # a form of the residual product's row-block sum once took Q6_K from 80 to 102 registers
 from luce.kernels.ptx import ptxas_usage
 blocks = lambda regs, nw: 65536 // (-(-regs // 8) * 8 * 32 * nw)
-for q, g in ((F.T.Q4_K, 8), (F.T.Q6_K, 8)):
-    for nw in (4, 8):
-        for glu, res, xn, no in [(False, True, False, True), (True, False, True, False)]:
-            base = ptxas_usage(cuda.compile_ptx(F._make_kernel(q, glu, False, res, nw, True, None, g).py_func, sig,
-                                                cc=(9, 0))[0])
-            k = F._make_kernel(q, glu, False, res, nw, True, None, g, 1, False, False, xn, no)
-            got = ptxas_usage(cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0])
-            assert got["spill_bytes"] == 0 and blocks(got["registers"], nw) >= blocks(base["registers"], nw), \
-                (q.name, nw, glu, base, got)
+for q, nw, glu, res, xn, no in [(F.T.Q4_K, 8, False, True, False, True), (F.T.Q6_K, 8, False, True, False, True),
+                                 (F.T.Q4_K, 4, True, False, True, False)]:  # o, down (the 8B grids), gate/up
+    base = ptxas_usage(cuda.compile_ptx(F._make_kernel(q, glu, False, res, nw, True, None, 8).py_func, sig,
+                                        cc=(9, 0))[0])
+    k = F._make_kernel(q, glu, False, res, nw, True, None, 8, 1, False, False, xn, no)
+    got = ptxas_usage(cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0])
+    assert got["spill_bytes"] == 0 and blocks(got["registers"], nw) >= blocks(base["registers"], nw), \
+        (q.name, nw, glu, base, got)
 # units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
 sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 for q in F.X8_TYPES:
