@@ -84,8 +84,7 @@ from numba import cuda  # noqa: E402
 
 from ._reduce import (WARP_RED_SLOTS, block_threads, ceil_div, warp_allmax, warp_allsum)  # noqa: E402
 from . import attention_mma  # noqa: E402
-from . import split_merge  # noqa: E402
-from .split_merge import used_splits  # noqa: E402
+from .split_merge import merge_counters, used_splits  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
 from .paging import BLOCK  # noqa: E402
@@ -857,7 +856,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"])[
             (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml, split_merge.merge_counters(n_kvh * plan["n_tiles"], stream))
+            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))
         return out
     if plan.get("kind") == "mma":
         attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](

@@ -675,26 +675,16 @@ def _make_group_sum(lanes):
 def _make_parts_total():
     """The sum of parts[0:n] in every lane of a warp, the same bits in each (an xor
     butterfly adds the same two values in every lane, in either order). The simulator has
-    no shuffles: there every thread adds them all up in order."""
-    if SIM:
-        @_dev
-        def parts_total(parts, n, lane):
-            s = np.float32(0.0)
-            for i in range(n):
-                s += parts[i]
-            return s
-        return parts_total
+    no shuffles (its warp sum returns the value as it is): there every thread adds them all."""
+    warp_sum = _make_group_sum(32)
+    STEP = 1 if SIM else 32
 
-    @cuda.jit(device=True)
+    @_dev
     def parts_total(parts, n, lane):
         s = np.float32(0.0)
-        for i in range(lane, n, 32):
+        for i in range(0 if SIM else lane, n, STEP):
             s += parts[i]
-        off = 16
-        while off > 0:
-            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-            off >>= 1
-        return s
+        return warp_sum(s)
     return parts_total
 
 
@@ -915,12 +905,10 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
                              f"got {xq.size} {xq.dtype}")
         x = xq.reshape(xq.size) if len(xq.shape) != 1 else xq
     rb = row_bytes(qtype, n_cols)
-    # The v4 loads need 16-byte aligned bases, and ld16's second piece must not leave the
-    # buffer: its size a multiple of 16 bytes guarantees that.
     wb, n_rows_b = weight_u16(pair[0], qtype, n_cols) if pair else (None, 0)
     if pair and (residual is not None or (bias is None) != (pair[2] is None)):
         raise ValueError("matvec_fast pair: both weights with a bias or neither, and no residual")
-    if any(_addr(w) % 16 or (w.size * 2) % 16 for w, _ in ws + ([(wb, 0)] if pair else [])) or _addr(x) % 16:
+    if not splits_norm(*[w for w, _ in ws], *([wb] if pair else [])) or _addr(x) % 16:  # not whole: matvec's
         if x_norm is not None or norm_out is not None:
             raise ValueError("matvec_fast: the split RMSNorm needs 16-byte aligned weights and x")
         if len(w_list) == 2:
@@ -993,9 +981,10 @@ def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0,
 
 
 def splits_norm(*ws) -> bool:
-    """Whether products with these weights (raw device arrays) can take part in the split
-    RMSNorm: 16-byte aligned and a whole number of 16-byte pieces, as the fast path needs
-    (other weights go to luce.kernels.matvec, which has no x_norm)."""
+    """Whether the fast path takes these weights (device arrays) whole: 16-byte aligned and a
+    whole number of 16-byte pieces (the v4 loads need aligned bases, and ld16's second piece
+    must not leave the buffer). Others go to luce.kernels.matvec, which has no x_norm: the
+    split RMSNorm asks first."""
     return all(_addr(w) % 16 == 0 and (w.size * w.dtype.itemsize) % 16 == 0 for w in ws)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf_file import ModelMetadata
+from ..gguf_file import ModelFileError, ModelMetadata
 
 ROPE_ADJACENT = "adjacent"  # GPT-J style: llama GGUFs store Q/K rows permuted for it
 ROPE_HALVES = "halves"  # NEOX style: qwen2/qwen3 rotate the two halves of a head
@@ -114,6 +114,5 @@ def rope_freq_scale(f: ModelMetadata) -> float:
     if kind != "linear" or factor in (0.0, 1.0):
         return 1.0
     if factor < 0:
-        from ..gguf_file import ModelFileError
         raise ModelFileError(f.path, f"metadata {a}.rope.scaling.factor should be positive, got {factor}")
     return 1.0 / factor

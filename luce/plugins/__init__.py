@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import json
 import logging
 import os
 import re
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -407,8 +409,6 @@ class _OverriddenOps:
             return self._overrides[name]
         base = self._base
         if not isinstance(base, type):
-            import inspect
-            import types
             raw = inspect.getattr_static(type(base), name, None)
             if inspect.isfunction(raw):  # a method: bound to the view, not the instance
                 return types.MethodType(raw, self)
