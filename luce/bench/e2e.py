@@ -30,6 +30,13 @@ def _load(model_arg, synthetic, backend_name, n_ctx):
     return be, m.family, m.config, m.weights, wbytes, m.path.name, m.load_s
 
 
+def _say(t0: float, what: str) -> None:
+    """A progress line on stderr as each phase ends: a run cut short (a time limit on a
+    lent GPU) still shows what it measured and where the time went."""
+    import sys
+    print(f"[luce bench {time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def _sync(be):
     if be.name == "cuda":
         be.stream.synchronize()
@@ -38,7 +45,9 @@ def _sync(be):
 def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, long_ctx=8192, n_long=32,
         verify_widths=(1, 2, 4, 8, 16, 23, 32, 64), record=True, per_op=True):
     n_ctx = max(long_ctx, n_prompt) + n_gen + 128
+    t_start = time.perf_counter()
     be, fam, cfg, w, wbytes, label, load_s = _load(model, synthetic, backend, n_ctx)
+    _say(t_start, f"loaded {label} on {be.name} in {load_s:.2f} s")
     kv = be.new_cache(cfg, n_ctx)
     rng = np.random.default_rng(0)
     vocab = cfg.vocab_size
@@ -72,6 +81,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     prefill(prompt)
     decode(4, 1)
     kv.truncate(0)
+    _say(t_start, "warm-up done (kernels compiled; on CUDA, the decode graph captured)")
 
     best_prefill = float("inf")
     for _ in range(3 if be.name == "cuda" else 1):
@@ -81,6 +91,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         first = int(np.argmax(logits[-1]))
         best_prefill = min(best_prefill, time.perf_counter() - t0)
     ttft = best_prefill
+    _say(t_start, f"prefill {n_prompt / best_prefill:,.0f} tok/s")
 
     def eager_prefill():  # a prompt's first sight: no graphs, every launch is a Python call
         kv.truncate(0)
@@ -98,7 +109,10 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     t0 = time.perf_counter()
     decode(n_gen, first)
     decode_s = time.perf_counter() - t0
+    _say(t_start, f"decode {n_gen / decode_s:,.1f} tok/s")
     pipelined_s = _decode_pipelined(be, fam, cfg, w, kv, first, n_gen) if be.name == "cuda" else None
+    if pipelined_s:
+        _say(t_start, f"decode, next token on device: {n_gen / pipelined_s:,.1f} tok/s")
     breakdown = host = prefill_host = verify_ops = prefill_ops = None
     if be.name == "cuda" and per_op:
         from .profile import host_profile
@@ -110,6 +124,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         breakdown = _by_op(be, fam, cfg, w, kv, 1, 20) + [
             {"op": "decode step measured (with host work)", "us per forward": decode_s / n_gen * 1e6}]
         prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
+        _say(t_start, "decode breakdown done")
 
     long_tok_s = None
     if long_ctx and n_ctx >= long_ctx + n_long:
@@ -119,6 +134,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         t0 = time.perf_counter()
         decode(n_long, 1)
         long_tok_s = n_long / (time.perf_counter() - t0)
+        _say(t_start, f"decode @{long_ctx}: {long_tok_s:,.1f} tok/s ({long_tok_s * decode_s / n_gen:.1%} of short)")
 
     # tree verification: a chain of N nodes after 512 committed tokens, rolled back each time
     verify = []
@@ -152,6 +168,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                 kv.commit([])
             ms = (time.perf_counter() - t0) / reps * 1e3
         verify.append({"nodes": n, "ms": ms if ms is not None else full_ms, "ms, all logits to host": full_ms})
+        _say(t_start, f"verify {n} nodes: {verify[-1]['ms']:.3f} ms ({verify[-1]['ms'] / verify[0]['ms']:.2f}x)")
     for r in verify:
         r["x decode step"] = r["ms"] / verify[0]["ms"]
     if be.name == "cuda" and per_op:
@@ -241,7 +258,7 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
 def _routing_note() -> str:
     """Kernel routing set through the environment changes what a run measures: say so in the record."""
     import os
-    keys = ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST", "LUCE_MATVEC_X8", "LUCE_PAIR_PROJECTIONS")
+    keys = ("LUCE_MATVEC_MMA_ROWS", "LUCE_ASYNC_HOST", "LUCE_MATVEC_X8", "LUCE_PAIR_PROJECTIONS", "LUCE_FUSED_NORM")
     return "".join(f"; {k}={os.environ[k]}" for k in keys if os.environ.get(k))
 
 
