@@ -236,8 +236,10 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
               help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
+@click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
+              help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          no_record, no_breakdown):
+          no_record, no_breakdown, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if spec:
@@ -254,8 +256,14 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         run_kernels(record=not no_record)
         return
     from .bench.e2e import run
+    try:
+        widths = tuple(sorted({int(w) for w in verify_widths.split(",") if w.strip()} | {1}))
+    except ValueError:
+        raise click.BadParameter(f"{verify_widths!r}: comma-separated integers", param_hint="--verify-widths")
+    if widths[-1] > 64:
+        raise click.BadParameter("at most 64 nodes (a tree's mask word)", param_hint="--verify-widths")
     run(model, synthetic, backend, n_prompt=prompt_tokens, n_gen=gen_tokens, long_ctx=long_ctx,
-        record=not no_record, per_op=not no_breakdown)
+        record=not no_record, per_op=not no_breakdown, verify_widths=widths)
 
 if __name__ == "__main__":
     main()

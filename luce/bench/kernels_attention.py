@@ -77,6 +77,8 @@ def _time_eager(launch, stream, reps: int) -> float:
 
 
 CHUNKS = (8, 16, 32)  # keys a warp's step of the decode kernel, timed against each other
+PER_TRIP = (2, 4, 8)  # splits a trip of the decode kernel's merge, timed against each other
+TARGET_WARPS = (1024, 2048)  # the decode grid's warps, against attention.DECODE_TARGET_WARPS
 SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step sees ~640)
 
 
@@ -121,13 +123,19 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     # (name, queries, mask, max_splits, q8, variant): "rowkernel" takes a tree through the
     # one-query kernel's structure (not the default: attention.py), "two_waves" plans the
     # tensor-core kernel's splits for two waves of blocks, "chunkN" gives the decode kernel
-    # N keys a warp's step; names with _in_grid attend over SHORT keys
+    # N keys a warp's step, "tripN" N splits a trip of its merge, "warpsN" N warps its grid;
+    # names with _in_grid attend over SHORT keys
     cases = [("decode", 1, one, None, False, None),
              ("decode_nosplit", 1, one, 1, False, None),
              (f"decode{SHORT}_in_grid", 1, one, None, False, None)]
     # the decode kernel's keys a step against the default (attention.DECODE_CHUNK)
     cases += [(f"decode{s}_chunk{c}", 1, one, None, False, f"chunk{c}") for c in CHUNKS if c != A.DECODE_CHUNK
               for s in ("", f"{SHORT}_in_grid")]
+    default_trip = A.decode_per_trip(d, hq // hkv)
+    cases += [(f"decode{s}_trip{t}", 1, one, None, False, f"trip{t}") for t in PER_TRIP if t != default_trip
+              for s in ("", f"{SHORT}_in_grid")]
+    cases += [(f"decode{s}_warps{w}", 1, one, None, False, f"warps{w}") for w in TARGET_WARPS
+              if w != A.DECODE_TARGET_WARPS for s in ("", f"{SHORT}_in_grid")]
     cases += [
              (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
              (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
@@ -141,11 +149,17 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
     rows = []
     default_rows, default_target, default_chunk = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK
+    default_warps = A.DECODE_TARGET_WARPS
+
+    def number(prefix):  # of a variant named prefix + N, or None
+        return int(variant[len(prefix):]) if variant and variant.startswith(prefix) else None
     try:
         for name, n, mask, max_splits, q8, variant in cases:
             A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
             M.TARGET_BLOCKS = 2 * default_target if variant == "two_waves" else default_target
-            A.DECODE_CHUNK = int(variant[5:]) if variant and variant.startswith("chunk") else default_chunk
+            A.DECODE_CHUNK = number("chunk") or default_chunk
+            A.DECODE_MERGE_PER_TRIP = number("trip")
+            A.DECODE_TARGET_WARPS = number("warps") or default_warps
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -179,6 +193,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                                  time_us=round(us, 2), **{"GB/s": None}, mode=mode, n_splits=ns))
     finally:  # the module-wide defaults, whatever happened
         A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK = default_rows, default_target, default_chunk
+        A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
     return rows
 
 

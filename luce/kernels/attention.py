@@ -410,6 +410,13 @@ DECODE_MAX_WARPS = 4  # warps a block
 # buffer and two warps a block took 31.6 us at 4653f47 and 30.9 at ca39022, two buffers
 # and one warp 38.4 and 36.6.
 DECODE_BUFS = (1,)
+# Splits a trip of the decode kernel's merge (split_merge.merge_per_trip's choice when None)
+DECODE_MERGE_PER_TRIP = None
+
+
+def decode_per_trip(dim: int, rows: int) -> int:
+    from .split_merge import merge_per_trip
+    return DECODE_MERGE_PER_TRIP or merge_per_trip(dim, rows)
 
 
 def _decode_smem(dim: int, rows: int, warps: int, bufs: int, ch: int) -> int:
@@ -448,14 +455,15 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int, chunk: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int):
+def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int, per_trip: int | None = None):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
-    warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step."""
+    warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step,
+    `per_trip` splits a trip of its merge (None: decode_per_trip)."""
     from ._reduce import warp_barrier, warp_groupsum
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
     from .split_merge import arrive, merge_rows
-    merge = merge_rows(dim)
+    merge = merge_rows(dim, per_trip or decode_per_trip(dim, qt * group))
     CH = chunk
     LPK = 32 // CH  # lanes a key in the score pass
     G = group
@@ -803,7 +811,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
         return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, bufs=bufs, chunk=chunk, n_tiles=n_tiles,
-                    n_splits=ns, pages_per_split=None)
+                    n_splits=ns, pages_per_split=None, per_trip=decode_per_trip(head_dim, qt * group))
     nt = block_threads(128)
     rows = n_q * group
     # at least one score and one output element per thread
@@ -853,7 +861,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
     flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
     if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"])[
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"])[
             (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))

@@ -65,11 +65,18 @@ def used_splits(part_ml, n_splits, qi, hq, live, red, wid, lane):
 
 
 # Splits a warp's merge reads a trip, their loads in flight together: the trips are a chain
-# of L2 round trips (48 splits at 8K keys on the Qwen3-8B shape). Registers of the decode
-# kernel (sm_90, ptxas 13) at 2: 140 (head dim 128, 4 q heads a kv head), 168 (8: the 32B
-# shape), 128 (dim 256; 162 with the loop this replaced); at 4: 164, 218 (3 -> 2 blocks an
-# SM), 156. 4 is not timed on the GPU.
+# of L2 round trips (48 splits at 8K keys on the Qwen3-8B shape: 24 trips at 2). Registers
+# of the decode kernel (sm_90, ptxas 13) at 2: 140 (head dim 128, 4 q heads a kv head), 168
+# (8: the 32B shape), 128 (dim 256); at 4: 164, 218, 156. Blocks of 4 warps an SM: 3 at up
+# to 168 registers (a warp's registers are allocated 256 at a time), 2 at 218.
 MERGE_PER_TRIP = 2
+
+
+def merge_per_trip(dim: int, rows: int) -> int:
+    """Splits a trip for a decode block of `rows` query rows over head dim `dim`: 4 where
+    its accumulators (rows x dims a lane) leave room, which kept 3 blocks an SM in the
+    counts above; MERGE_PER_TRIP otherwise."""
+    return 4 if rows * ceil_div(dim, 32) <= 16 else MERGE_PER_TRIP
 
 
 @functools.lru_cache(maxsize=None)

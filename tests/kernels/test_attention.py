@@ -74,20 +74,22 @@ def test_decode(max_splits):
 # in the block (one split of 4 warps: runs of 2, 2, 1 and no chunks); two K/V buffers a
 # warp (the next chunk copied while one is computed), or one at head dim 256; a sliding
 # window that masks keys inside a chunk; a grid planned for the whole context (a
-# captured graph's).
-@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,bufs,chunk,shape", [
-    (32, 4, 2, None, 4, (2, 1), 32, (4, 2)), (32, 4, 2, 1, 4, (1,), 32, (4, 1)),
-    (64, 4, 1, None, 2, (2, 1), 32, (2, 2)), (32, 2, 2, 3, 1, (2, 1), 32, (1, 2)),
-    (64, 2, 1, 1, 2, (1,), 32, (2, 1)), (256, 2, 1, None, 4, (2, 1), 32, (1, 1)),
-    (32, 4, 2, None, 4, (1,), 8, (4, 1)), (64, 4, 1, 2, 2, (2, 1), 16, (2, 2))])
-def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, chunk, shape):
+# captured graph's); the split merge 2, 3 (a trip past the last split) or 4 splits a trip.
+@pytest.mark.parametrize("d,hq,hkv,max_splits,max_warps,bufs,chunk,shape,per_trip", [
+    (32, 4, 2, None, 4, (2, 1), 32, (4, 2), 3), (32, 4, 2, 1, 4, (1,), 32, (4, 1), None),
+    (64, 4, 1, None, 2, (2, 1), 32, (2, 2), None), (32, 2, 2, 3, 1, (2, 1), 32, (1, 2), 2),
+    (64, 2, 1, 1, 2, (1,), 32, (2, 1), None), (256, 2, 1, None, 4, (2, 1), 32, (1, 1), None),
+    (32, 4, 2, None, 4, (1,), 8, (4, 1), None), (64, 4, 1, 2, 2, (2, 1), 16, (2, 2), None)])
+def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, chunk, shape, per_trip):
     monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
     monkeypatch.setattr(A, "DECODE_BUFS", bufs)
     monkeypatch.setattr(A, "DECODE_CHUNK", chunk)
+    monkeypatch.setattr(A, "DECODE_MERGE_PER_TRIP", per_trip)
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
     assert A._row_kernel_applies(1, d, False, hq // hkv)
     plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
     assert plan["kind"] == "row" and (plan["warps"], plan["bufs"], plan["chunk"]) == shape + (chunk,)
+    assert plan["per_trip"] == (per_trip or 4)  # these shapes leave room for 4
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
