@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 QWEN3_8B = dict(n_heads=32, n_kv_heads=8, head_dim=128)
+QWEN3_32B = dict(n_heads=64, n_kv_heads=8, head_dim=128)
 
 
 def _ptr(handle) -> int:
@@ -83,7 +84,7 @@ SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step 
 
 
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
-                    prefill: int = 512, seed: int = 0) -> list[dict]:
+                    prefill: int = 512, seed: int = 0, only: str | None = None) -> list[dict]:
     """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
     sequence splits, decode and the tree over SHORT keys in a grid sized for the context
     (as a captured graph runs early in a conversation), the split combine of those rows
@@ -91,7 +92,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     and with 8 splits too), a causal prefill chain of `prefill` tokens, decode / tree over
     q8_0 KV, and the tree through the one-query kernel's structure (not yet the default),
     over `context` committed rows unless SHORT; GB/s counts the K/V bytes the kernel must
-    read (K and V of every visible row, once: f16, or q8_0 for the *_q8_0 rows)."""
+    read (K and V of every visible row, once: f16, or q8_0 for the *_q8_0 rows). only: the
+    rows whose name starts with it."""
     from numba import cuda
 
     from ..kernels import attention as A
@@ -147,6 +149,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
+    cases = [c for c in cases if only is None or c[0].startswith(only)]
     rows = []
     default_rows, default_target, default_chunk = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK
     default_warps = A.DECODE_TARGET_WARPS
@@ -198,5 +201,9 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
 
 
 if __name__ == "__main__":
-    for row in bench_attention():
+    import sys
+    args = sys.argv[1:]  # [32b] [name prefix]
+    shape = QWEN3_32B if args and args[0] == "32b" else None
+    only = next((a for a in args if a != "32b"), None)
+    for row in bench_attention(shape=shape, only=only):
         print(row)

@@ -414,6 +414,15 @@ DECODE_BUFS = (1,)
 DECODE_MERGE_PER_TRIP = None
 
 
+def decode_self_merges(rows: int, warps: int) -> bool:
+    """Whether the decode kernel's last block merges the splits itself: where it has a warp
+    for each of its query rows. With fewer (the 32B shape: 8 q heads a kv head, 2 warps a
+    block) its warps merged the rows one after another, each a chain of L2 round trips:
+    H200, Qwen3-32B shape (e301dbc), 47.6 us a layer over 640 keys and ~150 over 8K, against
+    16 for the 8B shape. The combine kernel spreads the merge over a block a q head."""
+    return rows <= warps
+
+
 def decode_per_trip(dim: int, rows: int) -> int:
     from .split_merge import merge_per_trip
     return DECODE_MERGE_PER_TRIP or merge_per_trip(dim, rows)
@@ -455,15 +464,18 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int, chunk: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int, per_trip: int | None = None):
+def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int, per_trip: int | None = None,
+                   self_merge: bool = True):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step,
-    `per_trip` splits a trip of its merge (None: decode_per_trip)."""
+    `per_trip` splits a trip of its merge (None: decode_per_trip); self_merge False: the
+    splits' partials are left for the combine kernel (decode_self_merges)."""
     from ._reduce import warp_barrier, warp_groupsum
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
     from .split_merge import arrive, merge_rows
     merge = merge_rows(dim, per_trip or decode_per_trip(dim, qt * group))
+    SELF_MERGE = self_merge
     CH = chunk
     LPK = 32 // CH  # lanes a key in the score pass
     G = group
@@ -674,7 +686,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                             part_ml[split, qi, hq, 0] = big
                             part_ml[split, qi, hq, 1] = ll
         # the tile's last block to finish merges the splits (luce.kernels.split_merge)
-        if not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
+        if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
             merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32)
 
     return kernel
@@ -811,7 +823,8 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
         if max_splits is not None:
             ns = max(1, min(ns, max_splits))
         return dict(kind="row", qt=qt, nt=32 * warps, warps=warps, bufs=bufs, chunk=chunk, n_tiles=n_tiles,
-                    n_splits=ns, pages_per_split=None, per_trip=decode_per_trip(head_dim, qt * group))
+                    n_splits=ns, pages_per_split=None, per_trip=decode_per_trip(head_dim, qt * group),
+                    self_merge=decode_self_merges(qt * group, warps))
     nt = block_threads(128)
     rows = n_q * group
     # at least one score and one output element per thread
@@ -861,10 +874,12 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
     flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
     if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"])[
-            (ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"],
+                       plan["self_merge"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))
+        if not direct and not plan["self_merge"]:
+            combine_splits(part_o, part_ml, ns, meta, out, stream)
         return out
     if plan.get("kind") == "mma":
         attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](

@@ -90,6 +90,8 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
     plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
     assert plan["kind"] == "row" and (plan["warps"], plan["bufs"], plan["chunk"]) == shape + (chunk,)
     assert plan["per_trip"] == (per_trip or 4)  # these shapes leave room for 4
+    # the last block merges where it has a warp a q head; the combine kernel otherwise
+    assert plan["self_merge"] == (hq // hkv <= shape[0])
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits)
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
