@@ -417,9 +417,11 @@ DECODE_MERGE_PER_TRIP = None
 def decode_self_merges(rows: int, warps: int) -> bool:
     """Whether the decode kernel's last block merges the splits itself: where it has a warp
     for each of its query rows. With fewer (the 32B shape: 8 q heads a kv head, 2 warps a
-    block) its warps merged the rows one after another, each a chain of L2 round trips:
-    H200, Qwen3-32B shape (e301dbc), 47.6 us a layer over 640 keys and ~150 over 8K, against
-    16 for the 8B shape. The combine kernel spreads the merge over a block a q head."""
+    block) its warps merged the rows one after another, each a chain of L2 round trips
+    (H200, Qwen3-32B shape, 8a327d6's `luce bench` breakdown: 47.6 us a layer over 640
+    keys, against 16 for the 8B shape; 32B decode at 8K 71.9% of short). The combine
+    kernel spreads the merge over a block a q head: e4f96d8, 27.0 us over 640 keys in
+    bench_attention, and 8K decode at 85.9% of short."""
     return rows <= warps
 
 
@@ -438,9 +440,10 @@ def _decode_smem(dim: int, rows: int, warps: int, bufs: int, ch: int) -> int:
 def decode_chunk(dim: int, rows: int = 1) -> int:
     """Keys a warp's step: DECODE_CHUNK (8 for blocks of 8+ query rows), or more where a
     key's lanes would outnumber its 16-byte pieces. H200, Qwen3-32B shape (8 q heads a kv
-    head), e301dbc+: 8 keys a step fit 4 warps a block in shared memory (16: 2), and took
-    decode attention over 640 keys in an 8K grid 26.97 -> 20.68 us, over 8K 66.9 -> 60.8;
-    the 8B shape (4 rows) is slower at 8 (31.6 -> 36.1 us over 8K)."""
+    head), e4f96d8's bench_attention: 8 keys a step fit 4 warps a block in shared memory
+    (16: 2), and took decode attention over 640 keys in an 8K grid 26.97 -> 20.68 us,
+    over 8K 66.9 -> 60.8 (not yet run end to end); the 8B shape (4 rows) is slower at 8
+    (31.6 -> 36.1 us over 8K)."""
     ch = 8 if rows >= 8 and DECODE_CHUNK == 16 else DECODE_CHUNK
     return max(ch, 32 // max(1, dim // 8))
 
