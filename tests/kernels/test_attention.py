@@ -134,11 +134,11 @@ def test_decode_graph_grid_with_an_empty_split(monkeypatch):
 
 
 # The same kernel for several queries (verification trees and chains) in tiles of
-# row_tile queries; not yet the default for them (ROW_KERNEL_MAX_QUERIES). Group 4: four
+# row_tile queries; not yet the default for them (ROW_KERNEL_MAX_QUERIES). Group 4: three
 # tiles of 2 queries, the last partial; group 2: two tiles of 4, a window and a direct
 # write; group 1: a causal chain in one tile of 8.
 @pytest.mark.parametrize("kind,n_new,hq,hkv,window,max_splits", [
-    ("tree", 7, 4, 1, None, None), ("tree", 5, 4, 2, 30, 1), ("chain", 3, 2, 2, None, 2)])
+    ("tree", 5, 4, 1, None, None), ("tree", 5, 4, 2, 30, 1), ("chain", 3, 2, 2, None, 2)])
 def test_row_kernel_several_queries(monkeypatch, kind, n_new, hq, hkv, window, max_splits):
     monkeypatch.setattr(A, "ROW_KERNEL_MAX_QUERIES", 64)
     assert A._row_kernel_applies(n_new, 32, False, hq // hkv)
