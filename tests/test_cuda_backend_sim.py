@@ -190,8 +190,8 @@ def test_matvec_mma_routing(monkeypatch):
     """With the tensor-core small-M product routed for 1-8 tokens (luce.backends.cuda.
     MATVEC_MMA_ROWS; 2-32 by default), the backend's linear (Q4_K with a bias; Q6_K adding into
     the residual stream in place) and gated FFN ops of a 3-token forward go through it and
-    match the float64 references; a Q8_0 weight and a 9-token forward do not. Its linears
-    convert x once per weight type."""
+    match the float64 references; a Q8_0 weight and a 9-token forward do not. x's conversion
+    for a weight type is made once and kept while it is x's; an RMSNorm makes both."""
     import gguf
     from numba import cuda
     from luce.backends import cuda as C
@@ -243,9 +243,33 @@ def test_matvec_mma_routing(monkeypatch):
     convs, real_frags = [], M.x_frags
     monkeypatch.setattr(M, "x_frags", lambda *a, **k: convs.append(a[1].name) or real_frags(*a, **k))
     got = ops.linears(xd, [w4, w4b, w6b], [cuda.to_device(bias), None, None])
-    assert convs == ["Q4_K", "Q6_K"], convs
+    # Q6_K's conversion of xd is the one linear(xd, w6) made above, kept; Q4_K's was since
+    # rewritten for the gated product's x, so it is made again
+    assert convs == ["Q4_K"], convs
     for g, (raw, qt, b) in zip(got, [(raw4, Q.Q4_K, bias), (r4b, Q.Q4_K, None), (r6b, Q.Q6_K, None)]):
         close(g.copy_to_host(), matvec_ref(raw, qt, x, bias=b), raw, qt, x)
+    # an RMSNorm of these widths makes both layouts' fragments in its own launch
+    from luce.kernels.norm import rms_norm_ref
+    wn_host = rng.uniform(0.5, 1.5, 256).astype(np.float32)
+    wn = cuda.to_device(wn_host)
+    wn.luce_absmax = float(wn_host.max())  # as load_tensor records it: the output is in f16's range
+    convs.clear()
+    h = ops.rms_norm(xd, wn, 1e-6)
+    got = ops.linears(h, [w4b, w6b], [None, None])
+    assert convs == [], convs
+    hh = rms_norm_ref(x, wn_host, 1e-6)
+    np.testing.assert_allclose(h.copy_to_host(), hh, rtol=2e-6, atol=1e-6)
+    for g, (raw, qt) in zip(got, [(r4b, Q.Q4_K), (r6b, Q.Q6_K)]):
+        close(g.copy_to_host(), matvec_ref(raw, qt, hh), raw, qt, hh)
+    # into a carried buffer (linear_norm's, read by the next layer), they outlive new_layer
+    carried = cuda.device_array((3, 256), np.float32)
+    ops._carry = [(carried, None, None)]
+    ops.rms_norm(xd, wn, 1e-6, out=carried)
+    ops.new_layer()
+    got = ops.gated_linear(carried, wg, wu)
+    assert convs == [], convs
+    close(got.copy_to_host(), swiglu_ref(rg, ru, Q.Q4_K, hh), rg, Q.Q4_K, hh,
+          scale=1.1 * np.abs(matvec_ref(ru, Q.Q4_K, hh)).max() + np.abs(matvec_ref(rg, Q.Q4_K, hh)).max())
 
 
 def test_matvec_mma_rows_from_env(monkeypatch):
@@ -358,8 +382,9 @@ def test_paired_projections_same_logits(tmp_path, monkeypatch):
 
 def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
     """The tensor-core products skip the f16 guard's fixup for an RMSNorm's output when
-    sqrt(K) max|w| < 2**15 (load_tensor records max|w|) and for attention's output over an
-    f16 pool; any other x, and a norm with a larger weight, keep it."""
+    sqrt(K) max|w| < 2**15 (load_tensor records max|w|: that norm makes the fragments
+    itself, rms_norm_frags) and for attention's output over an f16 pool; any other x, and a
+    norm with a larger weight, keep it."""
     import gguf
     from numba import cuda
     from luce.backends import cuda as C
@@ -367,8 +392,9 @@ def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
     from luce.kernels import matvec_mma as M
     Q = gguf.GGMLQuantizationType
     monkeypatch.setattr(C, "MATVEC_MMA_ROWS", range(1, 9))
-    guards = []
-    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: guards.append(k["guard"]) or k["out"])
+    guards, used = [], []  # each conversion's guard; the fragments each product took
+    monkeypatch.setattr(M, "x_frags", lambda x, qt, stream=0, guard=True: guards.append(guard) or ("x_frags",))
+    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: used.append(k["frags"][0]) or k["out"])
     be = C.CUDABackend(use_graphs=False)
     ops = C.CudaOps(be, None)
     ops.arena = C.Arena(1 << 20)
@@ -388,7 +414,8 @@ def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
     heads = x.reshape((3, 2, 128))
     ops._in_range.append(heads)  # as attention marks its output over an f16 pool
     ops.linear(ops.merge_heads(heads), w)
-    assert guards == [False, True, True, True, False]
+    assert guards == [True, True, True, False]  # the small-weight norm's: no conversion
+    assert not isinstance(used[0], str) and used[1:] == ["x_frags"] * 4
     ops.new_layer()
     h = ops.rms_norm(x, small, 1e-6)
     ops.new_layer()  # a layer's marks do not outlive it

@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from ..kv.paged import PagedKVCache
 from .cuda_copy import d2d, d2h_async, d2h_sync, h2d
@@ -165,6 +166,10 @@ class CudaOps:
         # small enough weight, attention over an f16 pool): their tensor-core products skip
         # the f16 guard's fixup launch (luce.kernels.f16_range)
         self._in_range = []
+        # weight layout (Q4_K, Q6_K) -> (x, its matvec_mma fragments): the conversion kept in
+        # luce.kernels.matvec_mma's buffer for that layout, until a conversion of another x
+        # (every one goes through _frags_for) or rms_norm_frags rewrites it
+        self._frags = {}
         # linear_norm's outputs, read in the next layer: two sets of buffers outside the
         # per-layer memory, used in turn ((h, parts, xq) each; made by embed)
         self._carry = []
@@ -179,6 +184,7 @@ class CudaOps:
         carried = [c[0] for c in self._carry]
         if self._xq is not None and not any(self._xq[0] is h for h in carried):
             self._xq = None
+        self._frags = {qt: f for qt, f in self._frags.items() if any(f[0] is h for h in carried)}
         self._in_range = [a for a in self._in_range if any(a is h for h in carried)]
 
     def _own(self, *names) -> bool:
@@ -222,6 +228,7 @@ class CudaOps:
                         self.arena.alloc((xq_size(d, n),), np.uint16) if self._x8_rows(out) else None)
                        for _ in range(2)]
         self._flip = 0
+        self._frags = {}  # another forward (or model) on this stream may have rewritten them
         self.arena.mark()  # the residual stream (and the carried norms) outlive every layer
         return out
 
@@ -230,11 +237,34 @@ class CudaOps:
         """Whether x's projections take int8 x (MATVEC_X8, decode widths)."""
         return MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
 
+    def _frags_for(self, x, qtype):
+        """matvec_mma's fragments of x for qtype's layout: the kept conversion when it is of
+        x, else a new one (the f16 guard's fixup unless x is known in range)."""
+        from ..kernels.matvec_mma import x_frags
+        kept = self._frags.get(qtype)
+        if kept is not None and kept[0] is x:
+            return kept[1]
+        f = x_frags(x, qtype, self.stream, self._guard(x))
+        self._frags[qtype] = (x, f)
+        return f
+
     def rms_norm(self, x, w, eps, out=None, xq=None):
         """out (default: new) = RMSNorm of x's rows; xq: where the int8 form goes where the
-        projections take one (default: new)."""
+        projections take one (default: new). On matvec_mma's widths, with the output in
+        f16's range, the fragments of both weight layouts come from the same launch."""
         from ..kernels.norm import rms_norm_cuda
         out = self._out(x.shape) if out is None else out
+        k = x.shape[len(x.shape) - 1]
+        # |x_i| / rms(x) <= sqrt(K): the output stays below sqrt(K) max|w| (load_tensor
+        # records max|w| of every vector it uploads)
+        wmax = getattr(w, "luce_absmax", None)
+        in_range = wmax is not None and wmax * math.sqrt(k) < 0.99 * 2.0 ** 15
+        if in_range and len(x.shape) == 2 and _takes_mma(x.shape[0], T.Q4_K, k) and not self._x8_rows(x):
+            from ..kernels.matvec_mma import rms_norm_frags
+            for qt, f in rms_norm_frags(x, w, eps, out, stream=self.stream).items():
+                self._frags[qt] = (out, f)
+            self._in_range.append(out)
+            return out
         if self._x8_rows(x):
             # the norm feeds projections (q, k, v; gate and up; the output head) that take
             # int8 x: made in the same launch
@@ -245,10 +275,7 @@ class CudaOps:
             self._xq = (out, xq)
         else:
             rms_norm_cuda(x, w, eps, out=out, stream=self.stream)
-        # |x_i| / rms(x) <= sqrt(K): the output stays below sqrt(K) max|w| (load_tensor
-        # records max|w| of every vector it uploads)
-        wmax = getattr(w, "luce_absmax", None)
-        if wmax is not None and wmax * math.sqrt(x.shape[len(x.shape) - 1]) < 0.99 * 2.0 ** 15:
+        if in_range:
             self._in_range.append(out)
         return out
 
@@ -288,7 +315,7 @@ class CudaOps:
         out = residual if residual is not None else self._out((n, w.shape[0]))
         if _takes_mma(n, w.qtype, w.shape[1]):
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
-                              stream=self.stream, guard=self._guard(x))
+                              stream=self.stream, frags=self._frags_for(x, w.qtype))
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream,
                                xq=self._x8(x, w.qtype))
@@ -307,7 +334,7 @@ class CudaOps:
         type and width that matvec_fast takes (q and k of a Q4_K_M model) run as one
         launch (PAIR_PROJECTIONS); on matvec_mma's widths, weights of one type share x's
         conversion."""
-        outs, i, frags = [], 0, {}
+        outs, i = [], 0
         while i < len(ws):
             if i + 1 < len(ws) and self._pairable(x, ws[i], ws[i + 1], biases[i], biases[i + 1]):
                 from ..kernels.matvec_fast import matvec_fast_pair
@@ -322,12 +349,10 @@ class CudaOps:
             elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
                 x = self._plain(x)
                 # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
-                from ..kernels.matvec_mma import matvec_mma, x_frags
+                from ..kernels.matvec_mma import matvec_mma
                 w = ws[i]
-                if w.qtype not in frags:
-                    frags[w.qtype] = x_frags(x, w.qtype, self.stream, self._guard(x))
                 outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((x.shape[0], w.shape[0])),
-                                       bias=biases[i], stream=self.stream, frags=frags[w.qtype]))
+                                       bias=biases[i], stream=self.stream, frags=self._frags_for(x, w.qtype)))
                 i += 1
             else:
                 outs.append(self.linear(x, ws[i], biases[i]))
@@ -371,7 +396,7 @@ class CudaOps:
             x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
-                              stream=self.stream, w_up=w_up.raw, guard=self._guard(x))
+                              stream=self.stream, w_up=w_up.raw, frags=self._frags_for(x, qt))
         if w_up.qtype == qt:
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),

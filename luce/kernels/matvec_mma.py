@@ -39,10 +39,12 @@ agree exactly where both take this kernel).
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda
 
+from ._reduce import block_sum
 from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
@@ -51,7 +53,7 @@ from .matvec_fast import k4_scales
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "plan", "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "plan", "rms_norm_frags", "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -126,26 +128,36 @@ def frag_col(q4, c, s):
 
 
 @device(inline=True)
-def _frag_item(x, t, n_x, q4, i, rows8, down, out):
-    """Item i (block, lane group, step) of fragment row t: two f16x2 words, columns (0, 2)
-    and (1, 3) of the step's four, times `down`; zeros for rows from n_x up to the
-    fragments' 8. Layout: [block][step pair][row][lane group][4 words], so that the 32 lanes
-    of a warp (8 rows x 4 lane groups) load one contiguous 512 bytes for a fragment's two
-    steps (laid out row-major, a warp's loads touched 32 lines: L1 was 91% busy at 23 rows,
-    H200). Returns the largest |x| it converted."""
+def _item_col(q4, i):
+    """The first of the four consecutive columns of item i (block, lane group, step) of a
+    fragment row."""
+    return (i // 64) * QK + frag_col(q4, (i // 16) % 4, i % 16)
+
+
+@device(inline=True)
+def _store_item(out, i, t, rows8, v0, v1, v2, v3):
+    """Item i of fragment row t: two f16x2 words, columns (0, 2) and (1, 3) of the step's
+    four. Layout: [block][step pair][row][lane group][4 words], so that the 32 lanes of a
+    warp (8 rows x 4 lane groups) load one contiguous 512 bytes for a fragment's two steps
+    (laid out row-major, a warp's loads touched 32 lines: L1 was 91% busy at 23 rows, H200)."""
     s = i % 16
-    c = (i // 16) % 4
-    b = i // 64
-    col = b * QK + frag_col(q4, c, s)
+    o = ((((i // 64) * 8 + (s >> 1)) * rows8 + t) * 4 + (i // 16) % 4) * 4 + 2 * (s & 1)
+    out[o] = f32x2_to_f16x2(v0, v2)
+    out[o + 1] = f32x2_to_f16x2(v1, v3)
+
+
+@device(inline=True)
+def _frag_item(x, t, n_x, q4, i, rows8, down, out):
+    """Item i of fragment row t from x's row t times `down`; zeros for rows from n_x up to
+    the fragments' 8. Returns the largest |x| it converted."""
+    col = _item_col(q4, i)
     v0 = v1 = v2 = v3 = np.float32(0.0)
     if t < n_x:
         v0 = x[t, col]
         v1 = x[t, col + 1]
         v2 = x[t, col + 2]
         v3 = x[t, col + 3]
-    o = (((b * 8 + (s >> 1)) * rows8 + t) * 4 + c) * 4 + 2 * (s & 1)
-    out[o] = f32x2_to_f16x2(v0 * down, v2 * down)
-    out[o + 1] = f32x2_to_f16x2(v1 * down, v3 * down)
+    _store_item(out, i, t, rows8, v0 * down, v1 * down, v2 * down, v3 * down)
     return max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
 
 
@@ -173,11 +185,68 @@ def _frags_fixup(x, n_x, q4, out, flags, scales):
             _frag_item(x, t, n_x, q4, i, cuda.gridDim.x, down, out)
 
 
+@cuda.jit
+def _norm_frags_kernel(x, w, eps, n_x, h, frags4, frags6):
+    # a block a fragment row t: the RMSNorm of x's row t into h and, from the same values,
+    # the row's fragments in both layouts (zeros past n_x)
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    k = x.shape[1]
+    buf = cuda.shared.array(FIXUP_THREADS, np.float32)
+    live = t < n_x
+    ss = np.float32(0.0)
+    if live:
+        for c in range(tid, k, cuda.blockDim.x):
+            ss += x[t, c] * x[t, c]
+    # as rms_norm's kernel: float32 throughout (sum / int would be a float64 divide)
+    inv = np.float32(1.0) / math.sqrt(block_sum(ss, buf) / np.float32(k) + eps)
+    rows8 = cuda.gridDim.x
+    for i in range(tid, (k // QK) * 64, cuda.blockDim.x):
+        for q4 in range(2):
+            col = _item_col(q4, i)
+            v0 = v1 = v2 = v3 = np.float32(0.0)
+            if live:
+                v0 = x[t, col] * inv * w[col]
+                v1 = x[t, col + 1] * inv * w[col + 1]
+                v2 = x[t, col + 2] * inv * w[col + 2]
+                v3 = x[t, col + 3] * inv * w[col + 3]
+                if q4:  # the Q4_K layout's items cover every column once
+                    h[t, col] = v0
+                    h[t, col + 1] = v1
+                    h[t, col + 2] = v2
+                    h[t, col + 3] = v3
+            _store_item(frags4 if q4 else frags6, i, t, rows8, v0, v1, v2, v3)
+
+
+def rms_norm_frags(x_dev, w, eps: float, h, stream=0):
+    """h = RMSNorm(x) * w (x, h: float32 [n_x, K] on the device) and, in the same launch, x_frags
+    of h for both weight layouts, made without the guard: the caller knows every |h| < 2**15
+    (|x_i| / rms(x) <= sqrt(K): max|w| sqrt(K) below it). Returns {qtype: (fragments, row
+    scales)} for matvec_mma's `frags`. One launch where the norm and the products' two
+    conversions took three (a verification forward's attention and FFN inputs)."""
+    n_x, k = x_dev.shape
+    if k % QK or not 1 <= n_x <= MAX_ROWS:
+        raise ValueError(f"rms_norm_frags: x of {n_x} rows x {k} (1..{MAX_ROWS} rows, K a multiple of {QK})")
+    rows8 = -(-n_x // 8) * 8
+    bufs = {qt: _scratch(rows8, k, qt, stream) for qt in (T.Q4_K, T.Q6_K)}
+    _norm_frags_kernel[rows8, 32 if SIM else FIXUP_THREADS, stream](
+        x_dev, w, np.float32(eps), n_x, h, bufs[T.Q4_K][0], bufs[T.Q6_K][0])
+    return {qt: (b[0].view(np.uint16), unit_scales(rows8)) for qt, b in bufs.items()}
+
+
 # (rows8, K, layout, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
 # captured graphs stay valid; one per stream, so that two backends (a draft's and a
 # target's) never share one in flight; one per layout, so that fragments made for one weight
 # type stay valid while the other type's are made (q and k, then v)
 _SCRATCH: dict = {}
+
+
+def _scratch(rows8: int, k: int, qtype, stream):
+    key = (rows8, k, int(as_qtype(qtype) == T.Q4_K), id(stream))
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
+                         cuda.device_array(rows8, np.float32))
+    return _SCRATCH[key]
 
 
 def x_frags(x_dev, qtype, stream=0, guard=True):
@@ -190,11 +259,7 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
     q4 = int(as_qtype(qtype) == T.Q4_K)
-    key = (rows8, k, q4, id(stream))
-    if key not in _SCRATCH:
-        _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
-                         cuda.device_array(rows8, np.float32))
-    out, flags, scales = _SCRATCH[key]
+    out, flags, scales = _scratch(rows8, k, qtype, stream)
     n = out.shape[0] // 2
     threads = 32 if SIM else 256
     _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, q4, out, flags)

@@ -94,3 +94,24 @@ def test_matvec_mma_rows_past_f16_range_gpu(gated):
     plain = [i for i in range(n_x) if i not in (3, 17)]
     alone = matvec_mma(w, qtype, cuda.to_device(x[plain]), n_out, w_up=up).copy_to_host()
     np.testing.assert_array_equal(got[plain], alone)
+
+
+@pytest.mark.parametrize("n_x,k", [(23, 4096), (2, 5120), (32, 4096)])
+def test_rms_norm_frags_gpu(n_x, k):
+    """The RMSNorm with both layouts' fragments in one launch, at the 8B/32B hidden sizes:
+    the norm against numpy, each layout bit for bit x_frags of that norm (rows past n_x:
+    zeros), buffers filled with f16 NaNs first."""
+    from luce.kernels.matvec_mma import _scratch, rms_norm_frags, x_frags
+    from luce.kernels.norm import rms_norm_ref
+    rng = np.random.default_rng(n_x + k)
+    x = (3 * rng.standard_normal((n_x, k))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    rows8 = -(-n_x // 8) * 8
+    for qt in (T.Q4_K, T.Q6_K):
+        _scratch(rows8, k, qt, 0)[0].copy_to_device(np.full(rows8 * k // 2, 0x7E007E00, np.uint32))
+    h = cuda.to_device(np.full((n_x, k), np.nan, np.float32))
+    got = {qt: f.copy_to_host() for qt, (f, _) in rms_norm_frags(cuda.to_device(x), cuda.to_device(w), 1e-6, h).items()}
+    h_host = h.copy_to_host()
+    np.testing.assert_allclose(h_host, rms_norm_ref(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    for qt in (T.Q4_K, T.Q6_K):
+        assert np.array_equal(got[qt], x_frags(cuda.to_device(h_host), qt, guard=False)[0].copy_to_host()), qt

@@ -11,7 +11,7 @@ from numba import cuda
 
 from luce.kernels.dequant import T, dequantize
 from luce.kernels.matvec import matvec_ref
-from luce.kernels.matvec_mma import frag_col, matvec_mma
+from luce.kernels.matvec_mma import _scratch, frag_col, matvec_mma, rms_norm_frags, x_frags
 from tests.test_dequant import abs_terms, random_tensor
 from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
@@ -93,6 +93,28 @@ def test_frag_cols_cover_each_block_once(qtype):
     assert cols == list(range(256))
 
 
+def test_rms_norm_frags_is_the_norm_then_both_conversions():
+    """One launch for an RMSNorm and its fragments in both layouts: h against the numpy
+    norm, and each layout bit for bit what x_frags makes of that h (rows past n_x
+    included: zeros), into buffers filled with garbage first."""
+    from luce.kernels.dequant import T as QT
+    from luce.kernels.norm import rms_norm_ref
+    n_x, k = 5, 512
+    x = (3 * rng.standard_normal((n_x, k))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    for qt in (QT.Q4_K, QT.Q6_K):
+        _scratch(8, k, qt, 0)[0].copy_to_device(np.full(8 * k // 2, 0x7E007E00, np.uint32))  # f16 NaNs
+    h = cuda.to_device(np.full((n_x, k), np.nan, np.float32))
+    got = {qt: (f.copy_to_host(), sc.copy_to_host()[:8]) for qt, (f, sc) in
+           rms_norm_frags(cuda.to_device(x), cuda.to_device(w), 1e-6, h).items()}
+    h_host = h.copy_to_host()
+    np.testing.assert_allclose(h_host, rms_norm_ref(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    for qt in (QT.Q4_K, QT.Q6_K):
+        want, scales = x_frags(cuda.to_device(h_host), qt, guard=False)
+        assert np.array_equal(got[qt][0], want.copy_to_host()), qt
+        assert np.all(got[qt][1] == 1) and np.all(scales.copy_to_host()[:8] == 1)
+
+
 def test_matvec_mma_rejects():
     raw = random_tensor(rng, T.Q4_K, (16, 256)).reshape(16, -1)
     with pytest.raises(ValueError, match="Q4_K and Q6_K only"):
@@ -119,7 +141,9 @@ for qt, nt, tiles, warps, gated in [(T.Q4_K, 1, 1, 4, False), (T.Q4_K, 3, 2, 4, 
     assert ".local" not in code and use["spill_bytes"] == 0, (qt, nt, tiles, warps, gated, use)
     print(qt.name, nt, tiles, warps, gated, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
-               (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])")]:
+               (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
+               (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32, int64, float32[:, ::1], "
+                                      "uint32[::1], uint32[::1])")]:
     code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
     assert ".local" not in code and ".f64" not in code
 print("PTX OK")
