@@ -270,6 +270,10 @@ def test_matvec_mma_routing(monkeypatch):
     assert convs == [], convs
     close(got.copy_to_host(), swiglu_ref(rg, ru, Q.Q4_K, hh), rg, Q.Q4_K, hh,
           scale=1.1 * np.abs(matvec_ref(ru, Q.Q4_K, hh)).max() + np.abs(matvec_ref(rg, Q.Q4_K, hh)).max())
+    # written in place (a residual add), its conversions are made again
+    ops.add(carried, carried)
+    ops._frags_for(carried, Q.Q6_K)
+    assert convs == ["Q6_K"], convs
 
 
 def test_matvec_mma_rows_from_env(monkeypatch):

@@ -237,6 +237,11 @@ class CudaOps:
         """Whether x's projections take int8 x (MATVEC_X8, decode widths)."""
         return MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
 
+    def _written(self, a):
+        """a is rewritten in place: its kept conversions and its in-range mark no longer hold."""
+        self._frags = {qt: f for qt, f in self._frags.items() if f[0] is not a}
+        self._in_range = [r for r in self._in_range if r is not a]
+
     def _frags_for(self, x, qtype):
         """matvec_mma's fragments of x for qtype's layout: the kept conversion when it is of
         x, else a new one (the f16 guard's fixup unless x is known in range)."""
@@ -286,7 +291,7 @@ class CudaOps:
         from ..kernels.matvec_fast import FAST_TYPES, matvec_fast_norm, splits_norm
         h, parts, xq = self._carry[self._flip]
         self._flip ^= 1
-        self._in_range = [a for a in self._in_range if a is not h]  # rewritten: rms_norm says again
+        self._written(h)  # rewritten: rms_norm says again
         n = x.shape[0]
         if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and not MATVEC_X8
                 and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
@@ -313,6 +318,8 @@ class CudaOps:
             x = self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
+        if residual is not None:
+            self._written(residual)
         if _takes_mma(n, w.qtype, w.shape[1]):
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
                               stream=self.stream, frags=self._frags_for(x, w.qtype))
@@ -370,10 +377,12 @@ class CudaOps:
 
     def scale(self, x, s):
         from ..kernels.elementwise import axpby_cuda
+        self._written(x)
         return axpby_cuda(x, x, s, 0.0, out=x, stream=self.stream)
 
     def add(self, x, y):
         from ..kernels.elementwise import axpby_cuda
+        self._written(x)
         return axpby_cuda(x, y, 1.0, 1.0, out=x, stream=self.stream)
 
     def gated_linear(self, x, w_gate: DeviceWeight, w_up: DeviceWeight, act="silu"):
