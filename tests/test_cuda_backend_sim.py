@@ -191,7 +191,8 @@ def test_matvec_mma_routing(monkeypatch):
     MATVEC_MMA_ROWS; 2-32 by default), the backend's linear (Q4_K with a bias; Q6_K adding into
     the residual stream in place) and gated FFN ops of a 3-token forward go through it and
     match the float64 references; a Q8_0 weight and a 9-token forward do not. x's conversion
-    for a weight type is made once and kept while it is x's; an RMSNorm makes both."""
+    for a weight type is made once and kept while it is x's; an RMSNorm makes both. Two
+    weights of one type and width in linears run as one launch."""
     import gguf
     from numba import cuda
     from luce.backends import cuda as C
@@ -255,11 +256,14 @@ def test_matvec_mma_routing(monkeypatch):
     wn.luce_absmax = float(wn_host.max())  # as load_tensor records it: the output is in f16's range
     convs.clear()
     h = ops.rms_norm(xd, wn, 1e-6)
-    got = ops.linears(h, [w4b, w6b], [None, None])
-    assert convs == [], convs
+    pairs, real_pair = [], M.matvec_mma_pair
+    monkeypatch.setattr(M, "matvec_mma_pair", lambda *a, **k: pairs.append(a[2].name) or real_pair(*a, **k))
+    # two Q4_K weights of one width (q and k) in one launch, then the Q6_K one
+    got = ops.linears(h, [w4b, w4, w6b], [None, None, None])
+    assert convs == [] and pairs == ["Q4_K"], (convs, pairs)
     hh = rms_norm_ref(x, wn_host, 1e-6)
     np.testing.assert_allclose(h.copy_to_host(), hh, rtol=2e-6, atol=1e-6)
-    for g, (raw, qt) in zip(got, [(r4b, Q.Q4_K), (r6b, Q.Q6_K)]):
+    for g, (raw, qt) in zip(got, [(r4b, Q.Q4_K), (raw4, Q.Q4_K), (r6b, Q.Q6_K)]):
         close(g.copy_to_host(), matvec_ref(raw, qt, hh), raw, qt, hh)
     # into a carried buffer (linear_norm's, read by the next layer), they outlive new_layer
     carried = cuda.device_array((3, 256), np.float32)

@@ -73,9 +73,10 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 # (luce.bench.x8_drift), enough to change greedy tokens at near-ties and to make decode and
 # the (float) verification forward of speculative decoding disagree there.
 MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
-# Decode's q and k projections (same type and width) as one matvec_fast launch: the 1024-row
-# k projection alone is a latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200,
-# 77d259d) plus a graph gap. Not yet timed end to end; LUCE_PAIR_PROJECTIONS=0 turns it off.
+# Decode's q and k projections (same type and width) as one matvec_fast launch, and
+# verification's as one matvec_mma_pair launch: the 1024-row k projection alone is a
+# latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200, 77d259d) plus a graph gap.
+# The verification pair is not yet timed; LUCE_PAIR_PROJECTIONS=0 turns both off.
 PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
 # Decode's RMSNorms after the o and down projections, split between the launches around
 # them (luce.kernels.matvec_fast: matvec_fast_norm and x_norm), so they cost no launch of their
@@ -339,8 +340,8 @@ class CudaOps:
     def linears(self, x, ws, biases):
         """linear(x, w, b) for each (w, b). On decode widths, two consecutive weights of one
         type and width that matvec_fast takes (q and k of a Q4_K_M model) run as one
-        launch (PAIR_PROJECTIONS); on matvec_mma's widths, weights of one type share x's
-        conversion."""
+        launch (PAIR_PROJECTIONS), and on matvec_mma's widths two consecutive weights of one
+        type and width too; weights of one type share x's conversion."""
         outs, i = [], 0
         while i < len(ws):
             if i + 1 < len(ws) and self._pairable(x, ws[i], ws[i + 1], biases[i], biases[i + 1]):
@@ -356,9 +357,17 @@ class CudaOps:
             elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
                 x = self._plain(x)
                 # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
-                from ..kernels.matvec_mma import matvec_mma
-                w = ws[i]
-                outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((x.shape[0], w.shape[0])),
+                from ..kernels.matvec_mma import matvec_mma, matvec_mma_pair
+                w, n = ws[i], x.shape[0]
+                if (PAIR_PROJECTIONS and i + 1 < len(ws) and ws[i + 1].qtype == w.qtype
+                        and ws[i + 1].shape[1] == w.shape[1] and (biases[i] is None) == (biases[i + 1] is None)):
+                    w2 = ws[i + 1]
+                    outs += matvec_mma_pair(w.raw, w2.raw, w.qtype, x, w.shape[0], w2.shape[0],
+                                            self._out((n, w.shape[0])), self._out((n, w2.shape[0])), biases[i],
+                                            biases[i + 1], stream=self.stream, frags=self._frags_for(x, w.qtype))
+                    i += 2
+                    continue
+                outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((n, w.shape[0])),
                                        bias=biases[i], stream=self.stream, frags=self._frags_for(x, w.qtype)))
                 i += 1
             else:

@@ -53,7 +53,7 @@ from .matvec_fast import k4_scales
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "plan", "rms_norm_frags", "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -270,11 +270,14 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
+def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
-    and `warps` warps a block splitting K."""
+    and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
+    stored in out_b."""
     NT, TL, W = nt, tiles, warps
+    PAIR = pair
+    assert not (gated and pair)
     NACC = 4 * NT * TL
     R2 = 2 * TL  # weight rows a lane reads; array shapes must be plain constants
     ROWS = 16 if gated else 16 * TL
@@ -303,10 +306,10 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             x4[f, 0], x4[f, 1], x4[f, 2], x4[f, 3] = ldg_u16_u32x4(xq, xb + 256 * NT * wpair + 256 * f)
 
     @device(inline=True)
-    def block_q4_k(w0, w1, rows, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
+    def block_q4_k(w0, w1, rows, wsel, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
         c = lane & 3
         for i in range(R2):
-            w = w1 if gated and i >= 2 else w0
+            w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
             base = (rows[i] * nb + b) * BU
             hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldg_u16_u32x4(w, base)
             qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ldg_u16_u32x4(w, base + 8 + 8 * c)
@@ -338,7 +341,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
                              lane)
 
     @device(inline=True)
-    def block_q6_k(w0, w1, rows, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
+    def block_q6_k(w0, w1, rows, wsel, nb, b, live, xq, xb, scr, wid, lane, acc, qw, hd, sc, x4):
         # ql[128] qh[64] scales[16] d. Lane group c = 2n + m takes, of half n, ql bytes
         # 64n + 16m .. + 15 (quarters 0, 2), 64n + 32 + 16m .. (quarters 1, 3) and qh
         # 32n + 16m ..; their sub-blocks' scales are bytes 8n + 2qq + m
@@ -346,7 +349,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
         n = c >> 1
         m = c & 1
         for i in range(R2):
-            w = w1 if gated and i >= 2 else w0
+            w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
             base = (rows[i] * nb + b) * 210
             qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = _ld16(w, base + 64 * n + 16 * m)
             qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = _ld16(w, base + 64 * n + 32 + 16 * m)
@@ -377,7 +380,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
     block = block_q4_k if Q4 else block_q6_k
 
     @jit
-    def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out):
+    def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -386,6 +389,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
         red = cuda.shared.array((W, 32, NACC), np.float32)
         acc = cuda.local.array(NACC, np.float32)
         rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: g, g + 8 of each tile
+        wsel = cuda.local.array(R2, np.int32)  # pair: 1 where the row is W_b's
         qw = cuda.local.array((R2, NQ), np.uint32)
         hd = cuda.local.array((R2, 4), np.uint32)
         sc = cuda.local.array((R2, 4), np.uint32)  # f16x2 scales (and Q4_K's mins)
@@ -395,6 +399,10 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
         for i in range(R2):  # rows past the end: computed, never stored
             tile = 0 if gated else i >> 1
             rows[i] = min(cuda.blockIdx.x * ROWS + 16 * tile + g + 8 * (i & 1), n_out - 1)
+            wsel[i] = 0
+            if PAIR and rows[i] >= n_a:
+                wsel[i] = 1
+                rows[i] -= n_a
         # this lane's x words (see _frags_kernel): row g of fragment 0, lane group c
         xb0 = 8 * (4 * g + (lane & 3))
         trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
@@ -402,7 +410,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
             b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            block(w0, w1, rows, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
+            block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
         cuda.syncthreads()
@@ -427,11 +435,16 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False):
                     for ww in range(1, W):
                         u += red[ww, ln, e + 4]
                     v = silu(v) * (u * xs[t])
-                if has_bias:
-                    v += bias[nn]
-                if has_res:  # may be out itself (the residual stream, in place)
-                    v += res[t, nn]
-                out[t, nn] = v
+                if PAIR and nn >= n_a:
+                    if has_bias:
+                        v += bias_b[nn - n_a]
+                    out_b[t, nn - n_a] = v
+                else:
+                    if has_bias:
+                        v += bias[nn]
+                    if has_res:  # may be out itself (the residual stream, in place)
+                        v += res[t, nn]
+                    out[t, nn] = v
 
     return kernel
 
@@ -484,5 +497,27 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     r = residual if residual is not None else out
     rows = 16 if gated else 16 * tiles
     _kernel(qtype, -(-n_x // 8), tiles, warps, gated)[-(-n_out // rows), 32 * warps, stream](
-        w16, u16, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out)
+        w16, u16, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
+        n_out, b, out)
     return out
+
+
+def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,
+                    frags=None):
+    """matvec_mma of one x by two weights of one type and width in one launch: out_a = x W_a^T
+    (+ bias_a), out_b = x W_b^T (+ bias_b), both biases or neither. Verification's q and k
+    projections: the 1024-row k product alone is a small grid's latency (and a launch), here
+    its blocks run beside q's. The K split is planned for n_a + n_b rows."""
+    qtype, n_x, k = _check(qtype, x_dev, "matvec_mma_pair")
+    if (bias_a is None) != (bias_b is None):
+        raise ValueError("matvec_mma_pair: both biases or neither")
+    wa16, _ = weight_u16(w_a, qtype, k)
+    wb16, _ = weight_u16(w_b, qtype, k)
+    xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
+    n_out = n_a + n_b
+    tiles, warps = plan(n_x, n_out, k)
+    ba = bias_a if bias_a is not None else out_a.reshape(out_a.size)
+    bb = bias_b if bias_b is not None else out_b.reshape(out_b.size)
+    _kernel(qtype, -(-n_x // 8), tiles, warps, False, True)[-(-n_out // (16 * tiles)), 32 * warps, stream](
+        wa16, wb16, xq, xs, n_out, k // QK, n_x, ba, out_a, int(bias_a is not None), 0, out_a, n_a, bb, out_b)
+    return out_a, out_b

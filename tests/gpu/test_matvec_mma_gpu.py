@@ -115,3 +115,21 @@ def test_rms_norm_frags_gpu(n_x, k):
     np.testing.assert_allclose(h_host, rms_norm_ref(x, w, 1e-6), rtol=2e-6, atol=1e-6)
     for qt in (T.Q4_K, T.Q6_K):
         assert np.array_equal(got[qt], x_frags(cuda.to_device(h_host), qt, guard=False)[0].copy_to_host()), qt
+
+
+@pytest.mark.parametrize("n_x", [2, 23])
+def test_matvec_mma_pair_gpu(n_x):
+    """Verification's q and k projections in one launch at the 8B shape (4096 + 1024 rows of
+    Q4_K over 4096), each against the float64 reference."""
+    from luce.kernels.matvec_mma import matvec_mma_pair
+    rng = np.random.default_rng(n_x)
+    k = 4096
+    raws = [random_tensor(rng, T.Q4_K, (n, k)).reshape(n, -1) for n in (4096, 1024)]
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    outs = [cuda.to_device(np.full((n_x, n), np.nan, np.float32)) for n in (4096, 1024)]
+    matvec_mma_pair(cuda.to_device(raws[0]), cuda.to_device(raws[1]), T.Q4_K, cuda.to_device(x), 4096, 1024, *outs)
+    for raw, out in zip(raws, outs):
+        got = out.copy_to_host()
+        bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (raw.shape[0], k))).T
+        assert np.isfinite(got).all()
+        assert (np.abs(got - matvec_ref(raw, T.Q4_K, x)) <= 2.0 ** -9 * bound + 1e-5).all()

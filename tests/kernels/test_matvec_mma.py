@@ -11,7 +11,7 @@ from numba import cuda
 
 from luce.kernels.dequant import T, dequantize
 from luce.kernels.matvec import matvec_ref
-from luce.kernels.matvec_mma import _scratch, frag_col, matvec_mma, rms_norm_frags, x_frags
+from luce.kernels.matvec_mma import _scratch, frag_col, matvec_mma, matvec_mma_pair, rms_norm_frags, x_frags
 from tests.test_dequant import abs_terms, random_tensor
 from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
@@ -93,6 +93,29 @@ def test_frag_cols_cover_each_block_once(qtype):
     assert cols == list(range(256))
 
 
+@pytest.mark.parametrize("qtype,n_a,n_b,biased", [(T.Q4_K, 24, 16, True), (T.Q6_K, 16, 8, False)],
+                         ids=["Q4_K-tile-across", "Q6_K"])
+def test_matvec_mma_pair(qtype, n_a, n_b, biased):
+    """Two weights in one launch (verification's q and k): each output against the float64
+    reference; 24 + 16 rows put W_b's first rows in the tile after W_a's last ones."""
+    n_x, k = 3, 512
+    ra = random_tensor(rng, qtype, (n_a, k)).reshape(n_a, -1)
+    rb = random_tensor(rng, qtype, (n_b, k)).reshape(n_b, -1)
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    ba = rng.standard_normal(n_a).astype(np.float32) if biased else None
+    bb = rng.standard_normal(n_b).astype(np.float32) if biased else None
+    oa = cuda.to_device(np.full((n_x, n_a), np.nan, np.float32))
+    ob = cuda.to_device(np.full((n_x, n_b), np.nan, np.float32))
+    dev = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+    matvec_mma_pair(cuda.to_device(ra), cuda.to_device(rb), qtype, cuda.to_device(x), n_a, n_b, oa, ob,
+                    dev(ba), dev(bb))
+    for got, raw, bias, n in ((oa, ra, ba, n_a), (ob, rb, bb, n_b)):
+        got = got.copy_to_host()
+        assert not np.isnan(got).any()
+        err = np.abs(got - matvec_ref(raw, qtype, x, bias=bias))
+        assert np.all(err <= 2.0 ** -9 * _bound(raw, qtype, x, n, k) + 1e-6)
+
+
 def test_rms_norm_frags_is_the_norm_then_both_conversions():
     """One launch for an RMSNorm and its fragments in both layouts: h against the numpy
     norm, and each layout bit for bit what x_frags makes of that h (rows past n_x
@@ -128,18 +151,20 @@ from numba import cuda
 from luce.kernels import matvec_mma as M
 from luce.kernels.dequant import T
 sig = ("void(uint16[::1], uint16[::1], uint16[::1], float32[::1], int64, int64, int64, float32[::1], float32[:, ::1], "
-       "int64, int64, float32[:, ::1])")
+       "int64, int64, float32[:, ::1], int64, float32[::1], float32[:, ::1])")
 from luce.kernels.ptx import ptxas_usage
-for qt, nt, tiles, warps, gated in [(T.Q4_K, 1, 1, 4, False), (T.Q4_K, 3, 2, 4, False), (T.Q4_K, 4, 1, 8, False),
-                                    (T.Q4_K, 3, 2, 4, True), (T.Q4_K, 4, 2, 4, True), (T.Q6_K, 1, 1, 8, False),
-                                    (T.Q6_K, 3, 2, 8, False), (T.Q6_K, 4, 1, 8, False), (T.Q4_K, 1, 1, 1, False)]:
-    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps, gated).py_func, sig, cc=(9, 0),
+for qt, nt, tiles, warps, gated, pair in [
+        (T.Q4_K, 1, 1, 4, False, False), (T.Q4_K, 3, 2, 4, False, False), (T.Q4_K, 4, 1, 8, False, False),
+        (T.Q4_K, 3, 2, 4, True, False), (T.Q4_K, 4, 2, 4, True, False), (T.Q6_K, 1, 1, 8, False, False),
+        (T.Q6_K, 3, 2, 8, False, False), (T.Q6_K, 4, 1, 8, False, False), (T.Q4_K, 1, 1, 1, False, False),
+        (T.Q4_K, 3, 1, 8, False, True)]:
+    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps, gated, pair).py_func, sig, cc=(9, 0),
                             launch_bounds=(32 * warps, 1))[0]
     assert "mma.sync" in code and ".f64" not in code, (qt, nt, tiles)  # tensor cores, f32
     use = ptxas_usage(code)
     assert use["registers"] * 32 * warps <= 65536, (qt, nt, tiles, warps, use)  # the block can launch
-    assert ".local" not in code and use["spill_bytes"] == 0, (qt, nt, tiles, warps, gated, use)
-    print(qt.name, nt, tiles, warps, gated, use)
+    assert ".local" not in code and use["spill_bytes"] == 0, (qt, nt, tiles, warps, gated, pair, use)
+    print(qt.name, nt, tiles, warps, gated, pair, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32, int64, float32[:, ::1], "
