@@ -239,8 +239,11 @@ class CudaOps:
         return MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
 
     def _written(self, a):
-        """a is rewritten in place: its kept conversions and its in-range mark no longer hold."""
+        """a is rewritten in place: its kept conversions (fragments, int8 form) and its
+        in-range mark no longer hold."""
         self._frags = {qt: f for qt, f in self._frags.items() if f[0] is not a}
+        if self._xq is not None and self._xq[0] is a:
+            self._xq = None
         self._in_range = [r for r in self._in_range if r is not a]
 
     def _frags_for(self, x, qtype):

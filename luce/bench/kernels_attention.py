@@ -130,8 +130,9 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     cases = [("decode", 1, one, None, False, None),
              ("decode_nosplit", 1, one, 1, False, None),
              (f"decode{SHORT}_in_grid", 1, one, None, False, None)]
-    # the decode kernel's keys a step against the default (attention.DECODE_CHUNK)
-    cases += [(f"decode{s}_chunk{c}", 1, one, None, False, f"chunk{c}") for c in CHUNKS if c != A.DECODE_CHUNK
+    # the decode kernel's keys a step against this shape's default (attention.decode_chunk)
+    cases += [(f"decode{s}_chunk{c}", 1, one, None, False, f"chunk{c}") for c in CHUNKS
+              if c != A.decode_chunk(d, hq // hkv)
               for s in ("", f"{SHORT}_in_grid")]
     default_trip = A.decode_per_trip(d, hq // hkv)
     cases += [(f"decode{s}_trip{t}", 1, one, None, False, f"trip{t}") for t in PER_TRIP if t != default_trip
@@ -151,8 +152,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
     cases = [c for c in cases if only is None or c[0].startswith(only)]
     rows = []
-    default_rows, default_target, default_chunk = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK
-    default_warps = A.DECODE_TARGET_WARPS
+    default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
+    default_chunks, default_warps = (A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE), A.DECODE_TARGET_WARPS
 
     def number(prefix):  # of a variant named prefix + N, or None
         return int(variant[len(prefix):]) if variant and variant.startswith(prefix) else None
@@ -160,7 +161,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         for name, n, mask, max_splits, q8, variant in cases:
             A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
             M.TARGET_BLOCKS = 2 * default_target if variant == "two_waves" else default_target
-            A.DECODE_CHUNK = number("chunk") or default_chunk
+            # chunkN: N keys a step whatever the block's rows
+            A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = (number("chunk"),) * 2 if number("chunk") else default_chunks
             A.DECODE_MERGE_PER_TRIP = number("trip")
             A.DECODE_TARGET_WARPS = number("warps") or default_warps
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
@@ -195,7 +197,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                 rows.append(dict(name=f"attention_{name}_combine_only", shape=f"{ns} splits x{n}x{hq}x{d}",
                                  time_us=round(us, 2), **{"GB/s": None}, mode=mode, n_splits=ns))
     finally:  # the module-wide defaults, whatever happened
-        A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS, A.DECODE_CHUNK = default_rows, default_target, default_chunk
+        A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS = default_rows, default_target
+        A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = default_chunks
         A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
     return rows
 

@@ -398,6 +398,8 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
 # latency chain at 16 (Nsight Compute: ~4.5K instructions a warp, 0.49 eligible warps a
 # scheduler, 10% achieved occupancy).
 DECODE_CHUNK = 16
+# Keys a step for blocks of 8+ query rows (q heads a kv head x queries): see decode_chunk
+DECODE_CHUNK_WIDE = 8
 # Warps over a long context (~12 an H200 SM: one wave at 3 blocks of 4 warps an SM). H200,
 # 8B shape, the kernel merging its own splits (f4d4220): over 8K keys 41.9 / 33.4 / 30.7 /
 # 31.5 us at 512 / 1024 / 1536 / 2048 (16 / 32 / 48 / 64 splits); over 640 keys in an
@@ -438,13 +440,13 @@ def _decode_smem(dim: int, rows: int, warps: int, bufs: int, ch: int) -> int:
 
 
 def decode_chunk(dim: int, rows: int = 1) -> int:
-    """Keys a warp's step: DECODE_CHUNK (8 for blocks of 8+ query rows), or more where a
-    key's lanes would outnumber its 16-byte pieces. H200, Qwen3-32B shape (8 q heads a kv
+    """Keys a warp's step: DECODE_CHUNK (DECODE_CHUNK_WIDE for blocks of 8+ query rows), or
+    more where a key's lanes would outnumber its 16-byte pieces. H200, Qwen3-32B shape (8 q heads a kv
     head), e4f96d8's bench_attention: 8 keys a step fit 4 warps a block in shared memory
     (16: 2), and took decode attention over 640 keys in an 8K grid 26.97 -> 20.68 us,
     over 8K 66.9 -> 60.8 (not yet run end to end); the 8B shape (4 rows) is slower at 8
     (31.6 -> 36.1 us over 8K)."""
-    ch = 8 if rows >= 8 and DECODE_CHUNK == 16 else DECODE_CHUNK
+    ch = DECODE_CHUNK_WIDE if rows >= 8 else DECODE_CHUNK
     return max(ch, 32 // max(1, dim // 8))
 
 

@@ -492,14 +492,22 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
     pt, pw = plan(n_x, n_out, k, gated)
     tiles, warps = (2 if gated else tiles or pt), warps or pw
+    _launch(qtype, k, w16, u16, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream)
+    return out
+
+
+def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
+            n_a=None, out_b=None, bias_b=None):
+    """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b."""
+    pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
     r = residual if residual is not None else out
+    bb = bias_b if bias_b is not None else b
     rows = 16 if gated else 16 * tiles
-    _kernel(qtype, -(-n_x // 8), tiles, warps, gated)[-(-n_out // rows), 32 * warps, stream](
-        w16, u16, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
-        n_out, b, out)
-    return out
+    _kernel(qtype, -(-n_x // 8), tiles, warps, gated, pair)[-(-n_out // rows), 32 * warps, stream](
+        w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
+        n_a if pair else n_out, bb, out_b if pair else out)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,
@@ -511,13 +519,8 @@ def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bi
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma_pair")
     if (bias_a is None) != (bias_b is None):
         raise ValueError("matvec_mma_pair: both biases or neither")
-    wa16, _ = weight_u16(w_a, qtype, k)
-    wb16, _ = weight_u16(w_b, qtype, k)
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
-    n_out = n_a + n_b
-    tiles, warps = plan(n_x, n_out, k)
-    ba = bias_a if bias_a is not None else out_a.reshape(out_a.size)
-    bb = bias_b if bias_b is not None else out_b.reshape(out_b.size)
-    _kernel(qtype, -(-n_x // 8), tiles, warps, False, True)[-(-n_out // (16 * tiles)), 32 * warps, stream](
-        wa16, wb16, xq, xs, n_out, k // QK, n_x, ba, out_a, int(bias_a is not None), 0, out_a, n_a, bb, out_b)
+    tiles, warps = plan(n_x, n_a + n_b, k)
+    _launch(qtype, k, weight_u16(w_a, qtype, k)[0], weight_u16(w_b, qtype, k)[0], xq, xs, n_x, n_a + n_b, out_a,
+            bias_a, None, tiles, warps, False, stream, n_a, out_b, bias_b)
     return out_a, out_b

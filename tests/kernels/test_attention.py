@@ -90,8 +90,8 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
     assert A._row_kernel_applies(1, d, False, hq // hkv)
     plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
-    if hq // hkv >= 8:  # 8 keys a step for 8 q heads a kv head (decode_chunk)
-        chunk = 8
+    if hq // hkv >= 8:  # blocks of 8+ rows take DECODE_CHUNK_WIDE keys a step
+        chunk = A.DECODE_CHUNK_WIDE
     assert plan["kind"] == "row" and (plan["warps"], plan["bufs"], plan["chunk"]) == shape + (chunk,)
     assert plan["per_trip"] == (per_trip or 4)  # these shapes leave room for 4
     # the last block merges where it has a warp a q head; the combine kernel otherwise
