@@ -55,7 +55,7 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
-from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, u32_bits_to_f32
+from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
            "bench_matvec_fast"]
@@ -253,9 +253,9 @@ def load_q4_k(w, ha, hb, t):
     # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
     # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
     # 16-byte aligned (144 = 9 * 16).
-    return (ldg_u16_u32x4(w, ha + 8 + 8 * t), ldg_u16_u32x4(w, ha + 40 + 8 * t),
-            ldg_u16_u32x4(w, hb + 8 + 8 * t), ldg_u16_u32x4(w, hb + 40 + 8 * t),
-            ldg_u16_u32x4(w, ha), ldg_u16_u32x4(w, hb))
+    return (ldw_u16_u32x4(w, ha + 8 + 8 * t), ldw_u16_u32x4(w, ha + 40 + 8 * t),
+            ldw_u16_u32x4(w, hb + 8 + 8 * t), ldw_u16_u32x4(w, hb + 40 + 8 * t),
+            ldw_u16_u32x4(w, ha), ldw_u16_u32x4(w, hb))
 
 
 def _make_unit_q4_k(inline_sums: bool):

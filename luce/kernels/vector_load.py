@@ -11,6 +11,8 @@ write the arrays they read this way.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import cuda
 
@@ -18,7 +20,16 @@ from .device import device
 
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
-__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32"]
+__all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
+           "ldw_u16_u32x4", "ldw_u16_u32", "WEIGHT_HINTS"]
+
+# Cache hints for streamed weight loads (ldw_*: read once a forward, so caching them in L1
+# only evicts what is re-read, such as x): LUCE_WEIGHT_HINT picks one, for measuring.
+WEIGHT_HINTS = {"none": "", "no_allocate": ".L1::no_allocate", "prefetch": ".L2::256B",
+                "no_allocate_prefetch": ".L1::no_allocate.L2::256B"}
+WEIGHT_HINT = os.environ.get("LUCE_WEIGHT_HINT", "none")
+if WEIGHT_HINT not in WEIGHT_HINTS:
+    raise ValueError(f"LUCE_WEIGHT_HINT={WEIGHT_HINT!r}: one of {', '.join(WEIGHT_HINTS)}")
 
 if SIM:
     @device
@@ -39,6 +50,8 @@ if SIM:
         """Two little-endian uint32 words from a[i : i + 4] (uint16 array)."""
         return (np.uint32(a[i] | (np.uint32(a[i + 1]) << 16)),
                 np.uint32(a[i + 2] | (np.uint32(a[i + 3]) << 16)))
+
+    ldw_u16_u32x4, ldw_u16_u32 = ldg_u16_u32x4, ldg_u16_u32  # hints mean nothing here
 
     @device
     def ldg_f32x4(a, i):
@@ -82,9 +95,9 @@ else:
             out = builder.insert_value(out, builder.extract_value(val, k), k)
         return out
 
-    def _ldg_u32(n: int):
+    def _ldg_u32(n: int, hint: str = ""):
         regs = ",".join(f"${k}" for k in range(n))
-        ptx = (f"ld.global.nc.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else "ld.global.nc.u32 $0, [$1];")
+        ptx = (f"ld.global.nc{hint}.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else f"ld.global.nc{hint}.u32 $0, [$1];")
 
         def ldg(typingctx, a, i):
             sig = (types.UniTuple(types.uint32, n) if n > 1 else types.uint32)(a, types.intp)
@@ -98,6 +111,8 @@ else:
     ldg_u16_u32x4 = _ldg_u32(4)
     ldg_u16_u32x2 = _ldg_u32(2)
     ldg_u16_u32 = _ldg_u32(1)
+    ldw_u16_u32x4 = _ldg_u32(4, WEIGHT_HINTS[WEIGHT_HINT])
+    ldw_u16_u32 = _ldg_u32(1, WEIGHT_HINTS[WEIGHT_HINT])
 
     @intrinsic
     def ldg_f32x4(typingctx, a, i):

@@ -167,7 +167,7 @@ for qt, nt, tiles, warps, gated, pair in [
     print(qt.name, nt, tiles, warps, gated, pair, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
-               (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32, int64, float32[:, ::1], "
+               (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, float32[:, ::1], "
                                       "uint32[::1], uint32[::1])")]:
     code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
     assert ".local" not in code and ".f64" not in code
