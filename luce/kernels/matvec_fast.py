@@ -153,8 +153,8 @@ def pieces(h):
 def ld16(w, i0, i1, a):
     """16 bytes at uint16 index i0 + a of w as four little-endian words, from the aligned
     16 bytes at i0 and at i1 (see pieces)."""
-    a0, a1, a2, a3 = ldg_u16_u32x4(w, i0)
-    b0, b1, b2, b3 = ldg_u16_u32x4(w, i1)
+    a0, a1, a2, a3 = ldw_u16_u32x4(w, i0)
+    b0, b1, b2, b3 = ldw_u16_u32x4(w, i1)
     s2 = U(a & U(4)) != U(0)
     c0 = a2 if s2 else a0
     c1 = a3 if s2 else a1

@@ -27,7 +27,7 @@ __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", 
 # only evicts what is re-read, such as x): LUCE_WEIGHT_HINT picks one, for measuring.
 WEIGHT_HINTS = {"none": "", "no_allocate": ".L1::no_allocate", "prefetch": ".L2::256B",
                 "no_allocate_prefetch": ".L1::no_allocate.L2::256B"}
-WEIGHT_HINT = os.environ.get("LUCE_WEIGHT_HINT", "none")
+WEIGHT_HINT = os.environ.get("LUCE_WEIGHT_HINT", "prefetch")
 if WEIGHT_HINT not in WEIGHT_HINTS:
     raise ValueError(f"LUCE_WEIGHT_HINT={WEIGHT_HINT!r}: one of {', '.join(WEIGHT_HINTS)}")
 
