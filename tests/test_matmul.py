@@ -98,8 +98,11 @@ def test_pick_tile_small_m(qtype, k, n, m):
 
 
 def test_pick_tile_defaults():
-    assert pick_tile(128, 4096, 4096, "Q4_K", sim=False) == (TILE_GPU, 1)
-    assert pick_tile(512, 4096, 4096, "Q6_K", sim=False) == (TILE_GPU, 1)
+    assert pick_tile(512, 4096, 4096, "Q6_K", sim=False) == (TILE_GPU, 1)  # 128 blocks: a wave
+    assert pick_tile(512, 12288, 4096, "Q4_K", sim=False) == (TILE_GPU, 1)
+    # k and v of the Qwen3 shapes: 32 blocks, K split 4 ways to fill the 132 SMs
+    assert pick_tile(512, 1024, 4096, "Q4_K", sim=False) == (TILE_GPU, 4)
+    assert pick_tile(512, 1024, 5120, "Q6_K", sim=False) == (TILE_GPU, 4)
     assert pick_tile(16, 4096, 4096, "Q4_K", sim=True) == (TILE_SIM, 1)
     tile, _ = pick_tile(16, 896, 896, "Q8_0", sim=False)  # 896 = 7 * 128: BK shrinks to divide K
     assert 896 % tile[2] == 0
@@ -189,7 +192,8 @@ ptxas = ptxas_path()  # the dev extra's nvidia-cuda-nvcc-cu12 ships one
 u16, f32, i32 = types.uint16[::1], types.float32[::1], types.int32[::1]
 sig = (u16, u16, f32, f32, f32, f32, i32, f32) + (types.int64,) * 5
 for q, m, split, bias_res in [("Q4_K", 16, True, False), ("Q6_K", 16, True, True), ("Q4_K", 32, True, True),
-                              ("Q6_K", 32, False, False), ("Q4_K", 64, True, False), ("Q6_K", 64, True, True)]:
+                              ("Q6_K", 32, False, False), ("Q4_K", 64, True, False), ("Q6_K", 64, True, True),
+                              ("Q4_K", 512, True, True), ("Q6_K", 512, True, False)]:  # prefill's tile, K split
     tile, _ = MM.pick_tile(m, 4096, 4096, q, sim=False)
     kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split, bias_res)
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))

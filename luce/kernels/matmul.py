@@ -314,7 +314,11 @@ def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
     if sim:
         return TILE_SIM, 1
     if m >= 128:
-        return TILE_GPU, 1
+        # one block an SM: a product of few column tiles (k and v, 1024 rows, at 512 rows of
+        # x: 32 blocks for 132 SMs) took a full block's time on a quarter of the GPU (the
+        # Qwen3-8B prefill's q/k/v, three launches, 346 us a layer against 121 for o alone;
+        # H200). Split K until the wave is full.
+        return TILE_GPU, auto_splits(TILE_GPU, m, n, k, 1)
     for m_max, tile, per_sm in TILES_SMALL_M:
         if m <= m_max:
             break

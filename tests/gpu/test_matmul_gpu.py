@@ -56,6 +56,15 @@ def test_mma_real_shapes(qtype, k, n):
     run(qtype, 512, n, k)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_mma_big_tile_split_k(qtype):
+    """The prefill tile with K split (k and v projections: too few column tiles for a wave),
+    against the reference, with a residual, arrival counters left at zero."""
+    assert pick_tile(512, 1024, 4096, qtype)[1] > 1
+    run(qtype, 512, 1024, 4096, residual=True)
+    assert not MM._SPLITBUF["cnt"].copy_to_host().any()
+
+
 @pytest.mark.parametrize("tile,min_blocks", [
     ((128, 128, 32, 64, 32, "lds", 2), None),   # 32-bit fragment loads; fewer W units than threads
     ((128, 128, 32, 64, 32, "ldsm", 2), 2),     # register-capped for two blocks per SM
