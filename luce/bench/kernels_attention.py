@@ -80,6 +80,7 @@ def _time_eager(launch, stream, reps: int) -> float:
 CHUNKS = (8, 16, 32)  # keys a warp's step of the decode kernel, timed against each other
 PER_TRIP = (2, 4, 8)  # splits a trip of the decode kernel's merge, timed against each other
 TARGET_WARPS = (1024, 2048)  # the decode grid's warps, against attention.DECODE_TARGET_WARPS
+TREE_TILE_WARPS = (2, 3, 4)  # warps a query tile of the tensor-core kernel, against its plan
 SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step sees ~640)
 
 
@@ -145,7 +146,12 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              # against the default splits (one wave of one-block-an-SM blocks): two waves, and fewer
              (f"tree{tree_nodes}_two_waves", tree_nodes, tree, None, False, "two_waves"),
              (f"tree{tree_nodes}_{SHORT}_in_grid_two_waves", tree_nodes, tree, None, False, "two_waves"),
-             (f"tree{tree_nodes}_splits8", tree_nodes, tree, 8, False, None),
+             (f"tree{tree_nodes}_splits8", tree_nodes, tree, 8, False, None)]
+    # the tree's query rows in tiles of N warps (N x 16 rows; attention_mma.TILE_WARPS): more
+    # blocks, each a shorter chain of mma over a page, the K/V pages read once a tile
+    cases += [(f"tree{tree_nodes}{s}_tilewarps{w}", tree_nodes, tree, None, False, f"tilewarps{w}")
+              for w in TREE_TILE_WARPS for s in ("", f"_{SHORT}_in_grid")]
+    cases += [
              (f"prefill{prefill}", prefill, None, None, False, None),
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
@@ -153,6 +159,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     cases = [c for c in cases if only is None or c[0].startswith(only)]
     rows = []
     default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
+    default_tile = M.MAX_WARPS, M.TILE_WARPS
     default_chunks, default_warps = (A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE), A.DECODE_TARGET_WARPS
 
     def number(prefix):  # of a variant named prefix + N, or None
@@ -165,6 +172,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = (number("chunk"),) * 2 if number("chunk") else default_chunks
             A.DECODE_MERGE_PER_TRIP = number("trip")
             A.DECODE_TARGET_WARPS = number("warps") or default_warps
+            M.MAX_WARPS, M.TILE_WARPS = (number("tilewarps"),) * 2 if number("tilewarps") else default_tile
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -200,6 +208,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS = default_rows, default_target
         A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = default_chunks
         A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
+        M.MAX_WARPS, M.TILE_WARPS = default_tile
     return rows
 
 
