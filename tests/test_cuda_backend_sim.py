@@ -450,3 +450,36 @@ def test_gemma3_numerics_in_simulator(tmp_path):
         kv_cpu.commit()
         kv_gpu.commit()
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
+
+
+def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
+    """On matvec_mma's widths the gated FFN's launch writes its output's fragments
+    (frags_out), and the down projection runs only the f16 guard's fixup on them, not a
+    conversion; LUCE_GATED_FRAGS=0 (GATED_FRAGS) goes back to converting."""
+    import gguf
+    from numba import cuda
+    from luce.backends import cuda as C
+    from luce.kernels import matvec_mma as M
+    Q = gguf.GGMLQuantizationType
+    monkeypatch.setattr(C, "MATVEC_MMA_ROWS", range(1, 9))
+    calls = []
+    monkeypatch.setattr(M, "x_frags", lambda x, qt, stream=0, guard=True: calls.append(("x_frags", qt.name)) or
+                        ("converted", None))
+    monkeypatch.setattr(M, "frags_fixup", lambda x, qt, stream=0: calls.append(("fixup", qt.name)) or ("fixed", None))
+    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: calls.append(("mma", k.get("frags_out", False),
+                                                                       k["frags"][0])) or k["out"])
+    ops = C.CudaOps(C.CUDABackend(use_graphs=False), None)
+    ops.arena = C.Arena(1 << 22)
+    gate = C.DeviceWeight(cuda.to_device(np.zeros((512, 144), np.uint8)), Q.Q4_K, (512, 256))
+    down = C.DeviceWeight(cuda.to_device(np.zeros((256, 420), np.uint8)), Q.Q6_K, (256, 512))
+    x = cuda.to_device(np.ones((3, 256), np.float32))
+    for on, want in [(True, [("x_frags", "Q4_K"), ("mma", True, "converted"), ("fixup", "Q6_K"),
+                             ("mma", False, "fixed")]),
+                     (False, [("x_frags", "Q4_K"), ("mma", False, "converted"), ("x_frags", "Q6_K"),
+                              ("mma", False, "converted")])]:
+        monkeypatch.setattr(C, "GATED_FRAGS", on)
+        calls.clear()
+        ops.new_layer()
+        ops._frags = {}
+        ops.linear(ops.gated_linear(x, gate, gate), down)
+        assert calls == want, (on, calls)

@@ -83,6 +83,10 @@ PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
 # LUCE_FUSED_NORM=0 turns it off.
 FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
+# On matvec_mma's widths the gated FFN's kernel also writes its output's fragments for the
+# down projection (luce.kernels.matvec_mma: frags_out), which then runs only the f16 guard's
+# fixup before its product: a conversion launch a layer fewer.
+GATED_FRAGS = os.environ.get("LUCE_GATED_FRAGS", "1") != "0"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -252,8 +256,12 @@ class CudaOps:
         from ..kernels.matvec_mma import x_frags
         kept = self._frags.get(qtype)
         if kept is not None and kept[0] is x:
-            return kept[1]
-        f = x_frags(x, qtype, self.stream, self._guard(x))
+            if kept[1] is not None:
+                return kept[1]
+            from ..kernels.matvec_mma import frags_fixup
+            f = frags_fixup(x, qtype, self.stream)  # made by the gated kernel: only the guard's fixup left
+        else:
+            f = x_frags(x, qtype, self.stream, self._guard(x))
         self._frags[qtype] = (x, f)
         return f
 
@@ -416,8 +424,15 @@ class CudaOps:
                                    stream=self.stream, x_norm=x.x_norm)
             x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
-            return matvec_mma(w_gate.raw, qt, x, w_gate.shape[0], out=self._out((n, w_gate.shape[0])),
-                              stream=self.stream, w_up=w_up.raw, frags=self._frags_for(x, qt))
+            n_ff = w_gate.shape[0]
+            # the down projection takes matvec_mma too (and its x's fragments are not x's own buffers)
+            frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff) and n_ff != x.shape[1]
+            h = matvec_mma(w_gate.raw, qt, x, n_ff, out=self._out((n, n_ff)), stream=self.stream, w_up=w_up.raw,
+                           frags=self._frags_for(x, qt), frags_out=frags_out)
+            if frags_out:
+                for layout in (T.Q4_K, T.Q6_K):
+                    self._frags[layout] = (h, None)  # written, less the fixup (see _frags_for)
+            return h
         if w_up.qtype == qt:
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),

@@ -72,6 +72,17 @@ def unit_scales(n_rows: int):
     return _UNIT[-1]
 
 
+def unit_flags():
+    """A zeroed int32 flag array that a kernel's absent epilogue is given (never written):
+    one for the process, so that captured graphs keep its address."""
+    if not _UNIT_FLAGS:
+        _UNIT_FLAGS.append(new_flags(8))
+    return _UNIT_FLAGS[0]
+
+
+_UNIT_FLAGS: list = []
+
+
 def new_flags(n_rows: int):
     """Zeroed overflow flags (int32) for n_rows rows; each fixup leaves them zeroed."""
     return cuda.to_device(np.zeros(n_rows, np.int32))

@@ -45,7 +45,7 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import block_sum
-from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_flags, unit_scales
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
 from .matvec import silu
@@ -53,7 +53,7 @@ from .matvec_fast import k4_scales, ld16, pieces
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -132,6 +132,22 @@ def _item_col(q4, i):
     """The first of the four consecutive columns of item i (block, lane group, step) of a
     fragment row."""
     return (i // 64) * QK + frag_col(q4, (i // 16) % 4, i % 16)
+
+
+@device(inline=True)
+def _frag_u16(q4, col, t, rows8):
+    """Where column col of fragment row t goes, as an index into the fragments' uint16
+    view: frag_col and _store_item inverted (word o holds columns 0 and 2 of a step's four,
+    word o + 1 columns 1 and 3, the first of each in the low half)."""
+    c = col % QK
+    if q4:
+        s = (((c >> 7) & 1) << 3) | (((c >> 2) & 3) << 1) | ((c >> 5) & 1)
+        g = (((c >> 6) & 1) << 1) | ((c >> 4) & 1)
+    else:
+        s = (((c >> 2) & 3) << 2) | ((c >> 5) & 3)
+        g = (((c >> 7) & 1) << 1) | ((c >> 4) & 1)
+    o = ((((col // QK) * 8 + (s >> 1)) * rows8 + t) * 4 + g) * 4 + 2 * (s & 1)
+    return 2 * (o + (c & 1)) + ((c >> 1) & 1)
 
 
 @device(inline=True)
@@ -265,6 +281,18 @@ def _scratch(rows8: int, k: int, qtype, stream):
     return _SCRATCH[key]
 
 
+def frags_fixup(x_dev, qtype, stream=0):
+    """x_frags's second half for fragments of x already written with their rows flagged (by
+    matvec_mma's gated kernel with frags_out): the flagged rows rewritten scaled, the row
+    scales set. Returns (fragments, scales) as x_frags does."""
+    n_x, k = x_dev.shape
+    rows8 = -(-n_x // 8) * 8
+    out, flags, scales = _scratch(rows8, k, qtype, stream)
+    _frags_fixup[rows8, 32 if SIM else FIXUP_THREADS, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out, flags,
+                                                              scales)
+    return out.view(np.uint16), scales
+
+
 def x_frags(x_dev, qtype, stream=0, guard=True):
     """x [n_x, K] (float32, device) as the kernel's B fragments, a flat uint16 view (rows
     padded to a multiple of 8 with zeros; layout in _frag_item), and each row's scale
@@ -281,19 +309,22 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, q4, out, flags)
     if not guard:
         return out.view(np.uint16), unit_scales(rows8)
-    _frags_fixup[rows8, 32 if SIM else FIXUP_THREADS, stream](x_dev, n_x, q4, out, flags, scales)
-    return out.view(np.uint16), scales
+    return frags_fixup(x_dev, qtype, stream)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False):
+def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
-    stored in out_b."""
+    stored in out_b; frags (gated): the outputs also go, as f16, into fragments of both
+    layouts for the next product (f4, f6: x_frags's buffers; rows reaching F16_SAFE flagged
+    in fl4, fl6 for the fixup)."""
     NT, TL, W = nt, tiles, warps
     PAIR = pair
-    assert not (gated and pair)
+    FRAGS = frags
+    ROWS8 = 8 * nt
+    assert not (gated and pair) and (gated or not frags)
     NACC = 4 * NT * TL
     R2 = 2 * TL  # weight rows a lane reads; array shapes must be plain constants
     ROWS = 16 if gated else 16 * TL
@@ -401,7 +432,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     block = block_q4_k if Q4 else block_q6_k
 
     @jit
-    def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b):
+    def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
+               fl6):
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -466,6 +498,15 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                     if has_res:  # may be out itself (the residual stream, in place)
                         v += res[t, nn]
                     out[t, nn] = v
+            if FRAGS and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
+                if t >= n_x:
+                    v = np.float32(0.0)
+                h16 = np.uint16(f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF))
+                f4[_frag_u16(1, nn, t, ROWS8)] = h16
+                f6[_frag_u16(0, nn, t, ROWS8)] = h16
+                if abs(v) >= F16_SAFE:
+                    fl4[t] = 1
+                    fl6[t] = 1
 
     return kernel
 
@@ -499,15 +540,20 @@ def _check(qtype, x_dev, what):
 
 
 def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=None, stream=0, tiles=None,
-               warps=None, w_up=None, frags=None, guard=True):
+               warps=None, w_up=None, frags=None, guard=True, frags_out=False):
     """y [n_x, n_out] = x [n_x, K] @ W^T (+ bias) (+ residual) for a Q4_K or Q6_K weight (raw
     uint8 rows) and 1..MAX_ROWS rows of x (float32, on the device); residual may be out
     itself. With w_up (same type and shape): silu(x W^T) * (x W_up^T), no bias or residual.
     Same semantics as matvec_ref / swiglu_ref. tiles, warps: see plan (its choice by default).
     frags: x_frags(x_dev, qtype, stream) already made for this x (products of one x and
-    weight type share one conversion); guard: see x_frags."""
+    weight type share one conversion); guard: see x_frags. frags_out (gated): the output's
+    own fragments for both layouts are written too, all but frags_fixup (a verification
+    forward's down projection: one launch fewer)."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma")
     gated = w_up is not None
+    if frags_out and (not gated or n_out % QK or n_out == k):
+        # n_out == K: the output's fragments would overwrite x's while blocks still read them
+        raise ValueError("matvec_mma: frags_out needs the gated form and n_out a multiple of 256 other than K")
     w16, _ = weight_u16(w_dev, qtype, k)
     u16 = weight_u16(w_up, qtype, k)[0] if gated else w16
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream, guard)
@@ -515,22 +561,30 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
         out = cuda.device_array((n_x, n_out), np.float32, stream=stream)
     pt, pw = plan(n_x, n_out, k, gated)
     tiles, warps = (2 if gated else tiles or pt), warps or pw
-    _launch(qtype, k, w16, u16, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream)
+    _launch(qtype, k, w16, u16, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
+            frags_out=frags_out)
     return out
 
 
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            n_a=None, out_b=None, bias_b=None):
+            n_a=None, out_b=None, bias_b=None, frags_out=False):
     """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
     r = residual if residual is not None else out
     bb = bias_b if bias_b is not None else b
+    rows8 = -(-n_x // 8) * 8
+    if frags_out:
+        (f4, fl4, _), (f6, fl6, _) = (_scratch(rows8, n_out, qt, stream) for qt in (T.Q4_K, T.Q6_K))
+        f4, f6 = f4.view(np.uint16), f6.view(np.uint16)
+    else:
+        f4 = f6 = w0
+        fl4 = fl6 = unit_flags()
     rows = 16 if gated else 16 * tiles
-    _kernel(qtype, -(-n_x // 8), tiles, warps, gated, pair)[-(-n_out // rows), 32 * warps, stream](
+    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out)[-(-n_out // rows), 32 * warps, stream](
         w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
-        n_a if pair else n_out, bb, out_b if pair else out)
+        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,
