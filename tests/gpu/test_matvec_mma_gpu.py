@@ -133,3 +133,30 @@ def test_matvec_mma_pair_gpu(n_x):
         bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (raw.shape[0], k))).T
         assert np.isfinite(got).all()
         assert (np.abs(got - matvec_ref(raw, T.Q4_K, x)) <= 2.0 ** -9 * bound + 1e-5).all()
+
+
+@pytest.mark.parametrize("n_x", [2, 23])
+def test_gated_frags_out_gpu(n_x):
+    """The gated FFN at the 8B shape also writing its output's fragments (the down
+    projection's x): the outputs the same bits as without, and after frags_fixup each
+    layout bit for bit what x_frags makes of them, a row past f16's range scaled alike."""
+    from luce.kernels.matvec_mma import _scratch, frags_fixup, x_frags
+    rng = np.random.default_rng(n_x)
+    n_out, k = 12288, 4096
+    wg, wu = (cuda.to_device(random_tensor(rng, T.Q4_K, (n_out, k)).reshape(n_out, -1)) for _ in range(2))
+    x = (1e-3 * rng.standard_normal((n_x, k))).astype(np.float32)  # random scales are large
+    x[n_x - 1] *= 30  # outputs past 2**15
+    xd = cuda.to_device(x)
+    plain = matvec_mma(wg, T.Q4_K, xd, n_out, w_up=wu).copy_to_host()
+    rows8 = -(-n_x // 8) * 8
+    for qt in (T.Q4_K, T.Q6_K):  # garbage first: rows past n_x must come out zero
+        _scratch(rows8, n_out, qt, 0)[0].copy_to_device(np.full(rows8 * n_out // 2, 0x7E007E00, np.uint32))
+    out = matvec_mma(wg, T.Q4_K, xd, n_out, w_up=wu, frags_out=True)
+    h = out.copy_to_host()
+    np.testing.assert_array_equal(h, plain)
+    assert np.abs(h[n_x - 1]).max() >= 2 ** 15
+    for qt in (T.Q4_K, T.Q6_K):
+        got, got_s = (a.copy_to_host() for a in frags_fixup(out, qt))
+        want, want_s = (a.copy_to_host() for a in x_frags(cuda.to_device(h), qt))
+        assert np.array_equal(got, want), qt
+        assert np.array_equal(got_s[:rows8], want_s[:rows8]) and got_s[n_x - 1] > 1, qt
