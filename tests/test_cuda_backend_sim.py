@@ -465,7 +465,8 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
     calls = []
     monkeypatch.setattr(M, "x_frags", lambda x, qt, stream=0, guard=True: calls.append(("x_frags", qt.name)) or
                         ("converted", None))
-    monkeypatch.setattr(M, "frags_fixup", lambda x, qt, stream=0: calls.append(("fixup", qt.name)) or ("fixed", None))
+    monkeypatch.setattr(M, "frags_fixup", lambda x, qt, stream=0, gated_out=False: calls.append(
+        ("fixup", qt.name, gated_out)) or ("fixed", None))
     monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: calls.append(("mma", k.get("frags_out", False),
                                                                        k["frags"][0])) or k["out"])
     ops = C.CudaOps(C.CUDABackend(use_graphs=False), None)
@@ -473,7 +474,7 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
     gate = C.DeviceWeight(cuda.to_device(np.zeros((512, 144), np.uint8)), Q.Q4_K, (512, 256))
     down = C.DeviceWeight(cuda.to_device(np.zeros((256, 420), np.uint8)), Q.Q6_K, (256, 512))
     x = cuda.to_device(np.ones((3, 256), np.float32))
-    for on, want in [(True, [("x_frags", "Q4_K"), ("mma", True, "converted"), ("fixup", "Q6_K"),
+    for on, want in [(True, [("x_frags", "Q4_K"), ("mma", True, "converted"), ("fixup", "Q6_K", True),
                              ("mma", False, "fixed")]),
                      (False, [("x_frags", "Q4_K"), ("mma", False, "converted"), ("x_frags", "Q6_K"),
                               ("mma", False, "converted")])]:

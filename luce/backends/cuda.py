@@ -259,7 +259,7 @@ class CudaOps:
             if kept[1] is not None:
                 return kept[1]
             from ..kernels.matvec_mma import frags_fixup
-            f = frags_fixup(x, qtype, self.stream)  # made by the gated kernel: only the guard's fixup left
+            f = frags_fixup(x, qtype, self.stream, gated_out=True)  # the gated kernel's: only the guard's fixup left
         else:
             f = x_frags(x, qtype, self.stream, self._guard(x))
         self._frags[qtype] = (x, f)
@@ -425,8 +425,7 @@ class CudaOps:
             x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             n_ff = w_gate.shape[0]
-            # the down projection takes matvec_mma too (and its x's fragments are not x's own buffers)
-            frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff) and n_ff != x.shape[1]
+            frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff)  # the down projection takes matvec_mma too
             h = matvec_mma(w_gate.raw, qt, x, n_ff, out=self._out((n, n_ff)), stream=self.stream, w_up=w_up.raw,
                            frags=self._frags_for(x, qt), frags_out=frags_out)
             if frags_out:

@@ -191,7 +191,9 @@ def kernel(dim: int, warps: int):
              out, part_o, part_ml):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
-        r0 = cuda.blockIdx.z * ROWS
+        # the last query tiles first: under a causal mask they see the most keys, and blocks
+        # start in blockIdx order, so the long ones no longer trail the last wave (a prefill)
+        r0 = (cuda.gridDim.z - 1 - cuda.blockIdx.z) * ROWS
         t = cuda.threadIdx.x
         wid = t // 32
         lane = t % 32

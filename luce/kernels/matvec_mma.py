@@ -273,21 +273,23 @@ def rms_norm_frags(x_dev, w, eps: float, h, stream=0):
 _SCRATCH: dict = {}
 
 
-def _scratch(rows8: int, k: int, qtype, stream):
-    key = (rows8, k, int(as_qtype(qtype) == T.Q4_K), id(stream))
+def _scratch(rows8: int, k: int, qtype, stream, gated_out: bool = False):
+    # gated_out: the set a gated launch writes its output's fragments into, never the one its
+    # own x's conversion is in (n_out == K would have it overwrite them mid-launch)
+    key = (rows8, k, int(as_qtype(qtype) == T.Q4_K), id(stream), gated_out)
     if key not in _SCRATCH:
         _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
                          cuda.device_array(rows8, np.float32))
     return _SCRATCH[key]
 
 
-def frags_fixup(x_dev, qtype, stream=0):
-    """x_frags's second half for fragments of x already written with their rows flagged (by
-    matvec_mma's gated kernel with frags_out): the flagged rows rewritten scaled, the row
-    scales set. Returns (fragments, scales) as x_frags does."""
+def frags_fixup(x_dev, qtype, stream=0, gated_out: bool = False):
+    """x_frags's second half for fragments of x already written with their rows flagged: the
+    flagged rows rewritten scaled, the row scales set. Returns (fragments, scales) as x_frags
+    does. gated_out: the fragments matvec_mma's gated kernel wrote with frags_out."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    out, flags, scales = _scratch(rows8, k, qtype, stream)
+    out, flags, scales = _scratch(rows8, k, qtype, stream, gated_out)
     _frags_fixup[rows8, 32 if SIM else FIXUP_THREADS, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out, flags,
                                                               scales)
     return out.view(np.uint16), scales
@@ -547,13 +549,12 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     Same semantics as matvec_ref / swiglu_ref. tiles, warps: see plan (its choice by default).
     frags: x_frags(x_dev, qtype, stream) already made for this x (products of one x and
     weight type share one conversion); guard: see x_frags. frags_out (gated): the output's
-    own fragments for both layouts are written too, all but frags_fixup (a verification
-    forward's down projection: one launch fewer)."""
+    own fragments for both layouts are written too, all but frags_fixup(out, layout,
+    gated_out=True) (a verification forward's down projection: one launch fewer)."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma")
     gated = w_up is not None
-    if frags_out and (not gated or n_out % QK or n_out == k):
-        # n_out == K: the output's fragments would overwrite x's while blocks still read them
-        raise ValueError("matvec_mma: frags_out needs the gated form and n_out a multiple of 256 other than K")
+    if frags_out and (not gated or n_out % QK):
+        raise ValueError("matvec_mma: frags_out needs the gated form and n_out a multiple of 256")
     w16, _ = weight_u16(w_dev, qtype, k)
     u16 = weight_u16(w_up, qtype, k)[0] if gated else w16
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream, guard)
@@ -576,7 +577,7 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
     bb = bias_b if bias_b is not None else b
     rows8 = -(-n_x // 8) * 8
     if frags_out:
-        (f4, fl4, _), (f6, fl6, _) = (_scratch(rows8, n_out, qt, stream) for qt in (T.Q4_K, T.Q6_K))
+        (f4, fl4, _), (f6, fl6, _) = (_scratch(rows8, n_out, qt, stream, True) for qt in (T.Q4_K, T.Q6_K))
         f4, f6 = f4.view(np.uint16), f6.view(np.uint16)
     else:
         f4 = f6 = w0

@@ -150,13 +150,13 @@ def test_gated_frags_out_gpu(n_x):
     plain = matvec_mma(wg, T.Q4_K, xd, n_out, w_up=wu).copy_to_host()
     rows8 = -(-n_x // 8) * 8
     for qt in (T.Q4_K, T.Q6_K):  # garbage first: rows past n_x must come out zero
-        _scratch(rows8, n_out, qt, 0)[0].copy_to_device(np.full(rows8 * n_out // 2, 0x7E007E00, np.uint32))
+        _scratch(rows8, n_out, qt, 0, True)[0].copy_to_device(np.full(rows8 * n_out // 2, 0x7E007E00, np.uint32))
     out = matvec_mma(wg, T.Q4_K, xd, n_out, w_up=wu, frags_out=True)
     h = out.copy_to_host()
     np.testing.assert_array_equal(h, plain)
     assert np.abs(h[n_x - 1]).max() >= 2 ** 15
     for qt in (T.Q4_K, T.Q6_K):
-        got, got_s = (a.copy_to_host() for a in frags_fixup(out, qt))
+        got, got_s = (a.copy_to_host() for a in frags_fixup(out, qt, gated_out=True))
         want, want_s = (a.copy_to_host() for a in x_frags(cuda.to_device(h), qt))
         assert np.array_equal(got, want), qt
         assert np.array_equal(got_s[:rows8], want_s[:rows8]) and got_s[n_x - 1] > 1, qt

@@ -140,21 +140,22 @@ def test_rms_norm_frags_is_the_norm_then_both_conversions():
 
 def test_gated_writes_its_outputs_fragments():
     """frags_out: the gated kernel's outputs also go into both layouts' fragments (rows past
-    n_x zeros, over NaN garbage), and after frags_fixup they are bit for bit what x_frags
-    makes of the output, with a row past f16's range flagged and scaled."""
+    n_x zeros, over NaN garbage; buffers of their own, so n_out == K is fine), and after
+    frags_fixup they are bit for bit what x_frags makes of the output, with a row past f16's
+    range flagged and scaled."""
     from luce.kernels.dequant import T as QT
     from luce.kernels.matvec_mma import frags_fixup
-    n_x, n_out, k = 5, 256, 512  # n_out == K is refused: the output's fragments would be x's buffers
-    wg, wu = (cuda.to_device(random_tensor(rng, QT.Q4_K, (n_out, k)).reshape(n_out, -1)) for _ in range(2))
-    x = (1e-3 * rng.standard_normal((n_x, k))).astype(np.float32)  # the random scales are large
-    x[2] *= 20  # its outputs reach ~1e5
+    n_x, n = 5, 256
+    wg, wu = (cuda.to_device(random_tensor(rng, QT.Q4_K, (n, n)).reshape(n, -1)) for _ in range(2))
+    x = (1e-3 * rng.standard_normal((n_x, n))).astype(np.float32)  # the random scales are large
+    x[2] *= 30  # its outputs reach ~1e5
     for qt in (QT.Q4_K, QT.Q6_K):
-        _scratch(8, n_out, qt, 0)[0].copy_to_device(np.full(8 * n_out // 2, 0x7E007E00, np.uint32))
-    out = matvec_mma(wg, QT.Q4_K, cuda.to_device(x), n_out, warps=1, w_up=wu, frags_out=True)
+        _scratch(8, n, qt, 0, True)[0].copy_to_device(np.full(8 * n // 2, 0x7E007E00, np.uint32))
+    out = matvec_mma(wg, QT.Q4_K, cuda.to_device(x), n, warps=1, w_up=wu, frags_out=True)
     h = out.copy_to_host()
     assert np.abs(h[2]).max() >= 2 ** 15 > np.abs(np.delete(h, 2, 0)).max()
     for qt in (QT.Q4_K, QT.Q6_K):
-        got, got_s = (a.copy_to_host() for a in frags_fixup(out, qt))
+        got, got_s = (a.copy_to_host() for a in frags_fixup(out, qt, gated_out=True))
         want, want_s = (a.copy_to_host() for a in x_frags(cuda.to_device(h), qt))
         assert np.array_equal(got, want), qt
         assert np.array_equal(got_s[:8], want_s[:8]) and got_s[2] > 1, qt
@@ -192,8 +193,8 @@ for qt, nt, tiles, warps, gated, pair, frags in [
     print(qt.name, nt, tiles, warps, gated, pair, frags, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
-               (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, float32[:, ::1], "
-                                      "uint32[::1], uint32[::1])")]:
+               (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
+                                      "float32[:, ::1], uint32[::1], uint32[::1])")]:
     code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
     assert ".local" not in code and ".f64" not in code
 print("PTX OK")
