@@ -317,7 +317,8 @@ def pick_tile(m: int, n: int, k: int, qtype, sim: bool = SIM):
         # one block an SM: a product of few column tiles (k and v, 1024 rows, at 512 rows of
         # x: 32 blocks for 132 SMs) took a full block's time on a quarter of the GPU (the
         # Qwen3-8B prefill's q/k/v, three launches, 346 us a layer against 121 for o alone;
-        # H200). Split K until the wave is full.
+        # H200). Split K until the wave is full: 512-token prefill 8,627 -> 9,423 tok/s for
+        # the 8B shape, 1,808 -> 2,202 for the 32B (its down and o also split; b2738c0).
         return TILE_GPU, auto_splits(TILE_GPU, m, n, k, 1)
     for m_max, tile, per_sm in TILES_SMALL_M:
         if m <= m_max:

@@ -400,8 +400,9 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         for i in range(R2):
             w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
             # a 210-byte block is 2-byte aligned: each 16-byte quant piece from two aligned
-            # 16-byte loads (the second mostly an L1 hit), where five 4-byte loads took 38.3
-            # us for 4096x12288 at one row and 36.9 at 23 (H200; matvec_fast's way: 25.7 at one)
+            # 16-byte loads (the second mostly an L1 hit), matvec_fast's way (25.7 us for
+            # 4096x12288 at one row), where five 4-byte loads took 32.7 at one row and 36.9 at
+            # 23 (H200, 5fab17b; this form is measured only inside luce bench's runs)
             i0, i1, al = pieces((rows[i] * nb + b) * BU)
             o = 32 * n + 8 * m
             qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ld16(w, i0 + o, i1 + o, al)

@@ -23,8 +23,12 @@ SIM = bool(cuda.config.ENABLE_CUDASIM)
 __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
            "ldw_u16_u32x4", "ldw_u16_u32", "WEIGHT_HINTS"]
 
-# Cache hints for streamed weight loads (ldw_*: read once a forward, so caching them in L1
-# only evicts what is re-read, such as x): LUCE_WEIGHT_HINT picks one, for measuring.
+# Cache hints for streamed weight loads (ldw_*: read once a forward), LUCE_WEIGHT_HINT picks
+# one. H200, 5fab17b, `luce.bench.kernels_matvec_mma` (us, none / prefetch / no_allocate /
+# both): matvec_mma gated Q4_K 2 x 12288x4096 at 1 row 27.7 / 26.2 / 27.5 / 26.2, at 23 rows
+# 42.2 / 39.4 / 41.5 / 38.8; Q6_K 4096x12288 at 1 row 32.7 / 31.7 / 39.0 / 38.3 (its
+# overlapping 4-byte loads then miss L1); matvec_fast's gated one row 28.9 / 27.2 / 28.0 /
+# 27.3. The L2 256-byte prefetch by default.
 WEIGHT_HINTS = {"none": "", "no_allocate": ".L1::no_allocate", "prefetch": ".L2::256B",
                 "no_allocate_prefetch": ".L1::no_allocate.L2::256B"}
 WEIGHT_HINT = os.environ.get("LUCE_WEIGHT_HINT", "prefetch")
