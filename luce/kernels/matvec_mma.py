@@ -209,7 +209,8 @@ def _norm_frags_kernel(x, xf, w, eps, n_x, h, frags4, frags6):
     # block (t, s): the RMSNorm of x's row t (every block of the row sums the whole row: a
     # re-read from L2) into h and, from the same values, the row's items s * blockDim ..
     # of both layouts (zeros past n_x). One block a row made 24 blocks for 23 rows, each
-    # walking 4096 columns one load at a time: ~7 us a call (H200, 23 rows)
+    # walking 4096 columns one load at a time: the o projection with its norm took ~7 us
+    # more than the product alone (H200, a4aa1b1's breakdown of the 23-node verification)
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     bd = cuda.blockDim.x
