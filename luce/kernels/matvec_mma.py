@@ -321,8 +321,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
     stored in out_b; frags (gated): the outputs also go, as f16, into fragments of both
-    layouts for the next product (f4, f6: x_frags's buffers; rows reaching F16_SAFE flagged
-    in fl4, fl6 for the fixup)."""
+    layouts for the next product (f4, f6: _scratch's gated_out buffers, not x_frags's; rows
+    reaching F16_SAFE flagged in fl4, fl6 for the fixup)."""
     NT, TL, W = nt, tiles, warps
     PAIR = pair
     FRAGS = frags
