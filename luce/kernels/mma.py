@@ -193,6 +193,9 @@ if SIM:
     def cp_async_wait_prior():
         pass
 
+    # the simulator's copies are done when issued
+    CP_ASYNC_WAIT_GROUP = tuple(cp_async_wait_prior for _ in range(8))
+
     @_dev
     def lds4(sh, idx):
         """sh[idx : idx + 4] (uint32 or float32) in one 16-byte shared load (idx % 4 == 0)."""
@@ -424,6 +427,9 @@ else:
     # wait for every committed group but the latest (double buffering: the copies of the
     # buffer about to be read are done, those of the next one may still run)
     cp_async_wait_prior = _barrier_asm("cp.async.wait_group 1;")
+    # CP_ASYNC_WAIT_GROUP[n]: wait until at most n of this thread's committed groups are
+    # pending (a pipeline of n + 1 stages reads the oldest); n must be a constant in PTX
+    CP_ASYNC_WAIT_GROUP = tuple(_barrier_asm(f"cp.async.wait_group {n};") for n in range(8))
 
     @cuda.jit(device=True, inline=True)
     def quad_max(v, scr, wid, lane):
