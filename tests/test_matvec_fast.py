@@ -143,17 +143,32 @@ def test_matvec_fast_warps():
     assert_close(out.copy_to_host(), matvec_ref(raw, T.Q8_0, x), raw, T.Q8_0, x)
 
 
-@pytest.mark.parametrize("qtype,unroll,n_cols", [(T.Q4_K, 1, 768), (T.Q6_K, 2, 2048), (T.Q8_0, 1, 1056)],
-                         ids=ID)
+@pytest.mark.parametrize("qtype,unroll,n_cols", [(T.Q4_K, 1, 768), (T.Q6_K, 2, 2048), (T.Q8_0, 1, 1056),
+                                                 (T.Q4_K, F.PIPE, 768), (T.Q6_K, F.PIPE, 1280),
+                                                 (T.Q8_0, F.PIPE, 1056)], ids=ID)
 def test_matvec_fast_unroll(qtype, unroll, n_cols):
     """Units a lane loads before computing, other than each type's default: full and
-    partial steps."""
-    rng = np.random.default_rng(int(qtype) + unroll)
+    partial steps, and the pipelined loop (a lane's next unit loaded before this one is
+    computed; the load past a lane's last unit is clamped and dropped)."""
+    rng = np.random.default_rng(int(qtype) + len(str(unroll)))
     raw = weights(rng, qtype, 5, n_cols)
     x = rng.standard_normal(n_cols).astype(np.float32)
     out = nan_device(5)
     matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, unroll=unroll)
     assert_close(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
+
+
+def test_swiglu_fast_pipelined_two_rows():
+    """The gated form through the pipelined loop, two x rows: both of a lane's rows_dot
+    calls (gate, then up) start their own pipeline."""
+    rng = np.random.default_rng(17)
+    n_rows, n_cols = 6, 768
+    g, u = weights(rng, T.Q4_K, n_rows, n_cols), weights(rng, T.Q4_K, n_rows, n_cols)
+    x = (0.1 * rng.standard_normal((2, n_cols))).astype(np.float32)
+    out = nan_device((2, n_rows))
+    swiglu_fast(cuda.to_device(g), cuda.to_device(u), T.Q4_K, cuda.to_device(x), out=out, unroll=F.PIPE)
+    want = swiglu_ref(g, u, T.Q4_K, x)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("inline_sums", [True, False], ids=["inline-sums", "shared-sums"])

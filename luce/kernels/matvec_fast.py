@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections import namedtuple
 
@@ -426,33 +427,38 @@ def load_q6_k(w, ha, hb, t):
     lha = ld16(w, p0 + oh, p1 + oh, pa)                  # qh
     p0, p1, pa = pieces(hb)
     return la0, la1, lha, ld16(w, p0 + o, p1 + o, pa), ld16(w, p0 + o + 16, p1 + o + 16, pa), \
-        ld16(w, p0 + oh, p1 + oh, pa)
+        ld16(w, p0 + oh, p1 + oh, pa), q6_scales(w, ha, n), q6_scales(w, hb, n)
+
+
+@_dev
+def q6_scales(w, h, n):
+    """The uint16 words holding scales 8n + 2g + (0, 1) for g = 0..3 (scale 8n + 2g + hh is
+    byte hh of uint16 96 + 4n + g), and d, of the block at uint16 h: loaded with the quants
+    so that a unit's arithmetic waits on no load of its own."""
+    sa = U64(h + 96 + 4 * n)  # unsigned: numba adds no negative-index wraparound
+    return w[sa], w[sa + U64(1)], w[sa + U64(2)], w[sa + U64(3)], w[U64(h + 104)]
 
 
 @_dev
 def dot_q6_k(raw, w, ha, hb, x, sxs, c, t):
-    la0, la1, lha, lb0, lb1, lhb = raw
+    la0, la1, lha, lb0, lb1, lhb, sa, sb = raw
     n = t >> 1
     hh = t & 1
     cc = c + 128 * n + 16 * hh
-    # Scale 8n + 2g + hh is byte hh of uint16 96 + 4n + g: one base for all four groups,
-    # unsigned so that numba adds no negative-index wraparound.
-    sa = U64(ha + 96 + 4 * n)
-    sb = U64(hb + 96 + 4 * n)
     ssh = U(8 * hh)
     z = np.float32(0.0)
-    ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, x, cc, z, z)
-    ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
-    ya, yb = q6_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
-    ya, yb = q6_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 3, x, cc + 96, ya, yb)
-    return (f16_bits_to_f32(U(w[U64(ha + 104)])) * ya, f16_bits_to_f32(U(w[U64(hb + 104)])) * yb)
+    ya, yb = q6_step(sa[0], sb[0], ssh, la0, lha, lb0, lhb, 0, x, cc, z, z)
+    ya, yb = q6_step(sa[1], sb[1], ssh, la1, lha, lb1, lhb, 1, x, cc + 32, ya, yb)
+    ya, yb = q6_step(sa[2], sb[2], ssh, la0, lha, lb0, lhb, 2, x, cc + 64, ya, yb)
+    ya, yb = q6_step(sa[3], sb[3], ssh, la1, lha, lb1, lhb, 3, x, cc + 96, ya, yb)
+    return f16_bits_to_f32(U(sa[4])) * ya, f16_bits_to_f32(U(sb[4])) * yb
 
 
 @_dev
-def q6_step(w, sa, sb, ssh, pa, qa, pb, qb, g, x, c, ya, yb):
+def q6_step(sca, scb, ssh, pa, qa, pb, qb, g, x, c, ya, yb):
     da, db = q6_group(pa, qa, pb, qb, g, x, c)
-    ya = fma(i8f(shr32(U(w[sa + U64(g)]), ssh)), da, ya)
-    yb = fma(i8f(shr32(U(w[sb + U64(g)]), ssh)), db, yb)
+    ya = fma(i8f(shr32(U(sca), ssh)), da, ya)
+    yb = fma(i8f(shr32(U(scb), ssh)), db, yb)
     return ya, yb
 
 
@@ -528,10 +534,10 @@ def q6x8_group(pa, qa, pb, qb, g, xq, xb, hh):
 
 
 @_dev
-def q6x8_step(w, sa, sb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
+def q6x8_step(sca, scb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
     ia, ib, dx = q6x8_group(pa, qa, pb, qb, g, xq, xb, hh)
-    ya = fma(i8f(shr32(U(w[sa + U64(g)]), ssh)) * dx, np.float32(ia), ya)
-    yb = fma(i8f(shr32(U(w[sb + U64(g)]), ssh)) * dx, np.float32(ib), yb)
+    ya = fma(i8f(shr32(U(sca), ssh)) * dx, np.float32(ia), ya)
+    yb = fma(i8f(shr32(U(scb), ssh)) * dx, np.float32(ib), yb)
     return ya, yb
 
 
@@ -539,19 +545,17 @@ def q6x8_step(w, sa, sb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
 def dot_q6_k_x8(raw, w, ha, hb, xq, sxs, c, t):
     """Q6_K over int8 x: dot_q6_k's loads and scales, each group's 16 quants times x with
     four dp4a a row (the float unit: ~100 instructions a group and row)."""
-    la0, la1, lha, lb0, lb1, lhb = raw
+    la0, la1, lha, lb0, lb1, lhb, sa, sb = raw
     n = t >> 1
     hh = t & 1
     xb = ((c + 128 * n) >> 5) * 24  # group 0's x block; group g's is g blocks on
-    sa = U64(ha + 96 + 4 * n)
-    sb = U64(hb + 96 + 4 * n)
     ssh = U(8 * hh)
     z = np.float32(0.0)
-    ya, yb = q6x8_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 0, xq, xb, hh, z, z)
-    ya, yb = q6x8_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 1, xq, xb + 24, hh, ya, yb)
-    ya, yb = q6x8_step(w, sa, sb, ssh, la0, lha, lb0, lhb, 2, xq, xb + 48, hh, ya, yb)
-    ya, yb = q6x8_step(w, sa, sb, ssh, la1, lha, lb1, lhb, 3, xq, xb + 72, hh, ya, yb)
-    return (f16_bits_to_f32(U(w[U64(ha + 104)])) * ya, f16_bits_to_f32(U(w[U64(hb + 104)])) * yb)
+    ya, yb = q6x8_step(sa[0], sb[0], ssh, la0, lha, lb0, lhb, 0, xq, xb, hh, z, z)
+    ya, yb = q6x8_step(sa[1], sb[1], ssh, la1, lha, lb1, lhb, 1, xq, xb + 24, hh, ya, yb)
+    ya, yb = q6x8_step(sa[2], sb[2], ssh, la0, lha, lb0, lhb, 2, xq, xb + 48, hh, ya, yb)
+    ya, yb = q6x8_step(sa[3], sb[3], ssh, la1, lha, lb1, lhb, 3, xq, xb + 72, hh, ya, yb)
+    return f16_bits_to_f32(U(sa[4])) * ya, f16_bits_to_f32(U(sb[4])) * yb
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
@@ -588,6 +592,10 @@ MAX_X_ROWS = 8
 # Shared memory for the sums of x over each 16 columns: rows up to 16 * SX_MAX columns (8 KiB a block).
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
+# unroll=PIPE: one unit a step, the next step's loads issued before this step's arithmetic
+PIPE = "pipe"
+# LUCE_MATVEC_PIPE=1: one-row products take PIPE instead of each type's FAST_SPECS unroll
+PIPE_DEFAULT = os.environ.get("LUCE_MATVEC_PIPE", "0") == "1"
 # Types with units over int8 x (quantize_x): their unit factories, in FAST_SPECS' form
 X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: lambda inline_sums: (load_q6_k, dot_q6_k_x8)}
 X8_TYPES = frozenset(X8_UNITS)
@@ -601,7 +609,7 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: bool = False):
     NX = nx
     load, dot = (X8_UNITS[qtype] if x8 else spec.make_unit)(inline_sums)
     SH = TPB.bit_length() - 1
-    assert TPB == 1 << SH and UN in (1, 2)  # 4 was slower for all three types (H200)
+    assert TPB == 1 << SH and UN in (1, 2, PIPE)  # 4 was slower for all three types (H200)
 
     @_dev
     def where(n_units, u):
@@ -636,6 +644,20 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: bool = False):
                     pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
                     acc[2 * r] += pa
                     acc[2 * r + 1] += pb
+    elif UN == PIPE:
+        @_dev
+        def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
+            """As above, with the next unit's loads issued before this unit's arithmetic and
+            carried into the next trip: a lane's loads are in flight while it computes (a
+            load and its first use in one trip are scheduled close together)."""
+            r0, b0, t0 = load_at(w, ha, hb, n_units, first)
+            for u in range(first, n_units, step):
+                r1, b1, t1 = load_at(w, ha, hb, n_units, u + step)  # past the end: clamped, unused
+                for r in range(NX):
+                    pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
+                    acc[2 * r] += pa
+                    acc[2 * r + 1] += pb
+                r0, b0, t0 = r1, b1, t1
     else:
         @_dev
         def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
@@ -929,7 +951,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
             bias_b = _mv._flat_f32(pair[2], "bias_b", n_rows_b)
     g, nw = grid_shape(qtype, n_rows + n_rows_b)
     g, nw = groups or g, warps or nw
-    un = unroll or (spec.unroll if nx == 1 else 1)  # several x rows: registers go to their sums
+    # several x rows: registers go to their sums
+    un = unroll or ((PIPE if PIPE_DEFAULT else spec.unroll) if nx == 1 else 1)
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
                    x_norm is not None, norm_out is not None)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g))
@@ -1027,7 +1050,8 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
     with enough copies (>= rotate_bytes together) that the L2 cannot hold the weights
     between launches. "GB/s" = weight bytes of one launch / time of one launch.
     variants: dicts of matvec_fast tuning arguments (warps, inline_sums, blocks_per_sm,
-    groups, unroll) and x_rows (activation rows, default 1);
+    groups, unroll), x_rows (activation rows, default 1) and gated (swiglu_fast of two
+    copies: weight_bytes counts both);
     default one per entry of `warps`. baseline=True also times luce.kernels.matvec.matvec
     the same way (kernel "matvec")."""
     rng = np.random.default_rng(seed)
@@ -1048,19 +1072,22 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             host = rng.integers(0, 256, (n_rows, rb), dtype=np.uint8)
             copies = max(1, min(iters, math.ceil(rotate_bytes / nbytes))) if not SIM else 1
             ws = [cuda.to_device(host) for _ in range(copies)]
-            todo = [("matvec_fast", v) for v in variants] + ([("matvec", {})] if baseline else [])
+            ws += [cuda.to_device(host)] if any(v.get("gated") for v in variants) and copies == 1 else []
+            todo = [("swiglu_fast" if v.get("gated") else "matvec_fast", v) for v in variants] + (
+                [("matvec", {})] if baseline else [])
             for kernel, v in todo:
                 k = v.get("x_rows", 1)
-                tuning = {a: b for a, b in v.items() if a not in ("x_rows", "x8")}
+                tuning = {a: b for a, b in v.items() if a not in ("x_rows", "x8", "gated")}
                 if v.get("x8"):  # int8 x made once, outside the timing (bench_quantize_x times that)
                     from .quantize_x import quantize_x
                     if k not in xqs:
                         xqs[k] = quantize_x(xs[k])
                     tuning["xq"] = xqs[k]
                 rows.append(_time_one(kernel, tuning, ws, qtype, xs[k], outs[k], stream, iters) | {
-                    "qtype": qtype.name, "rows": n_rows, "cols": n_cols, "weight_bytes": nbytes,
+                    "qtype": qtype.name, "rows": n_rows, "cols": n_cols,
+                    "weight_bytes": nbytes * (2 if kernel == "swiglu_fast" else 1),
                     "copies": copies, "x_rows": k, "variant": ",".join(f"{a}={b}" for a, b in v.items()) or "auto"})
-                rows[-1]["GB/s"] = round(nbytes / (rows[-1]["time_us"] * 1e-6) / 1e9, 1)
+                rows[-1]["GB/s"] = round(rows[-1]["weight_bytes"] / (rows[-1]["time_us"] * 1e-6) / 1e9, 1)
             del ws
     return rows
 
@@ -1073,6 +1100,8 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
         w = ws[state["i"] % copies]
         if kernel == "matvec":
             _mv.matvec(w, qtype, x, out=out, stream=stream)
+        elif kernel == "swiglu_fast":  # gate and up: two different copies
+            swiglu_fast(w, ws[(state["i"] + 1) % len(ws)], qtype, x, out=out, stream=stream, **variant)
         else:
             matvec_fast(w, qtype, x, out=out, stream=stream, **variant)
         state["i"] += 1
@@ -1120,8 +1149,10 @@ if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--v
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096)), qtypes=("Q4_K", "Q6_K"),
                                  iters=50, variants=[{"x_rows": k} for k in (1, 2, 4, 8)])
     elif "--unroll" in sys.argv:  # units in flight per lane (the default is each type's FAST_SPECS entry)
-        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288)), iters=50,
-                                 variants=({"unroll": 1}, {"unroll": 2}))
+        rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096), (1024, 4096)), iters=50,
+                                 qtypes=("Q4_K", "Q6_K"),
+                                 variants=[{"unroll": u, **g} for g in ({}, {"gated": True})
+                                           for u in (1, 2, PIPE)])
     elif "--variants" in sys.argv:
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096), (25600, 5120)), iters=50,
                                  variants=TUNING_VARIANTS)
