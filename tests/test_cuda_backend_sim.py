@@ -365,9 +365,9 @@ def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
 
 
 def test_paired_projections_same_logits(tmp_path, monkeypatch):
-    """Decode's q and k projections in one launch (PAIR_PROJECTIONS) give the logits the
-    separate launches give, bit for bit (the simulator's grid is the same for both), on a
-    Q8_0 model with q/k biases (qwen2)."""
+    """Decode's q and k projections in one launch (PAIR_PROJECTIONS), and v with them
+    (TRIO_PROJECTIONS), give the logits the separate launches give, bit for bit (the
+    simulator's grid is the same for all), on a Q8_0 model with q/k/v biases (qwen2)."""
     import gguf
     from luce.backends import cuda as cuda_backend
     from luce.models.transformer import build_weights
@@ -378,14 +378,17 @@ def test_paired_projections_same_logits(tmp_path, monkeypatch):
     from luce.kernels import matvec_fast as mf
     calls = []
     pair_fn = mf.matvec_fast_pair
-    monkeypatch.setattr(mf, "matvec_fast_pair", lambda *a, **k: calls.append(1) or pair_fn(*a, **k))
+    monkeypatch.setattr(mf, "matvec_fast_pair",
+                        lambda *a, **k: calls.append(k.get("third") is not None) or pair_fn(*a, **k))
     logits = []
-    for pair in (True, False):
+    for pair, trio in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(cuda_backend, "PAIR_PROJECTIONS", pair)
+        monkeypatch.setattr(cuda_backend, "TRIO_PROJECTIONS", trio)
         kv = gpu.new_cache(cfg, 16)
         logits.append(gpu.forward(fam, cfg, w, kv, [5], [0], None, [0]))
-    assert calls == [1]  # the paired launch ran (one layer), and only when asked for
-    np.testing.assert_array_equal(logits[0], logits[1])
+    assert calls == [True, False]  # one layer: with v, then without; none when not asked for
+    np.testing.assert_array_equal(logits[0], logits[2])
+    np.testing.assert_array_equal(logits[1], logits[2])
 
 
 def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):

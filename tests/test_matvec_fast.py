@@ -99,6 +99,35 @@ def test_matvec_fast_pair(qtype, n_x, n_a, n_b, n_cols, bias):
         assert_close(o.copy_to_host(), matvec_ref(w, qtype, x, bias=b), w, qtype, x)
 
 
+@pytest.mark.parametrize("n_x,bias", [(1, False), (2, True)])
+def test_matvec_fast_pair_with_third(n_x, bias):
+    """q and k (Q4_K) and v (Q6_K) in one launch: each output the same bits as matvec_fast
+    makes it alone with the same lane groups and warps, the third's row block (rows past
+    its end included) after the pair's; and a third of another block width is refused.
+    (Q6_K's 4 rows of 420 bytes keep the weight a whole number of 16-byte pieces: otherwise
+    all three go to matvec's path.)"""
+    from luce.kernels.matvec_fast import matvec_fast_pair
+    rng = np.random.default_rng(5 + n_x)
+    n_cols, shapes = 512, ((T.Q4_K, 6), (T.Q4_K, 3), (T.Q6_K, 4))
+    ws = [weights(rng, q, n, n_cols) for q, n in shapes]
+    x = rng.standard_normal((n_x, n_cols)).astype(np.float32)
+    bs = [rng.standard_normal(n).astype(np.float32) if bias else None for _, n in shapes]
+    dev = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+    outs = [nan_device((n_x, n)) for _, n in shapes]
+    got = matvec_fast_pair(dev(ws[0]), dev(ws[1]), T.Q4_K, dev(x), outs[0], outs[1], dev(bs[0]), dev(bs[1]),
+                           groups=8, warps=1, third=(dev(ws[2]), T.Q6_K, outs[2], dev(bs[2])))
+    assert got[2] is outs[2]
+    for (q, _), w, b, o in zip(shapes, ws, bs, outs):
+        alone = nan_device(o.shape)
+        matvec_fast(dev(w), q, dev(x), out=alone, bias=dev(b), groups=8, warps=1)
+        np.testing.assert_array_equal(o.copy_to_host(), alone.copy_to_host())
+        assert_close(o.copy_to_host(), matvec_ref(w, q, x, bias=b), w, q, x)
+    w8 = weights(rng, T.Q8_0, 5, n_cols)
+    with pytest.raises(ValueError, match="third weight"):
+        matvec_fast_pair(dev(ws[0]), dev(ws[1]), T.Q4_K, dev(x), outs[0], outs[1], dev(bs[0]), dev(bs[1]),
+                         third=(dev(w8), T.Q8_0, nan_device((n_x, 5)), dev(bs[2])))
+
+
 @pytest.mark.parametrize("qtype", sorted(FAST_TYPES, key=int), ids=ID)
 def test_matvec_fast_epilogues(qtype):
     run(qtype, 8, 256, bias=True, residual=True, x2d=True)
@@ -269,6 +298,7 @@ from numba.cuda import types
 from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
 norm_args = (f32, f32, f32, types.int64, types.float32)  # gn, xg, parts, n_parts, eps
+norm_args += (u16, f32, f32) + (types.int64,) * 3  # the third weight: w_c, out_c, bias_c, n_rows_c, row_h_c, n_units_c
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
@@ -294,6 +324,12 @@ for q in F.FAST_SPECS:
         ptx, _ = cuda.compile_ptx(F._make_kernel(q, False, br, False, F.NW, True, None, 8, 1, False, True).py_func,
                                   sig, cc=(9, 0))
         assert not re.search(r"\.local\b", ptx), f"{q.name} pair: local memory"
+# q and k with a third weight of another type (v: Q6_K where q and k are Q4_K), and the
+# pipelined loop: no local memory
+for q, third, un in [(F.T.Q4_K, F.T.Q6_K, None), (F.T.Q4_K, F.T.Q6_K, F.PIPE), (F.T.Q6_K, F.T.Q4_K, None)]:
+    ptx, _ = cuda.compile_ptx(F._make_kernel(q, False, False, False, 8, True, un, 8, 1, False, True, True, False,
+                                             third).py_func, sig, cc=(9, 0))
+    assert not re.search(r"\.local\b", ptx), f"{q.name} with {third.name}, unroll {un}: local memory"
 # the split RMSNorm: the residual product that stores xg and the parts, and its consumers
 for q in F.FAST_SPECS:
     for glu, br, res, pair, xn, no in [(False, False, True, False, False, True), (False, True, False, True, True, False),

@@ -78,6 +78,10 @@ MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
 # latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200, 77d259d) plus a graph gap.
 # The verification pair is not yet timed; LUCE_PAIR_PROJECTIONS=0 turns both off.
 PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
+# ... and decode's v projection in the same launch where it follows them (a Q4_K_M model's
+# Q6_K v: matvec_fast_pair's third weight): alone it is another latency-bound launch (Q6_K
+# 1024x4096 4.9 us for 3.4 MB, H200). LUCE_TRIO_PROJECTIONS=0 turns it off.
+TRIO_PROJECTIONS = os.environ.get("LUCE_TRIO_PROJECTIONS", "1") != "0"
 # Decode's RMSNorms after the o and down projections, split between the launches around
 # them (luce.kernels.matvec_fast: matvec_fast_norm and x_norm), so they cost no launch of their
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
@@ -360,11 +364,15 @@ class CudaOps:
                 w, w2 = ws[i], ws[i + 1]
                 n = x.shape[0]
                 split = isinstance(x, SplitNorm)
+                xq = None if split else self._x8(x, w.qtype)
+                third = None
+                if i + 2 < len(ws) and self._third_fits(x, w, ws[i + 2], biases[i], biases[i + 2], xq is not None):
+                    w3 = ws[i + 2]
+                    third = (w3.raw, w3.qtype, self._out((n, w3.shape[0])), biases[i + 2])
                 outs += matvec_fast_pair(w.raw, w2.raw, w.qtype, x.xg if split else x, self._out((n, w.shape[0])),
                                          self._out((n, w2.shape[0])), biases[i], biases[i + 1], stream=self.stream,
-                                         xq=None if split else self._x8(x, w.qtype),
-                                         x_norm=x.x_norm if split else None)
-                i += 2
+                                         xq=xq, x_norm=x.x_norm if split else None, third=third)
+                i += 2 if third is None else 3
             elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
                 x = self._plain(x)
                 # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
@@ -394,6 +402,15 @@ class CudaOps:
                 and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None)
                 and not _takes_mma(n, w.qtype, w.shape[1])
                 and (not isinstance(x, SplitNorm) or splits_norm(w.raw, w2.raw)))
+
+    @staticmethod
+    def _third_fits(x, w: DeviceWeight, w3: DeviceWeight, b, b3, x8: bool) -> bool:
+        """Whether w3 can ride as the third weight of w's pair launch (TRIO_PROJECTIONS)."""
+        from ..kernels.matvec_fast import FAST_SPECS, X8_TYPES, splits_norm
+        s, s3 = FAST_SPECS[w.qtype], FAST_SPECS.get(w3.qtype)
+        return (TRIO_PROJECTIONS and s3 is not None and (s3.qk, s3.tpb) == (s.qk, s.tpb)
+                and w3.shape[1] == w.shape[1] and (b is None) == (b3 is None) and splits_norm(w3.raw)
+                and (not x8 or w3.qtype in X8_TYPES))
 
     def scale(self, x, s):
         from ..kernels.elementwise import axpby_cuda

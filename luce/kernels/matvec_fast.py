@@ -712,10 +712,13 @@ def _make_parts_total():
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
                  unroll=None, groups: int = 1, nx: int = 1, x8: bool = False, pair: bool = False,
-                 x_norm: bool = False, norm_out: bool = False):
+                 x_norm: bool = False, norm_out: bool = False, third=None):
     """pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
-    a residual.
+    a residual. third (with pair): the qtype of a third weight w_c (the v projection, which
+    a Q4_K_M model keeps in Q6_K), whose row blocks (n_rows_c rows of row_h_c uint16, into
+    out_c with bias_c) follow w_up's: its lanes run that type's units. A 1024-row product
+    alone is mostly launch latency (H200: Q6_K 1024x4096 4.9 us, for 3.4 MB).
 
     The RMSNorm between a residual product and the projections of its output, split between
     the two launches so it costs no launch of its own (one x row): norm_out (with a residual)
@@ -723,6 +726,8 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     consumers, x = xg) sums the n_parts parts (every warp, from L2, while its weights load)
     and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
+    TRIO = third is not None
+    rows_dot_c = _make_rows(third if TRIO else qtype, inline_sums, unroll, nx, x8)
     SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
@@ -742,11 +747,12 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     NSQ = RPB if NO and SIM else 1  # the simulator's stand-in for the shuffle sum
     RMASK = (1 << RPB) - 1 if RPB < 32 else 0xFFFFFFFF  # norm_out: the lanes holding a row block's rows
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
+    assert not (TRIO and (not pair or SUMS or (FAST_SPECS[third].sums and not inline_sums and not x8)))
     assert not ((XN or NO) and (NX > 1 or x8)) and not (NO and (glu or pair or not has_res or RPB > 32))
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
-               gn, xg, parts, n_parts, eps):
+               gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, n_units_c):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
         nsq = cuda.shared.array(NSQ, np.float32)  # norm_out: the block's y^2, summed in order
@@ -773,12 +779,14 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
         # A capped grid loops over row blocks (the sums above are then made once per
         # block, not once per row block); all warps of a block run the same iterations.
         nba = -(-n_rows // RPB)
-        nblk = nba + (-(-n_rows_b // RPB) if PAIR else 0)
+        nbb = nba + (-(-n_rows_b // RPB) if PAIR else 0)
+        nblk = nbb + (-(-n_rows_c // RPB) if TRIO else 0)
         for rblk in range(cuda.blockIdx.x, nblk, cuda.gridDim.x):
-            second = PAIR and rblk >= nba  # a row block of the pair's second weight
+            second = PAIR and rblk >= nba  # a row block of the pair's second weight (or the third's)
+            thrd = TRIO and rblk >= nbb  # a row block of the third weight
             wr = w_up if second else w
-            nr = n_rows_b if second else n_rows
-            lblk = rblk - nba if second else rblk
+            nr = n_rows_c if thrd else (n_rows_b if second else n_rows)
+            lblk = rblk - nbb if thrd else (rblk - nba if second else rblk)
             row0 = lblk * RPB + ROWS * g
             # Rows past the end repeat the last row and are not stored: every warp runs the
             # same loop, as the block-wide barriers need.
@@ -788,7 +796,10 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                 acc[e] = np.float32(0.0)
                 if glu:
                     accu[e] = np.float32(0.0)
-            rows_dot(wr, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
+            if thrd:
+                rows_dot_c(w_c, ra * row_h_c, rb * row_h_c, x, sxs, n_units_c, first, L * nw, xs, acc)
+            else:
+                rows_dot(wr, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
             if glu:
                 rows_dot(w_up, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, accu)
             # red[thread, x row, row of the pair, gate/up]
@@ -819,13 +830,15 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                     if glu:
                         y = _mv.silu(y) * u
                     if has_bias:
-                        y += bias_b[row] if second else bias[row]
+                        y += bias_c[row] if thrd else (bias_b[row] if second else bias[row])
                     if has_res:
                         y += res[r * n_rows + row]
                     if NO:
                         xg[row] = y * gn[row]
                         sq = y * y
-                    if second:
+                    if thrd:
+                        out_c[r * nr + row] = y
+                    elif second:
                         out_b[r * nr + row] = y
                     else:
                         out[r * nr + row] = y
@@ -890,9 +903,11 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None):
+            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None):
     """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
     product with x goes to out_b in the same launch (w_list then holds one weight).
+    third (with pair): (w_c, qtype_c, out_c, bias_c), a third weight of the same columns,
+    of any fast type with qtype's block width (Q4_K, Q6_K), biased like the pair.
     x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
     parts) (see _make_kernel). Returns out, or with norm_out the number of parts."""
     qtype = as_qtype(qtype)
@@ -930,13 +945,25 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     wb, n_rows_b = weight_u16(pair[0], qtype, n_cols) if pair else (None, 0)
     if pair and (residual is not None or (bias is None) != (pair[2] is None)):
         raise ValueError("matvec_fast pair: both weights with a bias or neither, and no residual")
-    if not splits_norm(*[w for w, _ in ws], *([wb] if pair else [])) or _addr(x) % 16:  # not whole: matvec's
+    wc, n_rows_c, qc = None, 0, None
+    if third is not None:
+        qc = as_qtype(third[1])
+        sc = FAST_SPECS.get(qc)
+        if not pair or sc is None or (sc.qk, sc.tpb) != (spec.qk, spec.tpb) or (bias is None) != (third[3] is None) \
+                or (x8 and qc not in X8_TYPES):
+            raise ValueError(f"matvec_fast: a third weight needs a pair, a fast type of {qtype.name}'s block width "
+                             f"(got {qc.name}), a bias like the pair's, and int8-x units where x8 is used")
+        wc, n_rows_c = weight_u16(third[0], qc, n_cols)
+    if not splits_norm(*[w for w, _ in ws], *([wb] if pair else []), *([wc] if third else [])) \
+            or _addr(x) % 16:  # not whole: matvec's
         if x_norm is not None or norm_out is not None:
             raise ValueError("matvec_fast: the split RMSNorm needs 16-byte aligned weights and x")
         if len(w_list) == 2:
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
         if pair:
             _mv.matvec(pair[0], qtype, x_dev, out=pair[1], bias=pair[2], stream=stream)
+        if third is not None:
+            _mv.matvec(third[0], qc, x_dev, out=third[2], bias=third[3], stream=stream)
         return _mv.matvec(w_list[0], qtype, x_dev, out=out, bias=bias, residual=residual, stream=stream)
     out_shape = (n_rows,) if len(xshape) == 1 else (nx, n_rows)
     if out is None:
@@ -949,13 +976,18 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         out_b = _mv._flat_f32(pair[1], "out_b", nx * n_rows_b)
         if pair[2] is not None:
             bias_b = _mv._flat_f32(pair[2], "bias_b", n_rows_b)
-    g, nw = grid_shape(qtype, n_rows + n_rows_b)
+    out_c, bias_c = out_flat, b
+    if third is not None:
+        out_c = _mv._flat_f32(third[2], "out_c", nx * n_rows_c)
+        if third[3] is not None:
+            bias_c = _mv._flat_f32(third[3], "bias_c", n_rows_c)
+    g, nw = grid_shape(qtype, n_rows + n_rows_b + n_rows_c)
     g, nw = groups or g, warps or nw
     # several x rows: registers go to their sums
     un = unroll or ((PIPE if PIPE_DEFAULT else spec.unroll) if nx == 1 else 1)
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
-                   x_norm is not None, norm_out is not None)
-    grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g))
+                   x_norm is not None, norm_out is not None, qc)
+    grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
         grid = min(grid, per_sm * _sm_count())
@@ -973,7 +1005,9 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         if parts.size < n_parts:
             raise ValueError(f"matvec_fast: the norm parts buffer needs {n_parts} floats, has {parts.size}")
     kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols,
-                                out_b, bias_b, n_rows_b, gn, xg, parts, n_parts, np.float32(eps))
+                                out_b, bias_b, n_rows_b, gn, xg, parts, n_parts, np.float32(eps),
+                                wc if third is not None else w0, out_c, bias_c, n_rows_c,
+                                row_bytes(qc, n_cols) // 2 if third is not None else 0, n_cols // spec.qk * spec.tpb)
     return n_parts if norm_out is not None else out
 
 
@@ -1017,13 +1051,15 @@ def norm_parts_max(n_rows: int) -> int:
 
 
 def matvec_fast_pair(w_a, w_b, qtype, x_dev, out_a, out_b, bias_a=None, bias_b=None, stream=0, *, xq=None,
-                     groups=None, warps=None, x_norm=None):
+                     groups=None, warps=None, x_norm=None, third=None):
     """out_a = W_a x (+ bias_a) and out_b = W_b x (+ bias_b) in one launch (two projections of
     one x with weights of one type and width: a model's q and k), each as matvec_fast gives
-    it; the grid sized for both. Returns (out_a, out_b)."""
+    it; the grid sized for both. third: (w_c, qtype_c, out_c, bias_c), a third projection in
+    the same launch (v: Q6_K where q and k are Q4_K), of a type of the same block width.
+    Returns (out_a, out_b), or (out_a, out_b, out_c) with a third."""
     _launch([w_a], qtype, x_dev, out_a, bias_a, None, stream, warps, None, 0, None, groups, xq,
-            pair=(w_b, out_b, bias_b), x_norm=x_norm)
-    return out_a, out_b
+            pair=(w_b, out_b, bias_b), x_norm=x_norm, third=third)
+    return (out_a, out_b) if third is None else (out_a, out_b, third[2])
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
