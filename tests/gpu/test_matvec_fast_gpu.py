@@ -220,3 +220,26 @@ def test_split_rms_norm_gpu(qtype_o, qtype_p):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     out = matvec_fast(cuda.to_device(wk), qtype_p, xg, x_norm=x_norm).copy_to_host()
     check(out, matvec_ref(wk, qtype_p, normed), wk, qtype_p, normed)
+
+
+@pytest.mark.parametrize("unroll", [None, "pipe"])
+def test_matvec_fast_pair_with_third_gpu(unroll):
+    """q and k (Q4_K) with v (Q6_K) as the third weight of one launch at the Qwen3-8B shape,
+    with biases, the grid sized for all three; and the pipelined loop on the same."""
+    from luce.kernels.matvec_fast import matvec_fast_pair
+    rng = np.random.default_rng(9)
+    d = 4096
+    shapes = ((T.Q4_K, 4096, 11), (T.Q4_K, 1024, 12), (T.Q6_K, 1024, 13))
+    ws = [weights(q, n, d, seed=s) for q, n, s in shapes]
+    bs = [rng.standard_normal(n).astype(np.float32) for _, n, _ in shapes]
+    x = rng.standard_normal(d).astype(np.float32)
+    outs = [cuda.to_device(np.full(n, np.nan, np.float32)) for _, n, _ in shapes]
+    dev = [cuda.to_device(a) for a in ws + bs]
+    matvec_fast_pair(dev[0], dev[1], T.Q4_K, cuda.to_device(x), outs[0], outs[1], dev[3], dev[4],
+                     third=(dev[2], T.Q6_K, outs[2], dev[5]))
+    for (q, _, _), w, b, o in zip(shapes, ws, bs, outs):
+        check(o.copy_to_host(), matvec_ref(w, q, x, bias=b), w, q, x)
+    if unroll:  # the pipelined loop, one weight at a time
+        for (q, _, _), w, b in zip(shapes, ws, bs):
+            got = matvec_fast(cuda.to_device(w), q, cuda.to_device(x), bias=cuda.to_device(b), unroll=unroll)
+            check(got.copy_to_host(), matvec_ref(w, q, x, bias=b), w, q, x)
