@@ -487,3 +487,26 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         ops._frags = {}
         ops.linear(ops.gated_linear(x, gate, gate), down)
         assert calls == want, (on, calls)
+
+
+def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch):
+    """LUCE_DECODE_ATTN=keys: decode steps take luce.kernels.attention_decode (prefill and
+    the tree keep theirs), and the logits stay the CPU's."""
+    from luce.backends.cpu import CPUBackend
+    from luce.backends.cuda import CUDABackend
+    from luce.kernels import attention_decode as AD
+    from luce.models.transformer import build_weights
+    monkeypatch.setattr(AD, "ENABLED", True)
+    kern, used = AD.kernel, []
+    monkeypatch.setattr(AD, "kernel", lambda *a, **k: used.append(a) or kern(*a, **k))
+    f, fam, cfg = tiny_llama
+    cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
+    wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
+    kc, kg = cpu.new_cache(cfg, 64), gpu.new_cache(cfg, 64)
+    for tokens, pos in (([3, 17, 42], [0, 1, 2]), ([9], [3]), ([11], [4])):
+        a = cpu.forward(fam, cfg, wc, kc, tokens, pos, None, [len(tokens) - 1])
+        b = gpu.forward(fam, cfg, wg, kg, tokens, pos, None, [len(tokens) - 1])
+        kc.commit()
+        kg.commit()
+        np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
+    assert len(used) == 2 * cfg.n_layers and used[0][:2] == (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads)
