@@ -10,6 +10,7 @@ def run(record: bool = True) -> dict:
     from .ceilings import copy_bandwidth_gbs
     from .kernels_attention import bench_attention
     from .kernels_matvec_mma import bench_matvec_mma
+    from .kernels_read import DIRECT, EMPTY, bench_read
     from .kernels_small import bench_small_ops
     from .kernels_matmul import SMALL_M_SHAPES, bench_matmul
     from ..kernels.matvec_fast import bench_matvec_fast
@@ -22,11 +23,13 @@ def run(record: bool = True) -> dict:
     def add(title, rows, ceiling_key=None):
         if ceiling_key:
             for r in rows:
-                r["% of copy BW"] = 100 * r[ceiling_key] / bw
+                r["% of copy BW"] = None if r[ceiling_key] is None else 100 * r[ceiling_key] / bw
         cols = list(rows[0]) if rows else []
         print_table(title, rows, cols)
         sections.append((title, rows, cols))
 
+    add("read ceiling at the decode step's weight sizes (no arithmetic)",
+        bench_read(variants=tuple(v for v in DIRECT if v[2] <= 2 and v[3] >= 4) + (EMPTY,)), "GB/s")
     add("fast matvec, 1 row (decode; weights rotated past L2)", bench_matvec_fast(MATVEC_SHAPES), "GB/s")
     add("generic matvec, 1 row", bench_matvec(MATVEC_SHAPES[:3], ("Q4_K", "Q6_K", "Q8_0")), "GB/s")
     add("verification widths: small-M tensor-core matmul vs 1-row matvec", bench_matmul(SMALL_M_SHAPES, baseline=True),
