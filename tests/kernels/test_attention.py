@@ -116,21 +116,27 @@ def test_decode_one_query_window_and_graph_grid():
     np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
-def test_decode_graph_grid_with_an_empty_split(monkeypatch):
-    # 40 keys in a grid sized for 256 (chunks of 32): the second split has no chunk and only
-    # marks l = 0; its accumulators (never written: NaN scratch) must not reach the output
-    monkeypatch.setattr(A, "DECODE_CHUNK", 32)
-    cache, q, kv, cpos, npos = setup(39, 1, d=32)
-    one = np.ones((1, 1), bool)
-    ns = A.attention_plan(1, 4, 2, 32, cache.n_ctx)["n_splits"]
-    assert ns == 2
+def run_in_graph_grid(cache, q, npos):
+    """Decode over the keys present in a grid sized for the whole cache (as a captured graph
+    runs it), the split scratch NaN-filled: (output, the splits' (m, l), splits)."""
+    ns = A.attention_plan(1, q.shape[1], cache.k_pool.shape[2], q.shape[2], cache.n_ctx)["n_splits"]
     scratch = (cuda.to_device(np.full((ns,) + q.shape, np.nan, np.float32)),
                cuda.to_device(np.full((ns,) + q.shape[:2] + (2,), np.nan, np.float32)))
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
     A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
                            cuda.to_device(npos.astype(np.int32)), n_keys=cache.n_ctx, out=out, scratch=scratch)
-    np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
-    assert scratch[1].copy_to_host()[1, 0, :, 1].tolist() == [0.0] * 4
+    return out.copy_to_host(), scratch[1].copy_to_host(), ns
+
+
+def test_decode_graph_grid_with_an_empty_split(monkeypatch):
+    # 40 keys in a grid sized for 256 (chunks of 32): the second split has no chunk and only
+    # marks l = 0; its accumulators (never written: NaN scratch) must not reach the output
+    monkeypatch.setattr(A, "DECODE_CHUNK", 32)
+    cache, q, kv, cpos, npos = setup(39, 1, d=32)
+    got, ml, ns = run_in_graph_grid(cache, q, npos)
+    assert ns == 2
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, np.ones((1, 1), bool)), rtol=2e-4, atol=2e-5)
+    assert ml[1, 0, :, 1].tolist() == [0.0] * 4
 
 
 # The same kernel for several queries (verification trees and chains) in tiles of

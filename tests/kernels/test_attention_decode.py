@@ -11,7 +11,7 @@ from numba import cuda
 
 from luce.kernels import attention as A
 from luce.kernels import attention_decode as AD
-from tests.kernels.test_attention import ref, run, setup
+from tests.kernels.test_attention import ref, run, run_in_graph_grid, setup
 from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
 ONE = np.ones((1, 1), bool)
@@ -42,15 +42,10 @@ def test_decode_keys_graph_grid_with_empty_splits(monkeypatch):
     their partials (NaN scratch) must not reach the output."""
     monkeypatch.setattr(AD, "ENABLED", True)
     cache, q, kv, cpos, npos = setup(39, 1, d=32)
-    ns = A.attention_plan(1, 4, 2, 32, cache.n_ctx)["n_splits"]
+    got, ml, ns = run_in_graph_grid(cache, q, npos)
     assert ns == cache.n_ctx // AD.KEYS_A_STEP
-    scratch = (cuda.to_device(np.full((ns,) + q.shape, np.nan, np.float32)),
-               cuda.to_device(np.full((ns,) + q.shape[:2] + (2,), np.nan, np.float32)))
-    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
-                           cuda.to_device(npos.astype(np.int32)), n_keys=cache.n_ctx, out=out, scratch=scratch)
-    np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, ONE), rtol=2e-4, atol=2e-5)
-    assert scratch[1].copy_to_host()[2:, 0, :, 1].tolist() == [[0.0] * 4] * (ns - 2)
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, ONE), rtol=2e-4, atol=2e-5)
+    assert ml[2:, 0, :, 1].tolist() == [[0.0] * 4] * (ns - 2)
 
 
 def test_decode_keys_kernel_applies_only_where_it_can(monkeypatch):
