@@ -7,7 +7,6 @@ inside a step, and a grid sized for more keys than are present (empty splits). T
 32B shapes at 8K run in tests/gpu/test_kernels_gpu.py."""
 import numpy as np
 import pytest
-from numba import cuda
 
 from luce.kernels import attention as A
 from luce.kernels import attention_decode as AD
