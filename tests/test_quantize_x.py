@@ -140,3 +140,23 @@ def test_cpu_emulation_of_int8_activations(qtype):
     assert np.abs(got - x @ w.T).max() > 0
     x3 = rng.standard_normal((3, 512)).astype(np.float32)
     np.testing.assert_array_equal(ops.linear(x3, w), x3 @ w.T)
+
+
+def test_cpu_emulation_of_int16_activations():
+    """x8_drift --bits 16: x rounded to int16 per 32 columns, so each value moves by at most
+    half a step of max|x| / 32767 of its block; the product moves far less than int8's."""
+    from types import SimpleNamespace
+    from luce.bench.x8_drift import X8CPUBackend, X8Ops, _round_int16
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((2, 512)) * rng.uniform(0.1, 10, (2, 512))).astype(np.float32)
+    xr = _round_int16(x)
+    step = np.abs(x.reshape(2, -1, 32)).max(-1, keepdims=True) / 32767
+    assert (np.abs((xr - x).reshape(2, -1, 32)) <= 0.5 * step * (1 + 1e-5) + 1e-12).all() and (xr != x).any()
+    raw = weights(rng, T.Q6_K, 6, 512)
+    errs = {}
+    for bits in (8, 16):
+        be = X8CPUBackend(bits=bits)
+        w = be.load_tensor(SimpleNamespace(data=raw.reshape(-1), qtype=T.Q6_K, shape=(6, 512)))
+        be.enabled = True
+        errs[bits] = np.abs(X8Ops(be).linear(x, w) - x @ w.T).max()
+    assert 0 < errs[16] < errs[8] / 50, errs
