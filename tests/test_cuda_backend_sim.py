@@ -510,3 +510,32 @@ def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch):
         kg.commit()
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
     assert len(used) == 2 * cfg.n_layers and used[0][:2] == (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads)
+
+
+def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
+    """FUSED_KV_WRITE: qk_rope stores each layer's new K and V rows, so no write_kv launch
+    runs, in a prefill and a decode step; the logits and the pool are the unfused run's,
+    bit for bit (two layers: the write goes to the layer attention reads)."""
+    import gguf
+    from luce.backends import cuda as C
+    from luce.kernels import paging
+    from luce.models.transformer import build_weights
+    f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=6, n_layers=2)
+    writes = []
+    write = paging.write_kv_cuda
+    monkeypatch.setattr(paging, "write_kv_cuda", lambda *a, **k: writes.append(1) or write(*a, **k))
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(C, "FUSED_KV_WRITE", fused)
+        gpu = C.CUDABackend(use_graphs=False)
+        wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
+        del writes[:]
+        out = [gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])]
+        kg.commit()
+        out.append(gpu.forward(fam, cfg, wg, kg, [9], [2]))
+        kg.commit()
+        out += [kg.k_pool.copy_to_host()[:, :, :, :3], kg.v_pool.copy_to_host()[:, :, :, :3]]
+        runs[fused] = out
+        assert len(writes) == (0 if fused else 2 * cfg.n_layers)
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(a, b)

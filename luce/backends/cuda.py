@@ -91,6 +91,12 @@ FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
 # down projection (luce.kernels.matvec_mma: frags_out), which then runs only the f16 guard's
 # fixup before its product: a conversion launch a layer fewer.
 GATED_FRAGS = os.environ.get("LUCE_GATED_FRAGS", "1") != "0"
+# qk_rope also writes the layer's new K (roped) and V rows into the f16 pool, so attention
+# has no write_kv launch of its own (one launch a layer fewer in every forward). Only where
+# no plugin swapped an op in (the write relies on linears, qk_rope and attention being
+# these). Opt-in (LUCE_FUSED_KV_WRITE=1) until it has run on a GPU: bit for bit the unfused
+# forward's logits and pool in the simulator.
+FUSED_KV_WRITE = os.environ.get("LUCE_FUSED_KV_WRITE", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -160,6 +166,12 @@ class Arena:
         return self.buf[start:start + n].view(dtype).reshape(tuple(shape))
 
 
+def _addr(a) -> int:
+    """A device array's address (the simulator's arrays: their host buffer's)."""
+    ary = getattr(a, "_ary", None)  # numba's simulator wraps a numpy array
+    return (ary.__array_interface__ if ary is not None else a.__cuda_array_interface__)["data"][0]
+
+
 class CudaOps:
     """The op interface of models.transformer on device arrays, writing into the arena."""
 
@@ -183,12 +195,23 @@ class CudaOps:
         # per-layer memory, used in turn ((h, parts, xq) each; made by embed)
         self._carry = []
         self._flip = 0
+        # the fused K/V write (FUSED_KV_WRITE): whether it may run for these ops and a weak
+        # reference to their cache (both set with the cache), the forward's layer (new_layer
+        # counts), the v made with the layer's k by linears (k's device address, v), and the
+        # layer whose rows qk_rope wrote
+        self.fuse_kv_write = False
+        self.kv_ref = None
+        self._layer = -1
+        self._v_for = None
+        self._kv_written = None
 
     # -- memory -------------------------------------------------------------------
     def _out(self, shape):
         return self.arena.alloc(shape)
 
     def new_layer(self):
+        self._layer += 1
+        self._v_for = None
         self.arena.release()
         carried = [c[0] for c in self._carry]
         if self._xq is not None and not any(self._xq[0] is h for h in carried):
@@ -392,6 +415,8 @@ class CudaOps:
             else:
                 outs.append(self.linear(x, ws[i], biases[i]))
                 i += 1
+        if len(ws) == 3:  # q, k, v: the v that a fused K/V write in qk_rope stores with this k
+            self._v_for = (_addr(outs[1]), outs[2])
         return outs
 
     @staticmethod
@@ -485,13 +510,25 @@ class CudaOps:
 
     def qk_rope(self, q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, freq_scale=1.0):
         from ..kernels.qk_rope import qk_rope_cuda
+        write = None
+        kv = self.kv_ref() if self.kv_ref is not None else None
+        if (self.fuse_kv_write and kv is not None and kv.k_scale is None and self._v_for is not None
+                and self._v_for[0] == _addr(k)):
+            write = (self._v_for[1].reshape(tuple(k.shape)), kv.k_pool, kv.v_pool, kv.table_d, self._layer, kv.meta,
+                     kv.pos_d)
+            self._kv_written = self._layer
         return qk_rope_cuda(q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, stream=self.stream,
-                            freq_scale=freq_scale)
+                            freq_scale=freq_scale, kv_write=write)
 
     def attention(self, kv: PagedKVCache, layer, q, k, v, positions, mask, window):
         from ..kernels.attention import attention_plan, paged_attention_cuda
         from ..kernels.paging import write_kv_cuda
-        write_kv_cuda(kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, k, v, positions, kv.pos_d, self.stream)
+        written, self._kv_written = self._kv_written, None
+        if written is None:
+            write_kv_cuda(kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, k, v, positions, kv.pos_d, self.stream)
+        elif written != layer or kv is not self.kv_ref():  # rows stored under another layer: say so, loudly
+            raise RuntimeError(f"qk_rope wrote the K/V rows of layer {written} into the cache, attention is at layer "
+                               f"{layer}: set LUCE_FUSED_KV_WRITE=0")
         n, hq, d = q.shape
         plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys)
         ns = plan["n_splits"]
@@ -584,6 +621,10 @@ class CUDABackend:
             st = self._state[key] = {"ops": ops, "run_ops": ops_with_overrides(ops, family, self.name),
                                      "graphs": {}, "arena_tokens": 0, "inputs": None}
             ops.n_keys = kv.n_ctx
+            # the pool write rides in qk_rope only where linears, qk_rope and attention are ours;
+            # a weak reference: the state must not keep its cache alive (see below)
+            ops.fuse_kv_write = FUSED_KV_WRITE and st["run_ops"] is ops
+            ops.kv_ref = weakref.ref(kv)
             # The state (its graphs point at this cache's pools) dies with the cache: a later
             # cache may get the same id(), and replaying these graphs would read freed memory.
             weakref.finalize(kv, self._forget, key)
@@ -705,6 +746,7 @@ class CUDABackend:
             ops._xq = None
             ops._in_range = []
             ops.mask_bits = mask_d if tree else None
+            ops._layer, ops._v_for, ops._kv_written = -1, None, None
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
             if argmax is not None:
                 from ..kernels.sampling import argmax_cuda

@@ -20,6 +20,7 @@ from numba import cuda
 
 from ._reduce import MAX_THREADS, block_sum
 from .norm import rms_norm_ref
+from .paging import BLOCK
 from .rope import _STYLE_ID, inv_freq_table, rope_ref, rotate
 
 _NO_NORM: dict = {}
@@ -44,44 +45,72 @@ def qk_rope_from(norm, rope):
 qk_rope_ref = qk_rope_from(rms_norm_ref, rope_ref)
 
 
-@cuda.jit
-def _qk_rope_kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style):
-    n = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    t = cuda.threadIdx.x
-    n_q = q.shape[1]
-    dim = q.shape[2]
-    half = rope_dim // 2
-    buf = cuda.shared.array(MAX_THREADS, np.float32)
-    is_q = h < n_q
-    hh = h if is_q else h - n_q
-    # this thread's two dims: a rotated pair, or two of the unrotated dims past rope_dim
-    if t < half:
-        ia = 2 * t if style == 0 else t
-        ib = ia + 1 if style == 0 else t + half
-    else:
-        ia = rope_dim + 2 * (t - half)
-        ib = ia + 1
-    live = ib < dim
-    a = np.float32(0.0)
-    b = np.float32(0.0)
-    if live:
-        a = q[n, hh, ia] if is_q else k[n, hh, ia]
-        b = q[n, hh, ib] if is_q else k[n, hh, ib]
-    if has_norm:  # every thread reaches the reduction's barriers
-        inv = np.float32(1.0) / math.sqrt(block_sum(a * a + b * b, buf) / np.float32(dim) + eps)
-        if live:
-            a *= inv * (q_w[ia] if is_q else k_w[ia])
-            b *= inv * (q_w[ib] if is_q else k_w[ib])
-    if live and t < half:
-        a, b = rotate(a, b, pos[n], inv_freq[t])
-    if live:
-        if is_q:
-            q[n, hh, ia] = a
-            q[n, hh, ib] = b
+def _make_kernel(write_kv: bool):
+    """The kernel; write_kv: the kv-head blocks also store their roped k and the token's v
+    (f16) into the paged pool at row meta[0] + n, as luce.kernels.paging.write_kv_cuda does
+    (and the token's position), so decode needs no launch for that."""
+    WRITE = write_kv
+
+    @cuda.jit
+    def kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style, v, k_pool, v_pool, table, layer, meta,
+               kv_pos):
+        n = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        n_q = q.shape[1]
+        dim = q.shape[2]
+        half = rope_dim // 2
+        buf = cuda.shared.array(MAX_THREADS, np.float32)
+        is_q = h < n_q
+        hh = h if is_q else h - n_q
+        # this thread's two dims: a rotated pair, or two of the unrotated dims past rope_dim
+        if t < half:
+            ia = 2 * t if style == 0 else t
+            ib = ia + 1 if style == 0 else t + half
         else:
-            k[n, hh, ia] = a
-            k[n, hh, ib] = b
+            ia = rope_dim + 2 * (t - half)
+            ib = ia + 1
+        live = ib < dim
+        a = np.float32(0.0)
+        b = np.float32(0.0)
+        if live:
+            a = q[n, hh, ia] if is_q else k[n, hh, ia]
+            b = q[n, hh, ib] if is_q else k[n, hh, ib]
+        if has_norm:  # every thread reaches the reduction's barriers
+            inv = np.float32(1.0) / math.sqrt(block_sum(a * a + b * b, buf) / np.float32(dim) + eps)
+            if live:
+                a *= inv * (q_w[ia] if is_q else k_w[ia])
+                b *= inv * (q_w[ib] if is_q else k_w[ib])
+        if live and t < half:
+            a, b = rotate(a, b, pos[n], inv_freq[t])
+        if live:
+            if is_q:
+                q[n, hh, ia] = a
+                q[n, hh, ib] = b
+            else:
+                k[n, hh, ia] = a
+                k[n, hh, ib] = b
+                if WRITE:
+                    p = meta[0] + n
+                    slot = table[p // BLOCK]
+                    o = p % BLOCK
+                    k_pool[slot, layer, hh, o, ia] = a
+                    k_pool[slot, layer, hh, o, ib] = b
+                    v_pool[slot, layer, hh, o, ia] = v[n, hh, ia]
+                    v_pool[slot, layer, hh, o, ib] = v[n, hh, ib]
+        if WRITE and h == 0 and t == 0:
+            kv_pos[meta[0] + n] = pos[n]
+
+    return kernel
+
+
+_KERNELS = {w: None for w in (False, True)}
+
+
+def _kernel(write_kv: bool):
+    if _KERNELS[write_kv] is None:
+        _KERNELS[write_kv] = _make_kernel(write_kv)
+    return _KERNELS[write_kv]
 
 
 def _no_norm():
@@ -92,9 +121,11 @@ def _no_norm():
 
 
 def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, base: float, style: str, stream=0,
-                 freq_scale: float = 1.0):
+                 freq_scale: float = 1.0, kv_write=None):
     """In place on device arrays q [N, Hq, D] and k [N, Hkv, D] (float32); positions: device
-    int32 [N]; q_norm/k_norm: device float32 [D], both or neither. Returns (q, k)."""
+    int32 [N]; q_norm/k_norm: device float32 [D], both or neither. kv_write: (v, k_pool,
+    v_pool, table, layer, meta, kv_pos) of an f16 paged pool: also what write_kv_cuda(k_pool,
+    v_pool, table, layer, meta, k, v, positions, kv_pos) stores, with k roped. Returns (q, k)."""
     n_tok, n_q, dim = q.shape
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qk_rope: give both q_norm and k_norm or neither")
@@ -105,7 +136,20 @@ def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, bas
     nt = max(32, -(-(dim // 2) // 32) * 32)
     if cuda.config.ENABLE_CUDASIM:  # the simulator's reduction wants a power of two
         nt = 1 << (max(1, dim // 2) - 1).bit_length()
-    _qk_rope_kernel[(n_tok, n_q + k.shape[1]), nt, stream](q, k, positions, q_norm, k_norm, has, np.float32(eps),
-                                                           inv_freq_table(rope_dim, base, freq_scale), rope_dim,
-                                                           _STYLE_ID[style])
+    if kv_write is None:  # typed like a write's arguments (never read), so one compiled form serves
+        kv_write = (k, _dummy_pool(), _dummy_pool(), positions, 0, positions, positions)
+    v, k_pool, v_pool, table, layer, meta, kv_pos = kv_write
+    _kernel(kv_write[1] is not _DUMMY.get("pool"))[(n_tok, n_q + k.shape[1]), nt, stream](
+        q, k, positions, q_norm, k_norm, has, np.float32(eps), inv_freq_table(rope_dim, base, freq_scale), rope_dim,
+        _STYLE_ID[style], v, k_pool, v_pool, table, layer, meta, kv_pos)
     return q, k
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_pool():
+    """A one-element f16 pool standing in for the write's when there is none."""
+    if "pool" not in _DUMMY:
+        _DUMMY["pool"] = cuda.to_device(np.zeros((1, 1, 1, 1, 1), np.float16))
+    return _DUMMY["pool"]

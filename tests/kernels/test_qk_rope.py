@@ -59,3 +59,35 @@ def test_one_norm_weight_is_an_error():
     with pytest.raises(ValueError):
         qk_rope_cuda(q, q, cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.ones(32, np.float32)), None,
                      1e-6, 32, 1e4, "halves")
+
+
+def test_qk_rope_writes_the_pool_as_write_kv_does():
+    """kv_write: the kv-head blocks store their roped k and the tokens' v (and positions) into
+    the paged pool, bit for bit what qk_rope followed by write_kv_cuda stores; q and k as
+    without it. Three tokens after 62 committed rows: the write crosses a page."""
+    from luce.kernels.paging import write_kv_cuda
+    from luce.kv.paged import PagedKVCache
+    n, hq, hkv, d = 3, 4, 2, 32
+    q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    pos = np.arange(62, 65, dtype=np.int32)
+    qw, kw = (rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2))
+    got = {}
+    for fused in (True, False):
+        cache = PagedKVCache(2, 256, hkv, d, device=True)
+        for pool in (cache.k_pool, cache.v_pool):  # rows no write reaches compare equal
+            pool.copy_to_device(np.zeros(pool.shape, np.float16))
+        cache.reserve(62)
+        cache.commit()
+        cache.reserve(n)
+        dq, dk, dp = cuda.to_device(q), cuda.to_device(k), cuda.to_device(pos)
+        dv = cuda.to_device(v)
+        write = (dv, cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d) if fused else None
+        qk_rope_cuda(dq, dk, dp, cuda.to_device(qw), cuda.to_device(kw), 1e-6, d, 1e6, "halves", kv_write=write)
+        if not fused:
+            write_kv_cuda(cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, dk, dv, dp, cache.pos_d)
+        got[fused] = [a.copy_to_host() for a in (dq, dk, cache.k_pool, cache.v_pool, cache.pos_d)]
+    for a, b in zip(got[True], got[False]):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(got[True][2]).any() and (got[True][4][62:65] == pos).all()
