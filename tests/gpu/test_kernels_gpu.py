@@ -82,6 +82,34 @@ def test_qk_rope(style):
     np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("n", [1, TREE])
+def test_qk_rope_kv_write(n):
+    """qk_rope storing the new K (roped) and V rows (LUCE_FUSED_KV_WRITE) at the Qwen3-8B
+    shape past 8K: the pool and positions bit for bit what qk_rope then write_kv_cuda store."""
+    from luce.kernels.paging import write_kv_cuda
+    from luce.kernels.qk_rope import qk_rope_cuda
+    q, k, v = randn(n, HQ, D, scale=3), randn(n, HKV, D), randn(n, HKV, D)
+    pos = np.arange(8190, 8190 + n).astype(np.int32)
+    qw, kw = randn(D) + 1, randn(D) + 1
+    got = []
+    for fused in (True, False):
+        cache = PagedKVCache(2, 8192 + 128, HKV, D, device=True)
+        for pool in (cache.k_pool, cache.v_pool):
+            pool.copy_to_device(np.zeros(pool.shape, np.float16))
+        cache.reserve(8190)
+        cache.commit()
+        cache.reserve(n)
+        dk, dv, dp = cuda.to_device(k), cuda.to_device(v), cuda.to_device(pos)
+        write = (dv, cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d) if fused else None
+        qk_rope_cuda(cuda.to_device(q), dk, dp, cuda.to_device(qw), cuda.to_device(kw), 1e-6, D, 1e6, "halves",
+                     kv_write=write)
+        if not fused:
+            write_kv_cuda(cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, dk, dv, dp, cache.pos_d)
+        got.append([a.copy_to_host() for a in (dk, cache.k_pool, cache.v_pool, cache.pos_d)])
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("kind,ref", [("swiglu", swiglu_ref), ("geglu", geglu_ref)])
 def test_glu(kind, ref):
     g, u = randn(TREE, 12288, scale=3), randn(TREE, 12288)
