@@ -489,14 +489,21 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         assert calls == want, (on, calls)
 
 
-def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch):
-    """LUCE_DECODE_ATTN=keys: decode steps take luce.kernels.attention_decode (prefill and
-    the tree keep theirs), and the logits stay the CPU's."""
+@pytest.mark.parametrize("fused_write", [False, True], ids=["write_kv", "fused-write"])
+def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch, fused_write):
+    """LUCE_DECODE_ATTN=keys: decode steps take luce.kernels.attention_decode (prefill
+    keeps its kernel), and the logits stay the CPU's; with LUCE_FUSED_KV_WRITE=1 too (the
+    two opt-ins are meant to be turned on together)."""
+    from luce.backends import cuda as C
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
     from luce.kernels import attention_decode as AD
     from luce.models.transformer import build_weights
     monkeypatch.setattr(AD, "ENABLED", True)
+    monkeypatch.setattr(C, "FUSED_KV_WRITE", fused_write)
+    from luce.kernels import paging
+    write, writes = paging.write_kv_cuda, []
+    monkeypatch.setattr(paging, "write_kv_cuda", lambda *a, **k: writes.append(1) or write(*a, **k))
     kern, used = AD.kernel, []
     monkeypatch.setattr(AD, "kernel", lambda *a, **k: used.append(a) or kern(*a, **k))
     f, fam, cfg = tiny_llama
@@ -510,6 +517,7 @@ def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch):
         kg.commit()
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
     assert len(used) == 2 * cfg.n_layers and used[0][:2] == (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads)
+    assert len(writes) == (0 if fused_write else 3 * cfg.n_layers)
 
 
 def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
