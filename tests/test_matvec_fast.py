@@ -298,7 +298,7 @@ from numba.cuda import types
 from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
 norm_args = (f32, f32, f32, types.int64, types.float32)  # gn, xg, parts, n_parts, eps
-norm_args += (u16, f32, f32) + (types.int64,) * 3  # the third weight: w_c, out_c, bias_c, n_rows_c, row_h_c, n_units_c
+norm_args += (u16, f32, f32) + (types.int64,) * 2  # the third weight: w_c, out_c, bias_c, n_rows_c, row_h_c
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:

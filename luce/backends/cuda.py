@@ -415,7 +415,7 @@ class CudaOps:
             else:
                 outs.append(self.linear(x, ws[i], biases[i]))
                 i += 1
-        if len(ws) == 3:  # q, k, v: the v that a fused K/V write in qk_rope stores with this k
+        if self.fuse_kv_write and len(ws) == 3:  # q, k, v: the v a fused K/V write in qk_rope stores with k
             self._v_for = (_addr(outs[1]), outs[2])
         return outs
 

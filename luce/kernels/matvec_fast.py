@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections import namedtuple
 
@@ -593,9 +592,8 @@ MAX_X_ROWS = 8
 SX_MAX = 2048
 FAST_TYPES = frozenset(FAST_SPECS)
 # unroll=PIPE: one unit a step, the next step's loads issued before this step's arithmetic
+# (H200: no faster than the default; kept for `python -m luce.kernels.matvec_fast --unroll`)
 PIPE = "pipe"
-# LUCE_MATVEC_PIPE=1: one-row products take PIPE instead of each type's FAST_SPECS unroll
-PIPE_DEFAULT = os.environ.get("LUCE_MATVEC_PIPE", "0") == "1"
 # Types with units over int8 x (quantize_x): their unit factories, in FAST_SPECS' form
 X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: lambda inline_sums: (load_q6_k, dot_q6_k_x8)}
 X8_TYPES = frozenset(X8_UNITS)
@@ -716,8 +714,9 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     """pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
     a residual. third (with pair): the qtype of a third weight w_c (the v projection, which
-    a Q4_K_M model keeps in Q6_K), whose row blocks (n_rows_c rows of row_h_c uint16, into
-    out_c with bias_c) follow w_up's: its lanes run that type's units. A 1024-row product
+    a Q4_K_M model keeps in Q6_K) of the same block width (so the same units a row), whose
+    row blocks (n_rows_c rows of row_h_c uint16, into out_c with bias_c) follow w_up's: its
+    lanes run that type's units. A 1024-row product
     alone is mostly launch latency (H200: Q6_K 1024x4096 4.9 us, for 3.4 MB).
 
     The RMSNorm between a residual product and the projections of its output, split between
@@ -727,7 +726,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
     TRIO = third is not None
-    rows_dot_c = _make_rows(third if TRIO else qtype, inline_sums, unroll, nx, x8)
+    rows_dot_c = _make_rows(third, inline_sums, unroll, nx, x8) if TRIO else rows_dot
     SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
     SXN = SX_MAX if SUMS else 1
     NT = 32 * nw
@@ -752,7 +751,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
-               gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, n_units_c):
+               gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c):
         red = cuda.shared.array(RED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
         nsq = cuda.shared.array(NSQ, np.float32)  # norm_out: the block's y^2, summed in order
@@ -797,7 +796,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                 if glu:
                     accu[e] = np.float32(0.0)
             if thrd:
-                rows_dot_c(w_c, ra * row_h_c, rb * row_h_c, x, sxs, n_units_c, first, L * nw, xs, acc)
+                rows_dot_c(w_c, ra * row_h_c, rb * row_h_c, x, sxs, n_units, first, L * nw, xs, acc)
             else:
                 rows_dot(wr, ra * row_h, rb * row_h, x, sxs, n_units, first, L * nw, xs, acc)
             if glu:
@@ -984,7 +983,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     g, nw = grid_shape(qtype, n_rows + n_rows_b + n_rows_c)
     g, nw = groups or g, warps or nw
     # several x rows: registers go to their sums
-    un = unroll or ((PIPE if PIPE_DEFAULT else spec.unroll) if nx == 1 else 1)
+    un = unroll or (spec.unroll if nx == 1 else 1)
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
                    x_norm is not None, norm_out is not None, qc)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
@@ -1007,7 +1006,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols,
                                 out_b, bias_b, n_rows_b, gn, xg, parts, n_parts, np.float32(eps),
                                 wc if third is not None else w0, out_c, bias_c, n_rows_c,
-                                row_bytes(qc, n_cols) // 2 if third is not None else 0, n_cols // spec.qk * spec.tpb)
+                                row_bytes(qc, n_cols) // 2 if third is not None else 0)
     return n_parts if norm_out is not None else out
 
 
@@ -1018,7 +1017,7 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps
     per thread block (default from grid_shape), inline_sums (default INLINE_SUMS),
     blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
-    lane loads before computing: 1 or 2; default the type's FAST_SPECS entry), groups (row
+    lane loads before computing: 1, 2 or PIPE; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count).
     xq: quantize_x(x), for types in X8_TYPES: their units then multiply int8 x with dp4a
     (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it.

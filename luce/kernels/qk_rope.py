@@ -13,6 +13,7 @@ that range). The standalone rope kernel (luce.kernels.rope) rotates the same way
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -23,7 +24,7 @@ from .norm import rms_norm_ref
 from .paging import BLOCK
 from .rope import _STYLE_ID, inv_freq_table, rope_ref, rotate
 
-_NO_NORM: dict = {}
+_NO_NORM: dict = {}  # arguments of the kernels' types that a launch never reads
 
 
 def qk_rope_from(norm, rope):
@@ -104,19 +105,21 @@ def _make_kernel(write_kv: bool):
     return kernel
 
 
-_KERNELS = {w: None for w in (False, True)}
-
-
-def _kernel(write_kv: bool):
-    if _KERNELS[write_kv] is None:
-        _KERNELS[write_kv] = _make_kernel(write_kv)
-    return _KERNELS[write_kv]
+_kernel = functools.lru_cache(maxsize=None)(_make_kernel)
 
 
 def _no_norm():
     t = _NO_NORM.get("w")
     if t is None:
         t = _NO_NORM["w"] = cuda.to_device(np.ones(1, np.float32))
+    return t
+
+
+def _no_pool():
+    """A one-element f16 pool standing in for the write's where there is none."""
+    t = _NO_NORM.get("pool")
+    if t is None:
+        t = _NO_NORM["pool"] = cuda.to_device(np.zeros((1, 1, 1, 1, 1), np.float16))
     return t
 
 
@@ -136,20 +139,13 @@ def qk_rope_cuda(q, k, positions, q_norm, k_norm, eps: float, rope_dim: int, bas
     nt = max(32, -(-(dim // 2) // 32) * 32)
     if cuda.config.ENABLE_CUDASIM:  # the simulator's reduction wants a power of two
         nt = 1 << (max(1, dim // 2) - 1).bit_length()
-    if kv_write is None:  # typed like a write's arguments (never read), so one compiled form serves
-        kv_write = (k, _dummy_pool(), _dummy_pool(), positions, 0, positions, positions)
+    write = kv_write is not None
+    if not write:  # arguments of the write's types, never read
+        pool = _no_pool()
+        kv_write = (k, pool, pool, positions, 0, positions, positions)
     v, k_pool, v_pool, table, layer, meta, kv_pos = kv_write
-    _kernel(kv_write[1] is not _DUMMY.get("pool"))[(n_tok, n_q + k.shape[1]), nt, stream](
+    _kernel(write)[(n_tok, n_q + k.shape[1]), nt, stream](
         q, k, positions, q_norm, k_norm, has, np.float32(eps), inv_freq_table(rope_dim, base, freq_scale), rope_dim,
         _STYLE_ID[style], v, k_pool, v_pool, table, layer, meta, kv_pos)
     return q, k
 
-
-_DUMMY: dict = {}
-
-
-def _dummy_pool():
-    """A one-element f16 pool standing in for the write's when there is none."""
-    if "pool" not in _DUMMY:
-        _DUMMY["pool"] = cuda.to_device(np.zeros((1, 1, 1, 1, 1), np.float16))
-    return _DUMMY["pool"]
