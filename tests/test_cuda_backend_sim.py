@@ -70,11 +70,15 @@ def test_cuda_backend_matches_cpu_in_simulator(tiny_model):
     assert kv_gpu.n_past == kv_cpu.n_past == 7
 
 
-def test_profile_forward_covers_every_op(tiny_llama):
+@pytest.mark.parametrize("fused_write", [False, True], ids=["write_kv", "fused-write"])
+def test_profile_forward_covers_every_op(tiny_llama, monkeypatch, fused_write):
     """luce bench's per-op breakdown records each kernel-launching op of a decode forward
     once per call site, labels projections by weight type and shape, and leaves the cache
-    as it was."""
+    as it was; with the fused K/V write too (each op replayed alone in the layer it was
+    recorded in)."""
+    from luce.backends import cuda as C
     from luce.backends.cuda import CUDABackend
+    monkeypatch.setattr(C, "FUSED_KV_WRITE", fused_write)
     from luce.bench.profile import profile_forward
     from luce.models.transformer import build_weights
     f, fam, cfg = tiny_llama
@@ -487,37 +491,6 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         ops._frags = {}
         ops.linear(ops.gated_linear(x, gate, gate), down)
         assert calls == want, (on, calls)
-
-
-@pytest.mark.parametrize("fused_write", [False, True], ids=["write_kv", "fused-write"])
-def test_decode_attention_on_the_keys_kernel(tiny_llama, monkeypatch, fused_write):
-    """LUCE_DECODE_ATTN=keys: decode steps take luce.kernels.attention_decode (prefill
-    keeps its kernel), and the logits stay the CPU's; with LUCE_FUSED_KV_WRITE=1 too (the
-    two opt-ins are meant to be turned on together)."""
-    from luce.backends import cuda as C
-    from luce.backends.cpu import CPUBackend
-    from luce.backends.cuda import CUDABackend
-    from luce.kernels import attention_decode as AD
-    from luce.models.transformer import build_weights
-    monkeypatch.setattr(AD, "ENABLED", True)
-    monkeypatch.setattr(C, "FUSED_KV_WRITE", fused_write)
-    from luce.kernels import paging
-    write, writes = paging.write_kv_cuda, []
-    monkeypatch.setattr(paging, "write_kv_cuda", lambda *a, **k: writes.append(1) or write(*a, **k))
-    kern, used = AD.kernel, []
-    monkeypatch.setattr(AD, "kernel", lambda *a, **k: used.append(a) or kern(*a, **k))
-    f, fam, cfg = tiny_llama
-    cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
-    wc, wg = build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor)
-    kc, kg = cpu.new_cache(cfg, 64), gpu.new_cache(cfg, 64)
-    for tokens, pos in (([3, 17, 42], [0, 1, 2]), ([9], [3]), ([11], [4])):
-        a = cpu.forward(fam, cfg, wc, kc, tokens, pos, None, [len(tokens) - 1])
-        b = gpu.forward(fam, cfg, wg, kg, tokens, pos, None, [len(tokens) - 1])
-        kc.commit()
-        kg.commit()
-        np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
-    assert len(used) == 2 * cfg.n_layers and used[0][:2] == (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads)
-    assert len(writes) == (0 if fused_write else 3 * cfg.n_layers)
 
 
 def test_fused_kv_write_same_logits(tmp_path, monkeypatch):

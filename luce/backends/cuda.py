@@ -209,6 +209,24 @@ class CudaOps:
     def _out(self, shape):
         return self.arena.alloc(shape)
 
+    def begin_forward(self, mask_bits=None):
+        """Per-forward state back to its start: the arena, what is kept of the last
+        forward's x conversions, the layer count and the fused K/V write's bookkeeping."""
+        self.arena.reset()
+        self._xq = None
+        self._in_range = []
+        self.mask_bits = mask_bits
+        self._layer, self._v_for, self._kv_written = -1, None, None
+
+    def layer_state(self):
+        """What an op's fusion decisions read besides its arguments (see set_layer_state)."""
+        return self._layer, self._v_for, self._kv_written
+
+    def set_layer_state(self, state):
+        """Put back a layer_state: a profiler replaying one recorded op alone runs it as
+        it ran inside the forward."""
+        self._layer, self._v_for, self._kv_written = state
+
     def new_layer(self):
         self._layer += 1
         self._v_for = None
@@ -742,11 +760,7 @@ class CUDABackend:
         run_ops = st["run_ops"]
 
         def run():
-            ops.arena.reset()
-            ops._xq = None
-            ops._in_range = []
-            ops.mask_bits = mask_d if tree else None
-            ops._layer, ops._v_for, ops._kv_written = -1, None, None
+            ops.begin_forward(mask_d if tree else None)
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
             if argmax is not None:
                 from ..kernels.sampling import argmax_cuda

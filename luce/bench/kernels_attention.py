@@ -131,8 +131,6 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     cases = [("decode", 1, one, None, False, None),
              ("decode_nosplit", 1, one, 1, False, None),
              (f"decode{SHORT}_in_grid", 1, one, None, False, None)]
-    # the a-thread-a-key decode kernel (luce.kernels.attention_decode) against the row kernel
-    cases += [(f"decode{s}_keys", 1, one, None, False, "keys") for s in ("", f"{SHORT}_in_grid")]
     # the decode kernel's keys a step against this shape's default (attention.decode_chunk)
     cases += [(f"decode{s}_chunk{c}", 1, one, None, False, f"chunk{c}") for c in CHUNKS
               if c != A.decode_chunk(d, hq // hkv)
@@ -163,15 +161,12 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
     default_tile = M.MAX_WARPS, M.TILE_WARPS
     default_chunks, default_warps = (A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE), A.DECODE_TARGET_WARPS
-    from ..kernels import attention_decode as AD
-    default_keys = AD.ENABLED
 
     def number(prefix):  # of a variant named prefix + N, or None
         return int(variant[len(prefix):]) if variant and variant.startswith(prefix) else None
     try:
         for name, n, mask, max_splits, q8, variant in cases:
             A.ROW_KERNEL_MAX_QUERIES = 64 if variant == "rowkernel" else default_rows
-            AD.ENABLED = variant == "keys" or default_keys
             M.TARGET_BLOCKS = 2 * default_target if variant == "two_waves" else default_target
             # chunkN: N keys a step whatever the block's rows
             A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = (number("chunk"),) * 2 if number("chunk") else default_chunks
@@ -202,7 +197,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
                              time_us=round(us, 2), **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode,
                              n_splits=ns))
             if (name.startswith("decode") or "_in_grid" in name) and ns > 1 and not q8 and \
-                    plan.get("kind") not in ("row", "keys"):
+                    plan.get("kind") != "row":
                 # the split combine alone, on the partials the launch above left (the row
                 # kernel merges its own)
                 def combine():
@@ -215,7 +210,6 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = default_chunks
         A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
         M.MAX_WARPS, M.TILE_WARPS = default_tile
-        AD.ENABLED = default_keys
     return rows
 
 

@@ -29,8 +29,18 @@ class _Recorder:
         if not callable(fn) or name in _VIEWS or name.startswith("_"):
             return fn
 
+        state = getattr(self._ops, "layer_state", None)
+
         def call(*args, **kwargs):
-            self._calls.append((_label(name, args), lambda: fn(*args, **kwargs)))
+            # replayed alone, the op runs in the layer state it was recorded in (the fused
+            # K/V write checks its layer)
+            pre = state() if state else None
+
+            def again():
+                if state:
+                    self._ops.set_layer_state(pre)
+                return fn(*args, **kwargs)
+            self._calls.append((_label(name, args), again))
             return fn(*args, **kwargs)
         return call
 
@@ -95,8 +105,7 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
     rows_out = [n_tokens - 1]
 
     calls: list = []
-    ops.arena.reset()
-    ops.mask_bits = None
+    ops.begin_forward()
     fam.run_forward(cfg, weights, _Recorder(st["run_ops"], calls), kv, tok_d, pos_d, None, rows_out)
     be.stream.synchronize()
 
@@ -107,7 +116,7 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
         per[label]["us"] += us
 
     def whole():
-        ops.arena.reset()
+        ops.begin_forward()
         fam.run_forward(cfg, weights, st["run_ops"], kv, tok_d, pos_d, None, rows_out)
     graph_us = _time_graph(be, whole, max(2, reps // 4), ops.arena)
     kv.commit([])  # drop the rows the timing runs wrote

@@ -819,9 +819,6 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
-    from . import attention_decode
-    if attention_decode.applies(n_q, head_dim, q8, group):
-        return attention_decode.plan(n_kv_heads, n_keys, head_dim, group, max_splits)
     row_kernel = _row_kernel_applies(n_q, head_dim, q8, group)
     if not row_kernel and attention_mma.applies(n_q, head_dim, q8):
         p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits)
@@ -885,13 +882,6 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     if mask_bits is None:
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
     flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
-    if plan.get("kind") == "keys":  # luce.kernels.attention_decode; merges its own splits too
-        from . import attention_decode
-        attention_decode.kernel(dim, n_heads // n_kvh, plan["nt"], plan["keys"], plan["bufs"])[
-            (ns, n_kvh), plan["nt"], stream](
-            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, window, scale, direct,
-            out, part_o, part_ml, merge_counters(n_kvh, stream))
-        return out
     if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"],
                        plan["self_merge"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](

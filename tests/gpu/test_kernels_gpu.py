@@ -353,13 +353,3 @@ def test_tree23_8k_row_kernel(monkeypatch):
     test_tree23_8k()
 
 
-@pytest.mark.parametrize("dim,hq,hkv,n_ctx,window", [(128, 32, 8, 8192, None), (128, 32, 8, 640, None),
-                                                     (128, 64, 8, 1000, 300), (64, 9, 3, 530, None),
-                                                     (256, 8, 4, 701, None), (128, 32, 8, 37, None)])
-def test_decode_keys_kernel_gpu(monkeypatch, dim, hq, hkv, n_ctx, window):
-    """The a-thread-a-key decode kernel (luce.kernels.attention_decode, LUCE_DECODE_ATTN=keys)
-    at the 8B shape over 8K and 640 keys, the 32B group with a window, SmolLM2's group of 3,
-    head dim 256 (one K/V buffer) and a context inside one page, against the reference."""
-    from luce.kernels import attention_decode as AD
-    monkeypatch.setattr(AD, "ENABLED", True)
-    _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
