@@ -354,10 +354,10 @@ for q, nw, glu, res, xn, no in [(F.T.Q4_K, 8, False, True, False, True), (F.T.Q6
 # units over int8 x (quantize_x): x comes as uint16, multiplied with dp4a, never as floats
 sig8 = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 for q in F.X8_TYPES:
-    for glu, g, nx in [(False, 8, 1), (True, 16, 1), (False, 4, 3)]:
-        k = F._make_kernel(q, glu, False, False, F.NW, True, None if nx == 1 else 1, g, nx, True)
+    for glu, g, nx, planes in [(False, 8, 1, 1), (True, 16, 1, 1), (False, 4, 3, 1), (False, 8, 1, 2), (True, 16, 1, 2)]:
+        k = F._make_kernel(q, glu, False, False, F.NW, True, None if nx == 1 else 1, g, nx, planes)
         ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0))
-        name = f"{q.name}_x8_glu{int(glu)}_groups{g}_nx{nx}"
+        name = f"{q.name}_x8_glu{int(glu)}_groups{g}_nx{nx}_planes{planes}"
         assert "dp4a.u32.s32" in ptx and re.search(r"ld\.global\.nc(\.L[12]::\w+)*\.v4\.u32", ptx), name
         assert "ld.global.nc.v4.f32" not in ptx, name
         assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"

@@ -15,29 +15,42 @@ from luce.kernels.quantize_x import (dequantize_x_ref, int_sums_ref, matvec_x8_r
 from test_matvec import nan_device, weights
 
 
-def test_quantize_x_matches_reference_and_bounds_its_error():
+def _step(x, planes):
+    """The rounding step of x's values a priori: absmax / 127 of each 32-column block; with
+    a second plane, which holds at most half the first's step, 254 times finer."""
+    return np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127 / (254 if planes == 2 else 1), 32).reshape(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_quantize_x_matches_reference_and_bounds_its_error(planes):
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 50, (3, 1))).astype(np.float32)
     x[1, 32:64] = 0  # an all-zero block: step 0, no division by zero
     x[2, 5] = 1e4    # an outlier: its block's step is large, the others' unchanged
-    out = cuda.to_device(np.full(xq_size(256, 3), 0xFFFF, np.uint16))  # poisoned
-    got = quantize_x(cuda.to_device(x), out=out).copy_to_host()
-    want = quantize_x_ref(x)
-    g, w = got.view(np.uint8).reshape(-1, 48), want.view(np.uint8).reshape(-1, 48)
+    x[0, 64:96] = 0.5  # a block of one value: nothing left for the second plane
+    out = cuda.to_device(np.full(xq_size(256, 3, planes), 0xFFFF, np.uint16))  # poisoned
+    got = quantize_x(cuda.to_device(x), out=out, planes=planes).copy_to_host()
+    want = quantize_x_ref(x, planes)
+    g, w = got.view(np.uint8).reshape(-1, 48), want.view(np.uint8).reshape(-1, 48)  # a row a plane's block
     np.testing.assert_array_equal(g[:, :36], w[:, :36])  # int8 values and the step, bit for bit
     np.testing.assert_allclose(g[:, 36:44].view(np.float32), w[:, 36:44].view(np.float32), rtol=1e-6, atol=1e-4)
     np.testing.assert_array_equal(g[:, 44:], w[:, 44:])  # the int8 values' sums, as two int16
-    q = w[:, :32].view(np.int8).astype(np.int32)
-    np.testing.assert_array_equal(int_sums_ref(want), np.stack([q[:, :16].sum(1), q[:, 16:].sum(1)], 1))
-    xh = dequantize_x_ref(want, 256)
-    step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(x.shape)
-    assert (np.abs(xh - x) <= step / 2 * (1 + 1e-5) + 1e-30).all()
-    assert (xh[1, 32:64] == 0).all()
+    q = w[::planes, :32].view(np.int8).astype(np.int32)
+    np.testing.assert_array_equal(int_sums_ref(want, planes), np.stack([q[:, :16].sum(1), q[:, 16:].sum(1)], 1))
+    xh = dequantize_x_ref(want, 256, planes)
+    assert (np.abs(xh - x) <= _step(x, planes) / 2 * (1 + 1e-5) + 1e-30).all()
+    assert (xh[1, 32:64] == 0).all() and (xh[0, 64:96] == 0.5).all()
+    if planes == 2:  # the second plane holds what the first left: x to ~16 bits
+        one = dequantize_x_ref(quantize_x_ref(x), 256)
+        assert np.abs(xh - x).max() < np.abs(one - x).max() / 100
+        assert (w[1::2, :32] != 0).any() and (w[1::2, 32:36].view(np.float32) <= w[::2, 32:36].view(np.float32) / 2).all()
     with pytest.raises(ValueError):
         xq_size(100)
+    with pytest.raises(ValueError):
+        xq_size(256, 1, 3)
 
 
-def _x8_bound(raw, qtype, x):
+def _x8_bound(raw, qtype, x, planes=1):
     """|x8 result - W x| <= sum |W_scaled| |x - rounded x| <= sum |W_scaled| step / 2, where
     W_scaled is the part of W that meets the rounded x (Q4_K: without its mins; Q6_K: all)."""
     from luce.kernels.dequant import dequantize
@@ -47,38 +60,39 @@ def _x8_bound(raw, qtype, x):
         scaled = raw.copy().reshape(n_rows, -1, 144)
         scaled[:, :, 2:4] = 0
     w_sc = np.abs(dequantize(scaled.reshape(n_rows, -1), qtype, (n_rows, n_cols))).astype(np.float64)
-    step = np.repeat(np.abs(x).reshape(-1, 32).max(1) / 127, 32).reshape(-1, n_cols)
-    return (step / 2) @ w_sc.T, np.abs(x).reshape(-1, n_cols).astype(np.float64) @ np.abs(
+    return (_step(x, planes) / 2) @ w_sc.T, np.abs(x).reshape(-1, n_cols).astype(np.float64) @ np.abs(
         dequantize(raw, qtype, (n_rows, n_cols))).astype(np.float64).T
 
 
-@pytest.mark.parametrize("qtype,n_x,n_rows,n_cols", [(T.Q4_K, 1, 5, 768), (T.Q4_K, 3, 3, 512),
-                                                     (T.Q6_K, 1, 16, 256),   # rows at every offset mod 16
-                                                     (T.Q6_K, 2, 8, 768)], ids=str)  # sizes of 16-byte multiples: else the float fallback
-def test_matvec_fast_x8(qtype, n_x, n_rows, n_cols):
+@pytest.mark.parametrize("qtype,n_x,n_rows,n_cols,planes", [
+    (T.Q4_K, 1, 5, 768, 1), (T.Q4_K, 3, 3, 512, 1), (T.Q4_K, 1, 5, 768, 2), (T.Q4_K, 2, 3, 512, 2),
+    (T.Q6_K, 1, 16, 256, 1),   # rows at every offset mod 16
+    (T.Q6_K, 2, 8, 768, 1), (T.Q6_K, 1, 16, 256, 2), (T.Q6_K, 2, 8, 512, 2)], ids=str)  # sizes of 16-byte multiples: else the float fallback
+def test_matvec_fast_x8(qtype, n_x, n_rows, n_cols, planes):
     rng = np.random.default_rng(n_x * 100 + n_cols)
     raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((n_x, n_cols) if n_x > 1 else n_cols).astype(np.float32)
     xd = cuda.to_device(x)
     out = nan_device((n_x, n_rows) if n_x > 1 else (n_rows,))
-    got = matvec_fast(cuda.to_device(raw), qtype, xd, out=out, xq=quantize_x(xd)).copy_to_host()
-    want = matvec_x8_ref(raw, qtype, x)
-    rounding, scale = _x8_bound(raw, qtype, x)
+    got = matvec_fast(cuda.to_device(raw), qtype, xd, out=out, xq=quantize_x(xd, planes=planes)).copy_to_host()
+    want = matvec_x8_ref(raw, qtype, x, planes)
+    rounding, scale = _x8_bound(raw, qtype, x, planes)
     np.testing.assert_array_less(np.abs(got - want).reshape(scale.shape), 1e-5 * scale + 1e-6)
     exact = matvec_ref(raw, qtype, x)
     np.testing.assert_array_less(np.abs(got - exact).reshape(scale.shape), rounding * 1.001 + 1e-5 * scale + 1e-6)
     assert np.abs(got - exact).max() > 0  # x really went through int8 (else the test checks nothing new)
 
 
-def test_swiglu_fast_x8_and_other_types_ignore_xq():
+@pytest.mark.parametrize("planes", [1, 2])
+def test_swiglu_fast_x8_and_other_types_ignore_xq(planes):
     rng = np.random.default_rng(3)
     n_rows, n_cols = 4, 512
     g, u = weights(rng, T.Q4_K, n_rows, n_cols), weights(rng, T.Q4_K, n_rows, n_cols)
     x = rng.standard_normal(n_cols).astype(np.float32)
     xd = cuda.to_device(x)
-    xq = quantize_x(xd)
+    xq = quantize_x(xd, planes=planes)
     got = swiglu_fast(cuda.to_device(g), cuda.to_device(u), T.Q4_K, xd, out=nan_device(n_rows), xq=xq).copy_to_host()
-    yg, yu = matvec_x8_ref(g, T.Q4_K, x), matvec_x8_ref(u, T.Q4_K, x)
+    yg, yu = matvec_x8_ref(g, T.Q4_K, x, planes), matvec_x8_ref(u, T.Q4_K, x, planes)
     want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu  # silu without exp overflow
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.abs(got - swiglu_ref(g, u, T.Q4_K, x)).max() > 0
@@ -91,12 +105,12 @@ def test_swiglu_fast_x8_and_other_types_ignore_xq():
         matvec_fast(cuda.to_device(g), T.Q4_K, xd, out=nan_device(n_rows), xq=xq[:-24])
 
 
-@pytest.mark.parametrize("rows,d", [(1, 128), (2, 96)])
-def test_rms_norm_quantize(rows, d):
-    check_rms_norm_quantize(rows, d)
+@pytest.mark.parametrize("rows,d,planes", [(1, 128, 1), (2, 96, 1), (2, 96, 2)])
+def test_rms_norm_quantize(rows, d, planes):
+    check_rms_norm_quantize(rows, d, planes)
 
 
-def check_rms_norm_quantize(rows, d):
+def check_rms_norm_quantize(rows, d, planes=1):
     """One launch for RMSNorm and quantize_x (the decode path with int8 activations): the
     norm to float32 accuracy, and its int8 form bit for bit that of quantize_x_ref applied
     to the output it wrote (also run by the GPU tests, at model sizes)."""
@@ -106,21 +120,22 @@ def check_rms_norm_quantize(rows, d):
     x = (rng.standard_normal((rows, d)) * 4).astype(np.float32)
     w = rng.standard_normal(d).astype(np.float32)
     out = cuda.to_device(np.full((rows, d), np.nan, np.float32))
-    xq = cuda.to_device(np.full(xq_size(d, rows), 0xFFFF, np.uint16))
-    rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq)
+    xq = cuda.to_device(np.full(xq_size(d, rows, planes), 0xFFFF, np.uint16))
+    rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq, planes=planes)
     got = out.copy_to_host()
     np.testing.assert_allclose(got, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-6)
     g = xq.copy_to_host().view(np.uint8).reshape(-1, 48)
-    want = quantize_x_ref(got).view(np.uint8).reshape(-1, 48)
+    want = quantize_x_ref(got, planes).view(np.uint8).reshape(-1, 48)
     np.testing.assert_array_equal(g[:, :36], want[:, :36])
     np.testing.assert_array_equal(g[:, 44:], want[:, 44:])
     np.testing.assert_allclose(g[:, 36:44].view(np.float32), want[:, 36:44].view(np.float32), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
-        rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq[:-1])
+        rms_norm_quantize(cuda.to_device(x), cuda.to_device(w), 1e-6, out, xq[:-1], planes=planes)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=str)
-def test_cpu_emulation_of_int8_activations(qtype):
+def test_cpu_emulation_of_int8_activations(qtype, planes):
     """luce.bench.x8_drift's numpy emulation (what measures X8's effect on real models'
     greedy output on the CPU) computes what the GPU units do: matvec_x8_ref, for decode's
     one- and two-row forwards; wider forwards stay float."""
@@ -128,35 +143,19 @@ def test_cpu_emulation_of_int8_activations(qtype):
     from luce.bench.x8_drift import X8CPUBackend, X8Ops
     rng = np.random.default_rng(int(qtype))
     raw = weights(rng, qtype, 6, 512)
-    be = X8CPUBackend()
+    be = X8CPUBackend(planes=planes)
     w = be.load_tensor(SimpleNamespace(data=raw.reshape(-1), qtype=qtype, shape=(6, 512)))
     ops = X8Ops(be)
     x = rng.standard_normal((2, 512)).astype(np.float32)
     assert np.allclose(ops.linear(x, w), x @ w.T)  # off until enabled
     be.enabled = True
     got = ops.linear(x, w)
-    want = matvec_x8_ref(raw, qtype, x)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    assert np.abs(got - x @ w.T).max() > 0
+    want = matvec_x8_ref(raw, qtype, x, planes)
+    exact = x @ w.T
+    np.testing.assert_allclose(got, want, atol=(1e-4 if planes == 1 else 1e-6) * np.abs(want).max())
+    assert np.abs(got - exact).max() > 0
+    if planes == 2:  # the second plane: the product 100x nearer the float one than one plane's
+        one = matvec_x8_ref(raw, qtype, x, 1)
+        assert np.abs(got - exact).max() < np.abs(one - exact).max() / 100
     x3 = rng.standard_normal((3, 512)).astype(np.float32)
     np.testing.assert_array_equal(ops.linear(x3, w), x3 @ w.T)
-
-
-def test_cpu_emulation_of_int16_activations():
-    """x8_drift --bits 16: x rounded to int16 per 32 columns, so each value moves by at most
-    half a step of max|x| / 32767 of its block; the product moves far less than int8's."""
-    from types import SimpleNamespace
-    from luce.bench.x8_drift import X8CPUBackend, X8Ops, _round_int16
-    rng = np.random.default_rng(7)
-    x = (rng.standard_normal((2, 512)) * rng.uniform(0.1, 10, (2, 512))).astype(np.float32)
-    xr = _round_int16(x)
-    step = np.abs(x.reshape(2, -1, 32)).max(-1, keepdims=True) / 32767
-    assert (np.abs((xr - x).reshape(2, -1, 32)) <= 0.5 * step * (1 + 1e-5) + 1e-12).all() and (xr != x).any()
-    raw = weights(rng, T.Q6_K, 6, 512)
-    errs = {}
-    for bits in (8, 16):
-        be = X8CPUBackend(bits=bits)
-        w = be.load_tensor(SimpleNamespace(data=raw.reshape(-1), qtype=T.Q6_K, shape=(6, 512)))
-        be.enabled = True
-        errs[bits] = np.abs(X8Ops(be).linear(x, w) - x @ w.T).max()
-    assert 0 < errs[16] < errs[8] / 50, errs

@@ -68,11 +68,15 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 
 
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
-# dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1. H200, Qwen3-8B shape (14109b4): 266.7
-# decode tok/s against 235.9. Off by default: it moves a real model's logits by ~1.3%
-# (luce.bench.x8_drift), enough to change greedy tokens at near-ties and to make decode and
-# the (float) verification forward of speculative decoding disagree there.
-MATVEC_X8 = os.environ.get("LUCE_MATVEC_X8", "0") == "1"
+# dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1, or =2 for two int8 planes (x and what
+# its rounding left: about int16's precision, two dp4a a weight word). H200, Qwen3-8B shape
+# (14109b4): one plane 266.7 decode tok/s against 235.9. One plane is off by default: it
+# moves a real model's logits by ~1.3% (luce.bench.x8_drift), enough to change greedy
+# tokens at near-ties and to make decode and the (float) verification forward of
+# speculative decoding disagree there.
+MATVEC_X8 = int(os.environ.get("LUCE_MATVEC_X8", "0") or 0)
+if MATVEC_X8 not in (0, 1, 2):
+    raise ValueError(f"LUCE_MATVEC_X8={MATVEC_X8}: 0 (float x), 1 or 2 (int8 planes)")
 # Decode's q and k projections (same type and width) as one matvec_fast launch, and
 # verification's as one matvec_mma_pair launch: the 1024-row k projection alone is a
 # latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200, 77d259d) plus a graph gap.
@@ -260,7 +264,8 @@ class CudaOps:
         if self._xq is not None and self._xq[0] is x:
             return self._xq[1]
         from ..kernels.quantize_x import quantize_x, xq_size
-        xq = quantize_x(x, out=self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16), stream=self.stream)
+        xq = quantize_x(x, out=self.arena.alloc((xq_size(x.shape[1], x.shape[0], MATVEC_X8),), np.uint16),
+                        stream=self.stream, planes=MATVEC_X8)
         self._xq = (x, xq)
         return xq
 
@@ -275,7 +280,7 @@ class CudaOps:
         from ..kernels.quantize_x import xq_size
         d = table.shape[1]
         self._carry = [(self.arena.alloc((n, d)), self.arena.alloc((norm_parts_max(d),)),
-                        self.arena.alloc((xq_size(d, n),), np.uint16) if self._x8_rows(out) else None)
+                        self.arena.alloc((xq_size(d, n, MATVEC_X8),), np.uint16) if self._x8_rows(out) else None)
                        for _ in range(2)]
         self._flip = 0
         self._frags = {}  # another forward (or model) on this stream may have rewritten them
@@ -285,7 +290,7 @@ class CudaOps:
     @staticmethod
     def _x8_rows(x) -> bool:
         """Whether x's projections take int8 x (MATVEC_X8, decode widths)."""
-        return MATVEC_X8 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
+        return MATVEC_X8 > 0 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
 
     def _written(self, a):
         """a is rewritten in place: its kept conversions (fragments, int8 form) and its
@@ -332,8 +337,8 @@ class CudaOps:
             # int8 x: made in the same launch
             from ..kernels.quantize_x import rms_norm_quantize, xq_size
             if xq is None:
-                xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0]),), np.uint16)
-            rms_norm_quantize(x, w, eps, out, xq, stream=self.stream)
+                xq = self.arena.alloc((xq_size(x.shape[1], x.shape[0], MATVEC_X8),), np.uint16)
+            rms_norm_quantize(x, w, eps, out, xq, stream=self.stream, planes=MATVEC_X8)
             self._xq = (out, xq)
         else:
             rms_norm_cuda(x, w, eps, out=out, stream=self.stream)

@@ -9,11 +9,10 @@ Reports per prompt the first position where the tokens differ (and the float run
 between its two top logits there), the smallest such gap of the run, and how far the
 logits moved (relative L2) over the steps both runs were fed the same tokens.
 
-    python -m luce.bench.x8_drift --categories code --max-tokens 48 [--bits 16]
+    python -m luce.bench.x8_drift --categories code --max-tokens 48 [--planes 2]
 
---bits 16 emulates what int16 activations would do (x rounded to 16 bits a value per 32
-columns, symmetric, scale max|x| / 32767; no kernel takes them yet): the question whether
-two dp4a a weight word (the high and the low byte planes of x) would keep greedy output.
+--planes 2: x in two int8 planes (x, then what its rounding left; LUCE_MATVEC_X8=2), about
+int16's precision.
 """
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ class X8Ops(NumpyOps):
             return NumpyOps.linear(x, w, bias, residual)
         from ..kernels.quantize_x import dequantize_x_ref, quantize_x_ref
         xf = np.ascontiguousarray(x, np.float32)
-        xh = dequantize_x_ref(quantize_x_ref(xf), xf.shape[-1]) if self.b.bits == 8 else _round_int16(xf)
+        planes = self.b.planes
+        xh = dequantize_x_ref(quantize_x_ref(xf, planes), xf.shape[-1], planes).astype(np.float32)
         y = NumpyOps.linear(xh, w, bias, residual)
         mins = self.b.meta[id(w)]
         if mins is not None:  # Q4_K: its mins meet the exact x, W = scaled + mins
@@ -48,21 +48,13 @@ class X8Ops(NumpyOps):
         return self.swiglu(self.linear(x, w_gate), self.linear(x, w_up))
 
 
-def _round_int16(x: np.ndarray) -> np.ndarray:
-    """x rounded to int16 per 32 columns (scale max|x| / 32767, round to nearest even)."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float64)
-    s = np.abs(b).max(-1, keepdims=True) / 32767.0
-    q = np.rint(np.divide(b, s, out=np.zeros_like(b), where=s > 0))
-    return (q * s).astype(np.float32).reshape(x.shape)
-
-
 class X8CPUBackend(CPUBackend):
     """The CPU backend, remembering which weights are Q4_K / Q6_K; `enabled` switches the
     emulation (one load serves both runs)."""
 
-    def __init__(self, types=("Q4_K", "Q6_K"), bits: int = 8):
+    def __init__(self, types=("Q4_K", "Q6_K"), planes: int = 1):
         super().__init__()
-        self.bits = bits  # 8: quantize_x's rounding (what the GPU runs); 16: an int16 emulation
+        self.planes = planes  # int8 planes of x (quantize_x's rounding, what the GPU runs)
         self.meta: dict = {}  # id(weight) -> Q4_K's min part per 32 columns [rows, cols / 32], or None (Q6_K)
         self.enabled = False
         self.types = set(types)  # which weight types take int8 x (the GPU has units for both)
@@ -86,11 +78,11 @@ class X8CPUBackend(CPUBackend):
 
 
 def run(model_path=None, categories=("code",), max_tokens: int = 48, n_ctx: int = 1024, types=("Q4_K", "Q6_K"),
-        echo=print, bits: int = 8) -> list[dict]:
+        echo=print, planes: int = 1) -> list[dict]:
     from ..model import Model
     from .spec import _prompt_ids, default_pair, load_prompts
     path = model_path or default_pair()[0]
-    be = X8CPUBackend(types, bits)
+    be = X8CPUBackend(types, planes)
     t0 = time.perf_counter()
     model = Model(path, backend=be, n_ctx=n_ctx)
     echo(f"{model.path.name} loaded in {time.perf_counter() - t0:.1f}s; {len(be.meta)} Q4_K/Q6_K matrices")
@@ -135,6 +127,6 @@ if __name__ == "__main__":
     ap.add_argument("--categories", default="code")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--types", default="Q4_K,Q6_K", help="weight types whose projections take int8 x")
-    ap.add_argument("--bits", type=int, choices=(8, 16), default=8, help="x rounded to 8 (the GPU's) or 16 bits")
+    ap.add_argument("--planes", type=int, choices=(1, 2), default=1, help="int8 planes of x (LUCE_MATVEC_X8)")
     a = ap.parse_args()
-    run(a.model, tuple(a.categories.split(",")), a.max_tokens, types=tuple(a.types.split(",")), bits=a.bits)
+    run(a.model, tuple(a.categories.split(",")), a.max_tokens, types=tuple(a.types.split(",")), planes=a.planes)

@@ -317,19 +317,22 @@ def k4x8_ints(q, lo, hi):
 
 
 @_dev
-def k4x8_row(s0, s1, s2, s3, j, il, ih, dxl, dxh, sxl, sxh):
+def k4x8_row(s0, s1, s2, s3, j, fl, fh, sxl, sxh):
+    """One row's sum over a piece: fl, fh the integer products of its low and high nibbles
+    with x, times x's step (summed over the planes)."""
     d = f16_bits_to_f32(U(s0 & U(0xFFFF)))
     dm = f16_bits_to_f32(U(s0 >> B16))
     scl, sch, mnl, mnh = k4_scales(s1, s2, s3, j)  # sch and mnh come 256x
-    return d * (scl * dxl * np.float32(il) + sch * (dxh * S8) * np.float32(ih)) - dm * (mnl * sxl + mnh * (sxh * S8))
+    return d * (scl * fl + sch * (fh * S8)) - dm * (mnl * sxl + mnh * (sxh * S8))
 
 
-def _make_unit_q4_k_x8(inline_sums: bool):
-    """Q4_K units over int8 x (luce.kernels.quantize_x): the same weight loads as the float
-    units; per 16-byte piece and row 8 dp4a and 8 logic ops where the float unit has ~70
-    instructions. The mins multiply the exact float sums of x kept with it, so the only
-    error is x's rounding to 8 bits."""
-    XB = 24  # uint16 of a 32-column block of quantized x: 16 of int8 values, then d, sum lo, sum hi, pad
+def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
+    """Q4_K units over int8 x (luce.kernels.quantize_x, `planes` planes): the same weight
+    loads as the float units; per 16-byte piece and row 8 dp4a a plane and 8 logic ops
+    where the float unit has ~70 instructions. The mins multiply the exact float sums of x
+    kept with it, so the only error is x's rounding (to 8 bits; with two planes, ~16)."""
+    XB = 24 * planes  # uint16 of a 32-column block of quantized x (a plane: 16 of int8 values, d, sums)
+    TWO = planes == 2
 
     @_dev
     def piece(qa, qb, sa, sb, xq, sxs, c, j, l):
@@ -341,12 +344,22 @@ def _make_unit_q4_k_x8(inline_sums: bool):
         first = l == 0  # this piece's 16 columns: the first or the last half of each block
         sxl = u32_bits_to_f32(ml[1] if first else ml[2])
         sxh = u32_bits_to_f32(mh[1] if first else mh[2])
-        dxl = u32_bits_to_f32(ml[0])
-        dxh = u32_bits_to_f32(mh[0])
         ila, iha = k4x8_ints(qa, lo, hi)
         ilb, ihb = k4x8_ints(qb, lo, hi)
-        return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, ila, iha, dxl, dxh, sxl, sxh),
-                k4x8_row(sb[0], sb[1], sb[2], sb[3], j, ilb, ihb, dxl, dxh, sxl, sxh))
+        dxl, dxh = u32_bits_to_f32(ml[0]), u32_bits_to_f32(mh[0])
+        fla, fha = dxl * np.float32(ila), dxh * np.float32(iha)
+        flb, fhb = dxl * np.float32(ilb), dxh * np.float32(ihb)
+        if TWO:  # the remainder plane: the same nibbles (their masks computed once) with its x
+            lo2 = ldg_u16_u32x4(xq, bl + 24 + (l >> 1))
+            hi2 = ldg_u16_u32x4(xq, bl + XB + 24 + (l >> 1))
+            dxl2 = u32_bits_to_f32(ldg_u16_u32x4(xq, bl + 40)[0])
+            dxh2 = u32_bits_to_f32(ldg_u16_u32x4(xq, bl + XB + 40)[0])
+            ila, iha = k4x8_ints(qa, lo2, hi2)
+            ilb, ihb = k4x8_ints(qb, lo2, hi2)
+            fla, fha = fma(dxl2, np.float32(ila), fla), fma(dxh2, np.float32(iha), fha)
+            flb, fhb = fma(dxl2, np.float32(ilb), flb), fma(dxh2, np.float32(ihb), fhb)
+        return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, fla, fha, sxl, sxh),
+                k4x8_row(sb[0], sb[1], sb[2], sb[3], j, flb, fhb, sxl, sxh))
 
     return load_q4_k, _q4_k_dot(piece)
 
@@ -513,48 +526,57 @@ def q6_vals(ql, qh, g):
     return U(q6_bits(ql, qh, g) & U(0x3F3F3F3F))
 
 
-@_dev
-def q6x8_group(pa, qa, pb, qb, g, xq, xb, hh):
-    """Group g's 16 columns of this unit, rows a and b, over int8 x (block at uint16 xb):
-    (sum (q - 32) x_int8 for a, for b, the block's step)."""
-    xw = ldg_u16_u32x4(xq, xb + 8 * hh)
-    m = ldg_u16_u32x4(xq, xb + 16)
-    isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
-    z = np.int32(0)
-    ia = dp4a_us(q6_vals(pa[0], qa[0], g), xw[0], z)
-    ib = dp4a_us(q6_vals(pb[0], qb[0], g), xw[0], z)
-    ia = dp4a_us(q6_vals(pa[1], qa[1], g), xw[1], ia)
-    ib = dp4a_us(q6_vals(pb[1], qb[1], g), xw[1], ib)
-    ia = dp4a_us(q6_vals(pa[2], qa[2], g), xw[2], ia)
-    ib = dp4a_us(q6_vals(pb[2], qb[2], g), xw[2], ib)
-    ia = dp4a_us(q6_vals(pa[3], qa[3], g), xw[3], ia)
-    ib = dp4a_us(q6_vals(pb[3], qb[3], g), xw[3], ib)
-    return ia - 32 * isum, ib - 32 * isum, u32_bits_to_f32(m[0])
+def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
+    """Q6_K units over int8 x (`planes` planes): dot_q6_k's loads and scales, each group's
+    16 quants times x with four dp4a a row and plane (the float unit: ~100 instructions a
+    group and row)."""
+    XB = 24 * planes
+    TWO = planes == 2
 
+    @_dev
+    def plane(pa, qa, pb, qb, g, xq, xb, hh):
+        """(sum (q - 32) x_int8 for row a, for b, the step) of the plane at uint16 xb."""
+        xw = ldg_u16_u32x4(xq, xb + 8 * hh)
+        m = ldg_u16_u32x4(xq, xb + 16)
+        isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
+        z = np.int32(0)
+        ia = dp4a_us(q6_vals(pa[0], qa[0], g), xw[0], z)
+        ib = dp4a_us(q6_vals(pb[0], qb[0], g), xw[0], z)
+        ia = dp4a_us(q6_vals(pa[1], qa[1], g), xw[1], ia)
+        ib = dp4a_us(q6_vals(pb[1], qb[1], g), xw[1], ib)
+        ia = dp4a_us(q6_vals(pa[2], qa[2], g), xw[2], ia)
+        ib = dp4a_us(q6_vals(pb[2], qb[2], g), xw[2], ib)
+        ia = dp4a_us(q6_vals(pa[3], qa[3], g), xw[3], ia)
+        ib = dp4a_us(q6_vals(pb[3], qb[3], g), xw[3], ib)
+        return ia - 32 * isum, ib - 32 * isum, u32_bits_to_f32(m[0])
 
-@_dev
-def q6x8_step(sca, scb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
-    ia, ib, dx = q6x8_group(pa, qa, pb, qb, g, xq, xb, hh)
-    ya = fma(i8f(shr32(U(sca), ssh)) * dx, np.float32(ia), ya)
-    yb = fma(i8f(shr32(U(scb), ssh)) * dx, np.float32(ib), yb)
-    return ya, yb
+    @_dev
+    def step(sca, scb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
+        """Group g's 16 columns of this unit (its x block at uint16 xb), rows a and b."""
+        ia, ib, dx = plane(pa, qa, pb, qb, g, xq, xb, hh)
+        fa, fb = dx * np.float32(ia), dx * np.float32(ib)
+        if TWO:
+            ia, ib, dx = plane(pa, qa, pb, qb, g, xq, xb + 24, hh)
+            fa, fb = fma(dx, np.float32(ia), fa), fma(dx, np.float32(ib), fb)
+        ya = fma(i8f(shr32(U(sca), ssh)), fa, ya)
+        yb = fma(i8f(shr32(U(scb), ssh)), fb, yb)
+        return ya, yb
 
+    @_dev
+    def dot(raw, w, ha, hb, xq, sxs, c, t):
+        la0, la1, lha, lb0, lb1, lhb, sa, sb = raw
+        n = t >> 1
+        hh = t & 1
+        xb = ((c + 128 * n) >> 5) * XB  # group 0's x block; group g's is g blocks on
+        ssh = U(8 * hh)
+        z = np.float32(0.0)
+        ya, yb = step(sa[0], sb[0], ssh, la0, lha, lb0, lhb, 0, xq, xb, hh, z, z)
+        ya, yb = step(sa[1], sb[1], ssh, la1, lha, lb1, lhb, 1, xq, xb + XB, hh, ya, yb)
+        ya, yb = step(sa[2], sb[2], ssh, la0, lha, lb0, lhb, 2, xq, xb + 2 * XB, hh, ya, yb)
+        ya, yb = step(sa[3], sb[3], ssh, la1, lha, lb1, lhb, 3, xq, xb + 3 * XB, hh, ya, yb)
+        return f16_bits_to_f32(U(sa[4])) * ya, f16_bits_to_f32(U(sb[4])) * yb
 
-@_dev
-def dot_q6_k_x8(raw, w, ha, hb, xq, sxs, c, t):
-    """Q6_K over int8 x: dot_q6_k's loads and scales, each group's 16 quants times x with
-    four dp4a a row (the float unit: ~100 instructions a group and row)."""
-    la0, la1, lha, lb0, lb1, lhb, sa, sb = raw
-    n = t >> 1
-    hh = t & 1
-    xb = ((c + 128 * n) >> 5) * 24  # group 0's x block; group g's is g blocks on
-    ssh = U(8 * hh)
-    z = np.float32(0.0)
-    ya, yb = q6x8_step(sa[0], sb[0], ssh, la0, lha, lb0, lhb, 0, xq, xb, hh, z, z)
-    ya, yb = q6x8_step(sa[1], sb[1], ssh, la1, lha, lb1, lhb, 1, xq, xb + 24, hh, ya, yb)
-    ya, yb = q6x8_step(sa[2], sb[2], ssh, la0, lha, lb0, lhb, 2, xq, xb + 48, hh, ya, yb)
-    ya, yb = q6x8_step(sa[3], sb[3], ssh, la1, lha, lb1, lhb, 3, xq, xb + 72, hh, ya, yb)
-    return f16_bits_to_f32(U(sa[4])) * ya, f16_bits_to_f32(U(sb[4])) * yb
+    return load_q6_k, dot
 
 
 # qk, bytes per block, units (lanes) per block, units a lane runs per loop step (loads in
@@ -594,18 +616,19 @@ FAST_TYPES = frozenset(FAST_SPECS)
 # unroll=PIPE: one unit a step, the next step's loads issued before this step's arithmetic
 # (H200: no faster than the default; kept for `python -m luce.kernels.matvec_fast --unroll`)
 PIPE = "pipe"
-# Types with units over int8 x (quantize_x): their unit factories, in FAST_SPECS' form
-X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: lambda inline_sums: (load_q6_k, dot_q6_k_x8)}
+# Types with units over int8 x (quantize_x): their unit factories ((inline_sums, planes) ->
+# (load, dot))
+X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: _make_unit_q6_k_x8}
 X8_TYPES = frozenset(X8_UNITS)
 
 
 
-def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: bool = False):
+def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
     spec = FAST_SPECS[qtype]
     TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
     UN = unroll or spec.unroll
     NX = nx
-    load, dot = (X8_UNITS[qtype] if x8 else spec.make_unit)(inline_sums)
+    load, dot = X8_UNITS[qtype](inline_sums, x8) if x8 else spec.make_unit(inline_sums)
     SH = TPB.bit_length() - 1
     assert TPB == 1 << SH and UN in (1, 2, PIPE)  # 4 was slower for all three types (H200)
 
@@ -709,7 +732,7 @@ def _make_parts_total():
 
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
-                 unroll=None, groups: int = 1, nx: int = 1, x8: bool = False, pair: bool = False,
+                 unroll=None, groups: int = 1, nx: int = 1, x8: int = 0, pair: bool = False,
                  x_norm: bool = False, norm_out: bool = False, third=None):
     """pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
@@ -930,15 +953,17 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     if any(r != n_rows for _, r in ws):
         raise ValueError("gate and up weights differ in rows")
     x = _mv._flat_f32(x_dev, "x")
-    x8 = xq is not None and qtype in X8_TYPES
+    x8 = 0  # float x, or the int8 planes of quantize_x(x) the units read (1 or 2)
+    if xq is not None and qtype in X8_TYPES:
+        from .quantize_x import xq_size
+        xq = as_device(xq)
+        x8 = xq.size // xq_size(n_cols, nx) if xq.size in (xq_size(n_cols, nx), xq_size(n_cols, nx, 2)) else -1
     if (x_norm is not None or norm_out is not None) and (nx != 1 or x8 or len(xshape) != 1 and xshape[0] != 1):
         raise ValueError("matvec_fast: the split RMSNorm takes one float x row")
     if x8:  # the units read the int8 form of x instead
-        from .quantize_x import xq_size
-        xq = as_device(xq)
-        if xq.dtype != np.uint16 or xq.size != xq_size(n_cols, nx):
-            raise ValueError(f"matvec_fast: xq must be quantize_x(x): {xq_size(n_cols, nx)} uint16, "
-                             f"got {xq.size} {xq.dtype}")
+        if xq.dtype != np.uint16 or x8 < 0:
+            raise ValueError(f"matvec_fast: xq must be quantize_x(x) in 1 or 2 planes: {xq_size(n_cols, nx)} or "
+                             f"{xq_size(n_cols, nx, 2)} uint16, got {xq.size} {xq.dtype}")
         x = xq.reshape(xq.size) if len(xq.shape) != 1 else xq
     rb = row_bytes(qtype, n_cols)
     wb, n_rows_b = weight_u16(pair[0], qtype, n_cols) if pair else (None, 0)
@@ -1019,8 +1044,9 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     blocks_per_sm (0: BLOCKS_PER_SM; None: uncapped grid), unroll (units a
     lane loads before computing: 1, 2 or PIPE; default the type's FAST_SPECS entry), groups (row
     pairs a warp works on at once: 1, 2, 4, 8, 16; default from GROUPS and the row count).
-    xq: quantize_x(x), for types in X8_TYPES: their units then multiply int8 x with dp4a
-    (x rounded to 8 bits a value; see luce.kernels.quantize_x); other types ignore it.
+    xq: quantize_x(x) in one or two planes, for types in X8_TYPES: their units then multiply
+    int8 x with dp4a (x rounded to 8 bits a value, or ~16 with two planes; see
+    luce.kernels.quantize_x); other types ignore it.
     x_norm: (parts, n_parts, eps) when x is the xg of matvec_fast_norm: out is then W times
     the RMSNorm of its result (scaled before the bias)."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
@@ -1113,11 +1139,11 @@ def bench_matvec_fast(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, iters: int = 100,
             for kernel, v in todo:
                 k = v.get("x_rows", 1)
                 tuning = {a: b for a, b in v.items() if a not in ("x_rows", "x8", "gated")}
-                if v.get("x8"):  # int8 x made once, outside the timing (bench_quantize_x times that)
+                if v.get("x8"):  # x8=P: int8 x in P planes, made once outside the timing (bench_quantize_x times that)
                     from .quantize_x import quantize_x
-                    if k not in xqs:
-                        xqs[k] = quantize_x(xs[k])
-                    tuning["xq"] = xqs[k]
+                    if (k, v["x8"]) not in xqs:
+                        xqs[k, v["x8"]] = quantize_x(xs[k], planes=int(v["x8"]))
+                    tuning["xq"] = xqs[k, v["x8"]]
                 rows.append(_time_one(kernel, tuning, ws, qtype, xs[k], outs[k], stream, iters) | {
                     "qtype": qtype.name, "rows": n_rows, "cols": n_cols,
                     "weight_bytes": nbytes * (2 if kernel == "swiglu_fast" else 1),
@@ -1159,7 +1185,7 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
     end.record(stream)
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / iters
-    label = ",".join(f"{k}={v}" if k != "xq" else "x8" for k, v in variant.items()) or "auto"
+    label = ",".join(f"{k}={v}" for k, v in variant.items() if k != "xq") or "auto"
     g, nw = grid_shape(qtype, ws[0].shape[0]) if kernel != "matvec" else (None, None)
     return {"kernel": kernel, "variant": label, "warps": variant.get("warps", nw), "groups": variant.get("groups", g),
             "time_us": round(us, 2),
@@ -1177,7 +1203,8 @@ if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--v
     if "--x8" in sys.argv:  # int8 x with dp4a against float x, the types with x8 units
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 4096), (1024, 4096), (4096, 12288), (25600, 5120)),
                                  qtypes=[q.name for q in X8_TYPES], iters=50,
-                                 variants=[{}, {"x8": True}, {"x8": True, "x_rows": 8}, {"x_rows": 8}])
+                                 variants=[{}, {"x8": 1}, {"x8": 2}, {"gated": True}, {"gated": True, "x8": 1},
+                                           {"gated": True, "x8": 2}, {"x8": 2, "x_rows": 8}, {"x_rows": 8}])
         from .quantize_x import bench_quantize_x
         rows += bench_quantize_x()
     elif "--x-rows" in sys.argv:  # activation rows a launch (short verification forwards)

@@ -150,43 +150,47 @@ def test_matvec_fast_gpu_x_rows(qtype, n_x):
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("n_x", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES, ids=ID)
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=ID)
-def test_matvec_fast_x8_gpu(qtype, shape, n_x):
-    """Q4_K and Q6_K over int8 x (dp4a, luce.kernels.quantize_x) at the FFN shapes: the
-    quantizer bit for bit against its reference (float sums to rounding), the matvec against
-    matvec_x8_ref (the same arithmetic in float64) to float32 accuracy, and the gated form."""
+def test_matvec_fast_x8_gpu(qtype, shape, n_x, planes):
+    """Q4_K and Q6_K over int8 x (dp4a, luce.kernels.quantize_x, one or two planes) at the
+    FFN shapes: the quantizer bit for bit against its reference (float sums to rounding),
+    the matvec against matvec_x8_ref (the same arithmetic in float64) to float32 accuracy,
+    and the gated form."""
     from luce.kernels.quantize_x import matvec_x8_ref, quantize_x, quantize_x_ref
     n_rows, n_cols = shape
     raw = weights(qtype, n_rows, n_cols)
     rng = np.random.default_rng(11)
     x = rng.standard_normal((n_x, n_cols) if n_x > 1 else n_cols).astype(np.float32)
     x_dev = cuda.to_device(x)
-    xq = quantize_x(x_dev)
-    got_q, want_q = xq.copy_to_host().view(np.uint8).reshape(-1, 48), quantize_x_ref(x).view(np.uint8).reshape(-1, 48)
+    xq = quantize_x(x_dev, planes=planes)
+    got_q = xq.copy_to_host().view(np.uint8).reshape(-1, 48)
+    want_q = quantize_x_ref(x, planes).view(np.uint8).reshape(-1, 48)
     np.testing.assert_array_equal(got_q[:, :36], want_q[:, :36])
     np.testing.assert_array_equal(got_q[:, 44:], want_q[:, 44:])
     out = cuda.to_device(np.full((n_x, n_rows) if n_x > 1 else n_rows, np.nan, np.float32))
     matvec_fast(cuda.to_device(raw), qtype, x_dev, out=out, xq=xq)
-    check(out.copy_to_host(), matvec_x8_ref(raw, qtype, x), raw, qtype, x)
+    check(out.copy_to_host(), matvec_x8_ref(raw, qtype, x, planes), raw, qtype, x)
     if n_x == 1 and n_rows == 12288:
         up = weights(qtype, n_rows, n_cols, seed=6)
         out = cuda.to_device(np.full(n_rows, np.nan, np.float32))
         swiglu_fast(cuda.to_device(raw), cuda.to_device(up), qtype, x_dev, out=out, xq=xq)
-        yg, yu = matvec_x8_ref(raw, qtype, x), matvec_x8_ref(up, qtype, x)
+        yg, yu = matvec_x8_ref(raw, qtype, x, planes), matvec_x8_ref(up, qtype, x, planes)
         want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu
         got = out.copy_to_host()
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("rows,d", [(1, 4096), (2, 5120)])
-def test_rms_norm_quantize_gpu(rows, d):
+def test_rms_norm_quantize_gpu(rows, d, planes):
     """RMSNorm and its int8 form in one launch (LUCE_MATVEC_X8's decode norms) at the 8B and
     32B hidden sizes."""
     from test_quantize_x import check_rms_norm_quantize
-    check_rms_norm_quantize(rows, d)
+    check_rms_norm_quantize(rows, d, planes)
 
 
 @pytest.mark.parametrize("qtype_o,qtype_p", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K)], ids=ID)
