@@ -39,9 +39,9 @@ class X8Ops(NumpyOps):
         planes = self.b.planes
         xh = dequantize_x_ref(quantize_x_ref(xf, planes), xf.shape[-1], planes).astype(np.float32)
         y = NumpyOps.linear(xh, w, bias, residual)
-        mins = self.b.meta[id(w)]
-        if mins is not None:  # Q4_K: its mins meet the exact x, W = scaled + mins
-            y += (xf - xh).reshape(xf.shape[0], -1, 32).sum(-1) @ mins.T
+        exact = self.b.meta[id(w)]
+        if exact is not None:  # the part of W that meets the exact x (Q4_K's mins; Q6_K's -32 offset with two planes)
+            y += (xf - xh).reshape(xf.shape[0], exact.shape[1], -1).sum(-1) @ exact.T
         return y
 
     def gated_linear(self, x, w_gate, w_up):
@@ -55,7 +55,10 @@ class X8CPUBackend(CPUBackend):
     def __init__(self, types=("Q4_K", "Q6_K"), planes: int = 1):
         super().__init__()
         self.planes = planes  # int8 planes of x (quantize_x's rounding, what the GPU runs)
-        self.meta: dict = {}  # id(weight) -> Q4_K's min part per 32 columns [rows, cols / 32], or None (Q6_K)
+        # id(weight) -> the part of W constant over column groups that the units multiply with
+        # the exact x ([rows, groups]: Q4_K's mins a 32 columns; with two planes Q6_K's -32 d
+        # scale a 16), or None (Q6_K, one plane: all of W meets the rounded x)
+        self.meta: dict = {}
         self.enabled = False
         self.types = set(types)  # which weight types take int8 x (the GPU has units for both)
 
@@ -65,12 +68,16 @@ class X8CPUBackend(CPUBackend):
         Q = gguf.GGMLQuantizationType
         w = super().load_tensor(info)
         if len(info.shape) == 2 and info.qtype in (Q.Q4_K, Q.Q6_K) and Q(info.qtype).name in self.types:
-            mins = None
+            exact = None
             if info.qtype == Q.Q4_K:  # d = 0 leaves -dmin * min, constant over each 32 columns
                 raw = np.array(info.data, np.uint8).reshape(info.shape[0], -1, 144)
                 raw[:, :, 0:2] = 0
-                mins = dequantize(raw.reshape(-1), info.qtype, info.shape)[:, ::32].copy()
-            self.meta[id(w)] = mins
+                exact = dequantize(raw.reshape(-1), info.qtype, info.shape)[:, ::32].copy()
+            elif self.planes == 2:  # quants 0 leave -32 d scale, constant over each 16 columns
+                raw = np.array(info.data, np.uint8).reshape(info.shape[0], -1, 210)
+                raw[:, :, :192] = 0
+                exact = dequantize(raw.reshape(-1), info.qtype, info.shape)[:, ::16].copy()
+            self.meta[id(w)] = exact
         return w
 
     def ops_for(self, family):

@@ -55,6 +55,7 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
+from .quantize_x import FINE
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
@@ -331,35 +332,32 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
     loads as the float units; per 16-byte piece and row 8 dp4a a plane and 8 logic ops
     where the float unit has ~70 instructions. The mins multiply the exact float sums of x
     kept with it, so the only error is x's rounding (to 8 bits; with two planes, ~16)."""
-    XB = 24 * planes  # uint16 of a 32-column block of quantized x (a plane: 16 of int8 values, d, sums)
+    XB = 24 if planes == 1 else 40  # uint16 of a 32-column block of quantized x
     TWO = planes == 2
+    MO = 16 * planes  # its 16 bytes of step and sums
 
     @_dev
     def piece(qa, qb, sa, sb, xq, sxs, c, j, l):
         bl = ((c + 64 * j) >> 5) * XB  # sub-block 2j's x block; 2j + 1's follows
         lo = ldg_u16_u32x4(xq, bl + (l >> 1))
         hi = ldg_u16_u32x4(xq, bl + XB + (l >> 1))
-        ml = ldg_u16_u32x4(xq, bl + 16)
-        mh = ldg_u16_u32x4(xq, bl + XB + 16)
+        ml = ldg_u16_u32x4(xq, bl + MO)
+        mh = ldg_u16_u32x4(xq, bl + XB + MO)
         first = l == 0  # this piece's 16 columns: the first or the last half of each block
         sxl = u32_bits_to_f32(ml[1] if first else ml[2])
         sxh = u32_bits_to_f32(mh[1] if first else mh[2])
         ila, iha = k4x8_ints(qa, lo, hi)
         ilb, ihb = k4x8_ints(qb, lo, hi)
+        if TWO:  # the fine plane: the same nibbles (their masks computed once) with its x
+            lo2 = ldg_u16_u32x4(xq, bl + 16 + (l >> 1))
+            hi2 = ldg_u16_u32x4(xq, bl + XB + 16 + (l >> 1))
+            fla, fha = k4x8_ints(qa, lo2, hi2)
+            flb, fhb = k4x8_ints(qb, lo2, hi2)
+            ila, iha = FINE * ila + fla, FINE * iha + fha  # exact: below 2**23
+            ilb, ihb = FINE * ilb + flb, FINE * ihb + fhb
         dxl, dxh = u32_bits_to_f32(ml[0]), u32_bits_to_f32(mh[0])
-        fla, fha = dxl * np.float32(ila), dxh * np.float32(iha)
-        flb, fhb = dxl * np.float32(ilb), dxh * np.float32(ihb)
-        if TWO:  # the remainder plane: the same nibbles (their masks computed once) with its x
-            lo2 = ldg_u16_u32x4(xq, bl + 24 + (l >> 1))
-            hi2 = ldg_u16_u32x4(xq, bl + XB + 24 + (l >> 1))
-            dxl2 = u32_bits_to_f32(ldg_u16_u32x4(xq, bl + 40)[0])
-            dxh2 = u32_bits_to_f32(ldg_u16_u32x4(xq, bl + XB + 40)[0])
-            ila, iha = k4x8_ints(qa, lo2, hi2)
-            ilb, ihb = k4x8_ints(qb, lo2, hi2)
-            fla, fha = fma(dxl2, np.float32(ila), fla), fma(dxh2, np.float32(iha), fha)
-            flb, fhb = fma(dxl2, np.float32(ilb), flb), fma(dxh2, np.float32(ihb), fhb)
-        return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, fla, fha, sxl, sxh),
-                k4x8_row(sb[0], sb[1], sb[2], sb[3], j, flb, fhb, sxl, sxh))
+        return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, dxl * np.float32(ila), dxh * np.float32(iha), sxl, sxh),
+                k4x8_row(sb[0], sb[1], sb[2], sb[3], j, dxl * np.float32(ilb), dxh * np.float32(ihb), sxl, sxh))
 
     return load_q4_k, _q4_k_dot(piece)
 
@@ -530,15 +528,12 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
     """Q6_K units over int8 x (`planes` planes): dot_q6_k's loads and scales, each group's
     16 quants times x with four dp4a a row and plane (the float unit: ~100 instructions a
     group and row)."""
-    XB = 24 * planes
+    XB = 24 if planes == 1 else 40
     TWO = planes == 2
+    MO = 16 * planes
 
     @_dev
-    def plane(pa, qa, pb, qb, g, xq, xb, hh):
-        """(sum (q - 32) x_int8 for row a, for b, the step) of the plane at uint16 xb."""
-        xw = ldg_u16_u32x4(xq, xb + 8 * hh)
-        m = ldg_u16_u32x4(xq, xb + 16)
-        isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
+    def ints(pa, qa, pb, qb, g, xw):
         z = np.int32(0)
         ia = dp4a_us(q6_vals(pa[0], qa[0], g), xw[0], z)
         ib = dp4a_us(q6_vals(pb[0], qb[0], g), xw[0], z)
@@ -548,16 +543,27 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
         ib = dp4a_us(q6_vals(pb[2], qb[2], g), xw[2], ib)
         ia = dp4a_us(q6_vals(pa[3], qa[3], g), xw[3], ia)
         ib = dp4a_us(q6_vals(pb[3], qb[3], g), xw[3], ib)
-        return ia - 32 * isum, ib - 32 * isum, u32_bits_to_f32(m[0])
+        return ia, ib
+
+    @_dev
+    def plane(pa, qa, pb, qb, g, xq, xb, hh):
+        """Rows a and b of group g's 16 columns of this unit (x block at uint16 xb): the sums
+        of (q - 32) x as x's int8 form holds it (two planes: less 32 times the exact x)."""
+        m = ldg_u16_u32x4(xq, xb + MO)
+        ia, ib = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 8 * hh))
+        if TWO:
+            fa, fb = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 16 + 8 * hh))
+            off = np.float32(-32.0) * u32_bits_to_f32(m[2] if hh else m[1])
+            dx = u32_bits_to_f32(m[0])
+            return fma(dx, np.float32(FINE * ia + fa), off), fma(dx, np.float32(FINE * ib + fb), off)
+        isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
+        dx = u32_bits_to_f32(m[0])
+        return dx * np.float32(ia - 32 * isum), dx * np.float32(ib - 32 * isum)
 
     @_dev
     def step(sca, scb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):
         """Group g's 16 columns of this unit (its x block at uint16 xb), rows a and b."""
-        ia, ib, dx = plane(pa, qa, pb, qb, g, xq, xb, hh)
-        fa, fb = dx * np.float32(ia), dx * np.float32(ib)
-        if TWO:
-            ia, ib, dx = plane(pa, qa, pb, qb, g, xq, xb + 24, hh)
-            fa, fb = fma(dx, np.float32(ia), fa), fma(dx, np.float32(ib), fb)
+        fa, fb = plane(pa, qa, pb, qb, g, xq, xb, hh)
         ya = fma(i8f(shr32(U(sca), ssh)), fa, ya)
         yb = fma(i8f(shr32(U(scb), ssh)), fb, yb)
         return ya, yb
@@ -957,7 +963,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     if xq is not None and qtype in X8_TYPES:
         from .quantize_x import xq_size
         xq = as_device(xq)
-        x8 = xq.size // xq_size(n_cols, nx) if xq.size in (xq_size(n_cols, nx), xq_size(n_cols, nx, 2)) else -1
+        x8 = next((p for p in (1, 2) if xq.size == xq_size(n_cols, nx, p)), -1)
     if (x_norm is not None or norm_out is not None) and (nx != 1 or x8 or len(xshape) != 1 and xshape[0] != 1):
         raise ValueError("matvec_fast: the split RMSNorm takes one float x row")
     if x8:  # the units read the int8 form of x instead

@@ -15,12 +15,17 @@ mins multiply them), and the sums of the first 16 and the last 16 int8 values as
 int16 (Q6_K's quants are stored plus 32: its units subtract 32 times these). Stored as
 uint16, the type the matvec's vector loads take.
 
-Two planes (planes=2): each block's 48 bytes are followed by the same form of what the
-first plane left (x - d q, at most half a step a value), so x = d q + d2 q2 within
-d2 / 2 <= absmax / 64516: about int16's precision, through the same dp4a (two a word
-instead of one). Why: one plane's rounding changed the greedy output of 3 of 10 prompts
-of a real model; an int16 emulation changed none (luce.bench.x8_drift). The matvec uses
-the first plane's float sums (Q4_K's mins) and each plane's int16 sums (Q6_K).
+Two planes (planes=2): 80 bytes a block: the 32 int8 values q, then 32 more, q2, the
+rounding of what q left (x - d q, at most half a step) in steps of d / 254, then the same
+16 bytes with the fine step d / 254 in place of d. So x = (254 q + q2) d / 254 within
+d / 508 = absmax / 64516, about int16's precision, and a unit's integer products of both
+planes combine as 254 i + i2 before one float multiply. Why: one plane's rounding
+changed the greedy output of 3 of 10 prompts of a real model; two planes changed none
+(luce.bench.x8_drift). Why not two full 48-byte planes: the x8 units are bound by their
+load instructions (each 16-byte x load serves one row pair), and the second plane's own
+step and sums cost one more load a block (H200, a377fae: gated Q4_K 12288x4096 24.2 us
+with two full planes, 15.7 with one, 25.6 with float x). Q6_K's units take x's float
+sums (its quants are stored plus 32) where one plane uses the int16 sums.
 """
 from __future__ import annotations
 
@@ -38,8 +43,13 @@ __all__ = ["XQ_BYTES", "xq_size", "quantize_x_ref", "dequantize_x_ref", "matvec_
            "rms_norm_quantize"]
 
 QB = 32         # columns a block
-XQ_BYTES = 48   # bytes a block
-XQ_U16 = XQ_BYTES // 2
+XQ_BYTES = 48   # bytes a block, one plane
+XQ2_BYTES = 80  # two planes
+FINE = 254      # the second plane's steps in one of the first's
+
+
+def block_bytes(planes: int) -> int:
+    return XQ_BYTES if planes == 1 else XQ2_BYTES
 THREADS = 128  # a multiple of 32: each warp one block
 
 
@@ -49,59 +59,59 @@ def xq_size(n_cols: int, n_rows: int = 1, planes: int = 1) -> int:
         raise ValueError(f"quantize_x: {n_cols} columns is not a multiple of {QB}")
     if planes not in (1, 2):
         raise ValueError(f"quantize_x: planes is 1 or 2, got {planes}")
-    return n_rows * (n_cols // QB) * XQ_U16 * planes
+    return n_rows * (n_cols // QB) * block_bytes(planes) // 2
 
 
 def quantize_x_ref(x, planes: int = 1) -> np.ndarray:
     """The quantized form (uint16, xq_size elements) of float32 x, any shape whose last
-    dimension is a multiple of 32; the rounding is the kernel's: floor(x * 127/absmax + 0.5);
-    the second plane holds the first's remainder x - d q, rounded the same way."""
+    dimension is a multiple of 32; the rounding is the kernel's: floor(x * 127/absmax + 0.5),
+    and with two planes floor(r * (127/absmax * 254) + 0.5) of the remainder r = x - d q
+    (rounded once, as the GPU's fma)."""
     x = np.ascontiguousarray(x, np.float32)
     b = x.reshape(-1, QB)
-    one = _plane_ref(b)
-    if planes == 1:
-        return one.reshape(-1).view(np.uint16)
-    q = one[:, :QB].view(np.int8).astype(np.float32)
-    d = one[:, QB:QB + 4].copy().view(np.float32)
-    two = _plane_ref((b.astype(np.float64) - q.astype(np.float64) * d).astype(np.float32))  # one rounding
-    return np.concatenate([one, two], axis=1).reshape(-1).view(np.uint16)
-
-
-def _plane_ref(b) -> np.ndarray:
-    """One plane's blocks ([blocks, XQ_BYTES] uint8) of float32 blocks b [blocks, 32]."""
     amax = np.abs(b).max(axis=1)
     inv = np.zeros_like(amax)
     nz = amax > 0
     inv[nz] = np.float32(127) / amax[nz]
     q = np.floor(b * inv[:, None] + np.float32(0.5)).astype(np.int8)
-    out = np.zeros((b.shape[0], XQ_BYTES), np.uint8)
+    d = amax / np.float32(127)
+    out = np.zeros((b.shape[0], block_bytes(planes)), np.uint8)
     out[:, :QB] = q.view(np.uint8)
     meta = np.zeros((b.shape[0], 4), np.float32)
-    meta[:, 0] = amax / np.float32(127)
+    meta[:, 0] = d
+    if planes == 2:
+        r = (b.astype(np.float64) - q.astype(np.float64) * d[:, None].astype(np.float64)).astype(np.float32)
+        q2 = np.clip(np.floor(r * (inv * np.float32(FINE))[:, None] + np.float32(0.5)), -127, 127).astype(np.int8)
+        out[:, QB:2 * QB] = q2.view(np.uint8)
+        meta[:, 0] = d / np.float32(FINE)
     meta[:, 1] = b[:, :16].sum(axis=1, dtype=np.float32)
     meta[:, 2] = b[:, 16:].sum(axis=1, dtype=np.float32)
     qs = q.astype(np.int32)
     isums = (qs[:, :16].sum(1) & 0xFFFF) | ((qs[:, 16:].sum(1) & 0xFFFF) << 16)
     meta.view(np.uint32)[:, 3] = isums.astype(np.uint32)
-    out[:, QB:] = meta.view(np.uint8)
-    return out
+    out[:, QB * planes:] = meta.view(np.uint8)
+    return out.reshape(-1).view(np.uint16)
 
 
 def int_sums_ref(xq: np.ndarray, planes: int = 1) -> np.ndarray:
-    """The int8 values' sums over each 16 columns, [blocks, 2] (the first plane's), from the
+    """The first plane's int8 values' sums over each 16 columns, [blocks, 2], from the
     stored int16 pair."""
-    w = np.asarray(xq).view(np.uint8).reshape(-1, XQ_BYTES * planes)[:, 44:48].copy().view(np.int16)
+    nb = block_bytes(planes)
+    w = np.asarray(xq).view(np.uint8).reshape(-1, nb)[:, nb - 4:].copy().view(np.int16)
     return w.reshape(-1, 2).astype(np.int32)
 
 
 def dequantize_x_ref(xq: np.ndarray, n_cols: int, planes: int = 1) -> np.ndarray:
-    """x as the int8 form holds it (d * q, summed over the planes: in float64 with two),
-    rows of n_cols."""
-    b = np.asarray(xq).view(np.uint8).reshape(-1, planes, XQ_BYTES)
-    q = b[:, :, :QB].view(np.int8).astype(np.float64)
-    d = b[:, :, QB:QB + 4].copy().view(np.float32).astype(np.float64)
-    x = (q * d).sum(axis=1)
-    return (x if planes > 1 else x.astype(np.float32)).reshape(-1, n_cols)
+    """x as the int8 form holds it, rows of n_cols: d q (float32), or with two planes
+    (254 q + q2) times the fine step, in float64."""
+    nb = block_bytes(planes)
+    b = np.asarray(xq).view(np.uint8).reshape(-1, nb)
+    q = b[:, :QB].view(np.int8).astype(np.float64)
+    step = b[:, QB * planes:QB * planes + 4].copy().view(np.float32).astype(np.float64)
+    if planes == 1:
+        return (q * step).astype(np.float32).reshape(-1, n_cols)
+    q2 = b[:, QB:2 * QB].view(np.int8).astype(np.float64)
+    return ((FINE * q + q2) * step).reshape(-1, n_cols)
 
 
 def matvec_x8_ref(raw: np.ndarray, qtype, x, planes: int = 1) -> np.ndarray:
@@ -116,8 +126,14 @@ def matvec_x8_ref(raw: np.ndarray, qtype, x, planes: int = 1) -> np.ndarray:
     n_rows = raw.shape[0]
     xh = dequantize_x_ref(quantize_x_ref(x, planes), n_cols, planes).astype(np.float64)
     w = dequantize(raw, qtype, (n_rows, n_cols)).astype(np.float64)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:  # no mins: all of W meets the rounded x
-        return (xh @ w.T).reshape(x.shape[:-1] + (n_rows,))
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        if planes == 1:  # the int16 sums of the rounded x: all of W meets it
+            return (xh @ w.T).reshape(x.shape[:-1] + (n_rows,))
+        zero = raw.copy().reshape(n_rows, -1, 210)
+        zero[:, :, :192] = 0  # every 6-bit quant 0: what is left is the offset, -32 d scale
+        off = dequantize(zero.reshape(n_rows, -1), qtype, (n_rows, n_cols)).astype(np.float64)
+        y = xh @ (w - off).T + x.reshape(-1, n_cols).astype(np.float64) @ off.T  # the float sums of x
+        return y.reshape(x.shape[:-1] + (n_rows,))
     if qtype != gguf.GGMLQuantizationType.Q4_K:
         raise NotImplementedError(f"matvec_x8_ref: {qtype.name}")
     no_min = raw.copy().reshape(n_rows, -1, 144)
@@ -143,14 +159,6 @@ def int8_block_store(o, live, blk, lane, wid, red, xq_b, xq_f, planes):
     column in the block: the warp writes the block's int8 form (`planes` planes) into xq_b
     (bytes) / xq_f (the same memory as float32). Warp reductions (absmax, the two half
     sums): every lane of the block's threads must call it, live or not."""
-    r = int8_plane_store(o, live, XQ_BYTES * planes * blk, lane, wid, red, xq_b, xq_f)
-    if planes == 2:
-        int8_plane_store(r, live, XQ_BYTES * (2 * blk + 1), lane, wid, red, xq_b, xq_f)
-
-
-@device
-def int8_plane_store(o, live, at, lane, wid, red, xq_b, xq_f):
-    """One plane of int8_block_store at byte `at`; returns what it leaves of o (o - d q)."""
     zero = np.float32(0.0)
     v = o if live else zero
     amax = warp_allmax(abs(v), red, wid, lane)
@@ -163,16 +171,20 @@ def int8_plane_store(o, live, at, lane, wid, red, xq_b, xq_f):
     i_lo = np.int32(warp_allsum(qf if lo else zero, red, wid, lane))
     i_hi = np.int32(warp_allsum(zero if lo else qf, red, wid, lane))
     d = amax / np.float32(127.0)
+    at = (XQ_BYTES if planes == 1 else XQ2_BYTES) * blk
+    meta = at + QB * planes
     if live:
         xq_b[at + lane] = np.uint8(q & 255)
+        if planes == 2:
+            q2 = np.int32(math.floor(_remainder(v, qf, d) * (sc * np.float32(FINE)) + np.float32(0.5)))
+            xq_b[at + QB + lane] = np.uint8(max(-127, min(127, q2)) & 255)
         if lane == 0:
-            xq_f[(at >> 2) + 8] = d
-            xq_f[(at >> 2) + 9] = s_lo
-            xq_f[(at >> 2) + 10] = s_hi
+            xq_f[meta >> 2] = d if planes == 1 else d / np.float32(FINE)
+            xq_f[(meta >> 2) + 1] = s_lo
+            xq_f[(meta >> 2) + 2] = s_hi
         if lane < 4:  # the int16 pair, a byte a lane (the buffer's float view cannot take the bits)
             pair = (i_lo & 0xFFFF) | ((i_hi & 0xFFFF) << 16)
-            xq_b[at + 44 + lane] = np.uint8((pair >> (8 * lane)) & 255)
-    return _remainder(v, qf, d)
+            xq_b[meta + 12 + lane] = np.uint8((pair >> (8 * lane)) & 255)
 
 
 _RED = max(1, THREADS // 32 * WARP_RED_SLOTS)
