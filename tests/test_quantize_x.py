@@ -10,8 +10,8 @@ from numba import cuda
 
 from luce.kernels.matvec import matvec_ref, swiglu_ref
 from luce.kernels.matvec_fast import matvec_fast, swiglu_fast
-from luce.kernels.quantize_x import (block_bytes, dequantize_x_ref, int_sums_ref, matvec_x8_ref, quantize_x,
-                                     quantize_x_ref, xq_size)
+from luce.kernels.quantize_x import (block_bytes, dequantize_x_ref, matvec_x8_ref, quantize_x, quantize_x_ref,
+                                     xq_size)
 from test_matvec import nan_device, weights
 
 
@@ -33,8 +33,11 @@ def test_quantize_x_matches_reference_and_bounds_its_error(planes):
     want = quantize_x_ref(x, planes)
     assert_same_form(got, want, planes, rtol=1e-6, atol=1e-4)
     w = want.view(np.uint8).reshape(-1, block_bytes(planes))
-    q = w[:, :32].view(np.int8).astype(np.int32)
-    np.testing.assert_array_equal(int_sums_ref(want, planes), np.stack([q[:, :16].sum(1), q[:, 16:].sum(1)], 1))
+    halves = x.reshape(-1, 16)
+    np.testing.assert_allclose(w[:, 32 * planes + 8:].copy().view(np.float32).reshape(-1), halves.sum(1), rtol=1e-5,
+                               atol=1e-3)  # the exact sums of each 16 columns
+    steps = w[:, 32 * planes:32 * planes + 8].copy().view(np.float32).reshape(-1)
+    np.testing.assert_array_equal(steps, np.abs(halves).max(1) / np.float32(127) / np.float32(254 if planes == 2 else 1))
     xh = dequantize_x_ref(want, 256, planes)
     assert (np.abs(xh - x) <= _step(x, planes) / 2 * (1 + 1e-5) + 1e-30).all()
     assert (xh[1, 32:64] == 0).all()
@@ -50,27 +53,29 @@ def test_quantize_x_matches_reference_and_bounds_its_error(planes):
 
 
 def assert_same_form(got, want, planes, rtol, atol):
-    """Two quantize_x forms: the int8 values, the step and the int16 sums bit for bit, the
-    float sums of x to rounding (the kernel adds in another order)."""
+    """Two quantize_x forms: the int8 values and the steps bit for bit, the float sums of x
+    to rounding (the kernel adds in another order)."""
     nb = block_bytes(planes)
     g, w = got.view(np.uint8).reshape(-1, nb), want.view(np.uint8).reshape(-1, nb)
-    m = 32 * planes  # where the step and the sums start
-    np.testing.assert_array_equal(g[:, :m + 4], w[:, :m + 4])
-    np.testing.assert_array_equal(g[:, nb - 4:], w[:, nb - 4:])
-    np.testing.assert_allclose(g[:, m + 4:m + 12].view(np.float32), w[:, m + 4:m + 12].view(np.float32),
+    m = 32 * planes  # where the steps and the sums start
+    np.testing.assert_array_equal(g[:, :m + 8], w[:, :m + 8])
+    np.testing.assert_allclose(g[:, m + 8:].copy().view(np.float32), w[:, m + 8:].copy().view(np.float32),
                                rtol=rtol, atol=atol)
 
 
 def _x8_bound(raw, qtype, x, planes=1):
     """|x8 result - W x| <= sum |W_scaled| |x - rounded x| <= sum |W_scaled| step / 2, where
-    W_scaled is the part of W that meets the rounded x (Q4_K: without its mins; Q6_K: all)."""
+    W_scaled is the part of W that meets the rounded x (Q4_K: without its mins; Q6_K: d scale q,
+    without the -32 d scale its stored quants carry)."""
     from luce.kernels.dequant import dequantize
     n_rows, n_cols = raw.shape[0], x.shape[-1]
-    scaled = raw
+    w = dequantize(raw, qtype, (n_rows, n_cols)).astype(np.float64)
+    const = raw.copy().reshape(n_rows, -1, 144 if qtype == T.Q4_K else 210)
     if qtype == T.Q4_K:
-        scaled = raw.copy().reshape(n_rows, -1, 144)
-        scaled[:, :, 2:4] = 0
-    w_sc = np.abs(dequantize(scaled.reshape(n_rows, -1), qtype, (n_rows, n_cols))).astype(np.float64)
+        const[:, :, 0:2] = 0  # d = 0: the min part alone
+    else:
+        const[:, :, :192] = 0  # quants 0: the offset alone
+    w_sc = np.abs(w - dequantize(const.reshape(n_rows, -1), qtype, (n_rows, n_cols)).astype(np.float64))
     return (_step(x, planes) / 2) @ w_sc.T, np.abs(x).reshape(-1, n_cols).astype(np.float64) @ np.abs(
         dequantize(raw, qtype, (n_rows, n_cols))).astype(np.float64).T
 

@@ -40,7 +40,7 @@ class X8Ops(NumpyOps):
         xh = dequantize_x_ref(quantize_x_ref(xf, planes), xf.shape[-1], planes).astype(np.float32)
         y = NumpyOps.linear(xh, w, bias, residual)
         exact = self.b.meta[id(w)]
-        if exact is not None:  # the part of W that meets the exact x (Q4_K's mins; Q6_K's -32 offset with two planes)
+        if exact is not None:  # the part of W that meets the exact x (Q4_K's mins, Q6_K's -32 offset)
             y += (xf - xh).reshape(xf.shape[0], exact.shape[1], -1).sum(-1) @ exact.T
         return y
 
@@ -56,8 +56,7 @@ class X8CPUBackend(CPUBackend):
         super().__init__()
         self.planes = planes  # int8 planes of x (quantize_x's rounding, what the GPU runs)
         # id(weight) -> the part of W constant over column groups that the units multiply with
-        # the exact x ([rows, groups]: Q4_K's mins a 32 columns; with two planes Q6_K's -32 d
-        # scale a 16), or None (Q6_K, one plane: all of W meets the rounded x)
+        # the exact x ([rows, groups]: Q4_K's mins a 32 columns, Q6_K's -32 d scale a 16)
         self.meta: dict = {}
         self.enabled = False
         self.types = set(types)  # which weight types take int8 x (the GPU has units for both)
@@ -73,7 +72,7 @@ class X8CPUBackend(CPUBackend):
                 raw = np.array(info.data, np.uint8).reshape(info.shape[0], -1, 144)
                 raw[:, :, 0:2] = 0
                 exact = dequantize(raw.reshape(-1), info.qtype, info.shape)[:, ::32].copy()
-            elif self.planes == 2:  # quants 0 leave -32 d scale, constant over each 16 columns
+            else:  # Q6_K: quants 0 leave -32 d scale, constant over each 16 columns
                 raw = np.array(info.data, np.uint8).reshape(info.shape[0], -1, 210)
                 raw[:, :, :192] = 0
                 exact = dequantize(raw.reshape(-1), info.qtype, info.shape)[:, ::16].copy()

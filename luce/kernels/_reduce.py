@@ -218,16 +218,25 @@ if SIM:
         return _warp_all(v, red, wid, lane, False)
 
     @device
-    def warp_groupsum(v, n, red, wid, lane):
-        """sum of v over the n lanes (a power of two) of lane's aligned group, in each."""
+    def _group_all(v, n, red, wid, lane, is_max):
         red[wid * 32 + lane] = v
         cuda.syncthreads()
         base = wid * 32 + (lane & ~(n - 1))
         r = red[base]
         for i in range(1, n):
-            r += red[base + i]
+            r = max(r, red[base + i]) if is_max else r + red[base + i]
         cuda.syncthreads()
         return np.float32(r)
+
+    @device
+    def warp_groupsum(v, n, red, wid, lane):
+        """sum of v over the n lanes (a power of two) of lane's aligned group, in each."""
+        return _group_all(v, n, red, wid, lane, False)
+
+    @device
+    def warp_groupmax(v, n, red, wid, lane):
+        """max of v over the n lanes (a power of two) of lane's aligned group, in each."""
+        return _group_all(v, n, red, wid, lane, True)
 
     @device
     def warp_sum(v, red, wid, lane):
@@ -264,5 +273,13 @@ else:
         off = n // 2
         while off > 0:
             v += cuda.shfl_xor_sync(_FULL, v, off)
+            off //= 2
+        return v
+
+    @device
+    def warp_groupmax(v, n, red, wid, lane):
+        off = n // 2
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(_FULL, v, off))
             off //= 2
         return v

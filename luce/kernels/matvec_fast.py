@@ -344,8 +344,8 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
         ml = ldg_u16_u32x4(xq, bl + MO)
         mh = ldg_u16_u32x4(xq, bl + XB + MO)
         first = l == 0  # this piece's 16 columns: the first or the last half of each block
-        sxl = u32_bits_to_f32(ml[1] if first else ml[2])
-        sxh = u32_bits_to_f32(mh[1] if first else mh[2])
+        sxl = u32_bits_to_f32(ml[2] if first else ml[3])
+        sxh = u32_bits_to_f32(mh[2] if first else mh[3])
         ila, iha = k4x8_ints(qa, lo, hi)
         ilb, ihb = k4x8_ints(qb, lo, hi)
         if TWO:  # the fine plane: the same nibbles (their masks computed once) with its x
@@ -355,7 +355,8 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
             flb, fhb = k4x8_ints(qb, lo2, hi2)
             ila, iha = FINE * ila + fla, FINE * iha + fha  # exact: below 2**23
             ilb, ihb = FINE * ilb + flb, FINE * ihb + fhb
-        dxl, dxh = u32_bits_to_f32(ml[0]), u32_bits_to_f32(mh[0])
+        dxl = u32_bits_to_f32(ml[0] if first else ml[1])
+        dxh = u32_bits_to_f32(mh[0] if first else mh[1])
         return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, dxl * np.float32(ila), dxh * np.float32(iha), sxl, sxh),
                 k4x8_row(sb[0], sb[1], sb[2], sb[3], j, dxl * np.float32(ilb), dxh * np.float32(ihb), sxl, sxh))
 
@@ -548,17 +549,16 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
     @_dev
     def plane(pa, qa, pb, qb, g, xq, xb, hh):
         """Rows a and b of group g's 16 columns of this unit (x block at uint16 xb): the sums
-        of (q - 32) x as x's int8 form holds it (two planes: less 32 times the exact x)."""
+        of q x as x's int8 form holds it less 32 times the exact x (the quants are stored
+        plus 32)."""
         m = ldg_u16_u32x4(xq, xb + MO)
         ia, ib = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 8 * hh))
         if TWO:
             fa, fb = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 16 + 8 * hh))
-            off = np.float32(-32.0) * u32_bits_to_f32(m[2] if hh else m[1])
-            dx = u32_bits_to_f32(m[0])
-            return fma(dx, np.float32(FINE * ia + fa), off), fma(dx, np.float32(FINE * ib + fb), off)
-        isum = np.int32(U(m[3] << U(16 - 16 * hh))) >> 16  # the int16 sum of these 16 x values
-        dx = u32_bits_to_f32(m[0])
-        return dx * np.float32(ia - 32 * isum), dx * np.float32(ib - 32 * isum)
+            ia, ib = FINE * ia + fa, FINE * ib + fb
+        off = np.float32(-32.0) * u32_bits_to_f32(m[3] if hh else m[2])
+        dx = u32_bits_to_f32(m[1] if hh else m[0])
+        return fma(dx, np.float32(ia), off), fma(dx, np.float32(ib), off)
 
     @_dev
     def step(sca, scb, ssh, pa, qa, pb, qb, g, xq, xb, hh, ya, yb):

@@ -6,26 +6,26 @@ float, one FMA with x as float32), which bounds it at 42-48% of the H200's copy 
 (matvec_fast's docstring). With x as int8, one dp4a multiplies four nibbles with four x
 values and adds them: ~0.5 instructions a weight for the integer part. llama.cpp's MMVQ
 does the same (its q8_1 activations); the price is x rounded to 8 bits a value, an error
-of at most half a step (absmax / 254) of each 32-column block.
+of at most half a step (absmax / 254) of each 16 columns.
 
 Layout: 48 bytes a 32-column block (16-byte aligned for the matvec's vector loads): the 32
-int8 values, then float32 d (the step: absmax / 127), the sum of the block's first 16 x
-values, the sum of its last 16 (exact float sums of x, not of the rounded values: Q4_K's
-mins multiply them), and the sums of the first 16 and the last 16 int8 values as two
-int16 (Q6_K's quants are stored plus 32: its units subtract 32 times these). Stored as
-uint16, the type the matvec's vector loads take.
+int8 values, then four float32: the steps of its first and its last 16 values (absmax /
+127 of each half), and the sums of those halves (exact float sums of x, not of the
+rounded values: Q4_K's mins multiply them, and Q6_K's quants are stored plus 32). Stored
+as uint16, the type the matvec's vector loads take. A step per 16 columns because a unit
+reads 16 columns of a block anyway, and because 16 consecutive outputs are what a row
+block of a matvec makes (so a product's epilogue can write its output in this form).
 
 Two planes (planes=2): 80 bytes a block: the 32 int8 values q, then 32 more, q2, the
 rounding of what q left (x - d q, at most half a step) in steps of d / 254, then the same
-16 bytes with the fine step d / 254 in place of d. So x = (254 q + q2) d / 254 within
+16 bytes with the fine steps d / 254 in place of d. So x = (254 q + q2) d / 254 within
 d / 508 = absmax / 64516, about int16's precision, and a unit's integer products of both
 planes combine as 254 i + i2 before one float multiply. Why: one plane's rounding
 changed the greedy output of 3 of 10 prompts of a real model; two planes changed none
 (luce.bench.x8_drift). Why not two full 48-byte planes: the x8 units are bound by their
 load instructions (each 16-byte x load serves one row pair), and the second plane's own
-step and sums cost one more load a block (H200, a377fae: gated Q4_K 12288x4096 24.2 us
-with two full planes, 15.7 with one, 25.6 with float x). Q6_K's units take x's float
-sums (its quants are stored plus 32) where one plane uses the int16 sums.
+steps and sums cost one more load a block (H200, a377fae: gated Q4_K 12288x4096 24.2 us
+with two full planes, 15.7 with one, 25.6 with float x; aa140c3, 80-byte blocks: 17.0).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._reduce import MAX_THREADS, WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum
+from ._reduce import MAX_THREADS, WARP_RED_SLOTS, block_sum, warp_groupmax, warp_groupsum
 from .dequant import SIM
 from .device import device
 from .vector_load import ldg_f32x4
@@ -43,6 +43,7 @@ __all__ = ["XQ_BYTES", "xq_size", "quantize_x_ref", "dequantize_x_ref", "matvec_
            "rms_norm_quantize"]
 
 QB = 32         # columns a block
+HB = 16         # columns a step
 XQ_BYTES = 48   # bytes a block, one plane
 XQ2_BYTES = 80  # two planes
 FINE = 254      # the second plane's steps in one of the first's
@@ -64,41 +65,30 @@ def xq_size(n_cols: int, n_rows: int = 1, planes: int = 1) -> int:
 
 def quantize_x_ref(x, planes: int = 1) -> np.ndarray:
     """The quantized form (uint16, xq_size elements) of float32 x, any shape whose last
-    dimension is a multiple of 32; the rounding is the kernel's: floor(x * 127/absmax + 0.5),
-    and with two planes floor(r * (127/absmax * 254) + 0.5) of the remainder r = x - d q
-    (rounded once, as the GPU's fma)."""
+    dimension is a multiple of 32; the rounding is the kernel's: floor(x * 127/absmax + 0.5)
+    over each 16 columns, and with two planes floor(r * (127/absmax * 254) + 0.5) of the
+    remainder r = x - d q (rounded once, as the GPU's fma)."""
     x = np.ascontiguousarray(x, np.float32)
-    b = x.reshape(-1, QB)
-    amax = np.abs(b).max(axis=1)
+    h = x.reshape(-1, HB)  # halves of blocks
+    amax = np.abs(h).max(axis=1)
     inv = np.zeros_like(amax)
     nz = amax > 0
     inv[nz] = np.float32(127) / amax[nz]
-    q = np.floor(b * inv[:, None] + np.float32(0.5)).astype(np.int8)
+    q = np.floor(h * inv[:, None] + np.float32(0.5)).astype(np.int8)
     d = amax / np.float32(127)
-    out = np.zeros((b.shape[0], block_bytes(planes)), np.uint8)
-    out[:, :QB] = q.view(np.uint8)
-    meta = np.zeros((b.shape[0], 4), np.float32)
-    meta[:, 0] = d
+    n = h.shape[0] // 2
+    out = np.zeros((n, block_bytes(planes)), np.uint8)
+    out[:, :QB] = q.reshape(n, QB).view(np.uint8)
+    meta = np.zeros((n, 4), np.float32)
+    meta[:, :2] = d.reshape(n, 2)
     if planes == 2:
-        r = (b.astype(np.float64) - q.astype(np.float64) * d[:, None].astype(np.float64)).astype(np.float32)
+        r = (h.astype(np.float64) - q.astype(np.float64) * d[:, None].astype(np.float64)).astype(np.float32)
         q2 = np.clip(np.floor(r * (inv * np.float32(FINE))[:, None] + np.float32(0.5)), -127, 127).astype(np.int8)
-        out[:, QB:2 * QB] = q2.view(np.uint8)
-        meta[:, 0] = d / np.float32(FINE)
-    meta[:, 1] = b[:, :16].sum(axis=1, dtype=np.float32)
-    meta[:, 2] = b[:, 16:].sum(axis=1, dtype=np.float32)
-    qs = q.astype(np.int32)
-    isums = (qs[:, :16].sum(1) & 0xFFFF) | ((qs[:, 16:].sum(1) & 0xFFFF) << 16)
-    meta.view(np.uint32)[:, 3] = isums.astype(np.uint32)
+        out[:, QB:2 * QB] = q2.reshape(n, QB).view(np.uint8)
+        meta[:, :2] = (d / np.float32(FINE)).reshape(n, 2)
+    meta[:, 2:] = h.sum(axis=1, dtype=np.float32).reshape(n, 2)
     out[:, QB * planes:] = meta.view(np.uint8)
     return out.reshape(-1).view(np.uint16)
-
-
-def int_sums_ref(xq: np.ndarray, planes: int = 1) -> np.ndarray:
-    """The first plane's int8 values' sums over each 16 columns, [blocks, 2], from the
-    stored int16 pair."""
-    nb = block_bytes(planes)
-    w = np.asarray(xq).view(np.uint8).reshape(-1, nb)[:, nb - 4:].copy().view(np.int16)
-    return w.reshape(-1, 2).astype(np.int32)
 
 
 def dequantize_x_ref(xq: np.ndarray, n_cols: int, planes: int = 1) -> np.ndarray:
@@ -106,18 +96,18 @@ def dequantize_x_ref(xq: np.ndarray, n_cols: int, planes: int = 1) -> np.ndarray
     (254 q + q2) times the fine step, in float64."""
     nb = block_bytes(planes)
     b = np.asarray(xq).view(np.uint8).reshape(-1, nb)
-    q = b[:, :QB].view(np.int8).astype(np.float64)
-    step = b[:, QB * planes:QB * planes + 4].copy().view(np.float32).astype(np.float64)
+    q = b[:, :QB].view(np.int8).astype(np.float64).reshape(-1, HB)
+    step = b[:, QB * planes:QB * planes + 8].copy().view(np.float32).astype(np.float64).reshape(-1, 1)
     if planes == 1:
         return (q * step).astype(np.float32).reshape(-1, n_cols)
-    q2 = b[:, QB:2 * QB].view(np.int8).astype(np.float64)
+    q2 = b[:, QB:2 * QB].view(np.int8).astype(np.float64).reshape(-1, HB)
     return ((FINE * q + q2) * step).reshape(-1, n_cols)
 
 
 def matvec_x8_ref(raw: np.ndarray, qtype, x, planes: int = 1) -> np.ndarray:
     """What the x8 units compute, in float64: the weights' scaled quants times x as its
-    int8 planes hold it, and (Q4_K) the weights' min terms times the exact x. Rows of x give
-    rows of y."""
+    int8 planes hold it, and the weights' constant terms (Q4_K's mins, Q6_K's -32 d scale)
+    times the exact x. Rows of x give rows of y."""
     import gguf
     from .dequant import dequantize
     qtype = gguf.GGMLQuantizationType(qtype)
@@ -127,8 +117,6 @@ def matvec_x8_ref(raw: np.ndarray, qtype, x, planes: int = 1) -> np.ndarray:
     xh = dequantize_x_ref(quantize_x_ref(x, planes), n_cols, planes).astype(np.float64)
     w = dequantize(raw, qtype, (n_rows, n_cols)).astype(np.float64)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
-        if planes == 1:  # the int16 sums of the rounded x: all of W meets it
-            return (xh @ w.T).reshape(x.shape[:-1] + (n_rows,))
         zero = raw.copy().reshape(n_rows, -1, 210)
         zero[:, :, :192] = 0  # every 6-bit quant 0: what is left is the offset, -32 d scale
         off = dequantize(zero.reshape(n_rows, -1), qtype, (n_rows, n_cols)).astype(np.float64)
@@ -157,34 +145,34 @@ else:
 def int8_block_store(o, live, blk, lane, wid, red, xq_b, xq_f, planes):
     """Lane `lane` of warp `wid` holds value o (live) of 32-column block `blk`, lane = its
     column in the block: the warp writes the block's int8 form (`planes` planes) into xq_b
-    (bytes) / xq_f (the same memory as float32). Warp reductions (absmax, the two half
-    sums): every lane of the block's threads must call it, live or not."""
+    (bytes) / xq_f (the same memory as float32). Warp reductions (absmax and sum of each
+    half): every lane of the block's threads must call it, live or not."""
+    int8_half_store(o, live, XQ_BYTES * blk if planes == 1 else XQ2_BYTES * blk, lane, lane, wid, red, xq_b,
+                    xq_f, planes)
+
+
+@device
+def int8_half_store(o, live, at, c, lane, wid, red, xq_b, xq_f, planes):
+    """As int8_block_store for the 32-column block at byte `at`, whose column c this lane
+    holds: each aligned 16 lanes of the warp (c & 15 = lane & 15) make one half's step and
+    sum, so the halves of a block may come from different warps."""
     zero = np.float32(0.0)
     v = o if live else zero
-    amax = warp_allmax(abs(v), red, wid, lane)
+    amax = warp_groupmax(abs(v), HB, red, wid, lane)
+    s = warp_groupsum(v, HB, red, wid, lane)
     sc = np.float32(127.0) / amax if amax > 0 else zero
     q = np.int32(math.floor(v * sc + np.float32(0.5)))
-    qf = np.float32(q)  # small integers: their float sums are exact
-    lo = lane < 16
-    s_lo = warp_allsum(v if lo else zero, red, wid, lane)
-    s_hi = warp_allsum(zero if lo else v, red, wid, lane)
-    i_lo = np.int32(warp_allsum(qf if lo else zero, red, wid, lane))
-    i_hi = np.int32(warp_allsum(zero if lo else qf, red, wid, lane))
     d = amax / np.float32(127.0)
-    at = (XQ_BYTES if planes == 1 else XQ2_BYTES) * blk
-    meta = at + QB * planes
+    meta = (at + QB * planes) >> 2
     if live:
-        xq_b[at + lane] = np.uint8(q & 255)
+        xq_b[at + c] = np.uint8(q & 255)
         if planes == 2:
-            q2 = np.int32(math.floor(_remainder(v, qf, d) * (sc * np.float32(FINE)) + np.float32(0.5)))
-            xq_b[at + QB + lane] = np.uint8(max(-127, min(127, q2)) & 255)
-        if lane == 0:
-            xq_f[meta >> 2] = d if planes == 1 else d / np.float32(FINE)
-            xq_f[(meta >> 2) + 1] = s_lo
-            xq_f[(meta >> 2) + 2] = s_hi
-        if lane < 4:  # the int16 pair, a byte a lane (the buffer's float view cannot take the bits)
-            pair = (i_lo & 0xFFFF) | ((i_hi & 0xFFFF) << 16)
-            xq_b[meta + 12 + lane] = np.uint8((pair >> (8 * lane)) & 255)
+            q2 = np.int32(math.floor(_remainder(v, np.float32(q), d) * (sc * np.float32(FINE)) + np.float32(0.5)))
+            xq_b[at + QB + c] = np.uint8(max(-127, min(127, q2)) & 255)
+        if (c & (HB - 1)) == 0:
+            h = c >> 4
+            xq_f[meta + h] = d if planes == 1 else d / np.float32(FINE)
+            xq_f[meta + 2 + h] = s
 
 
 _RED = max(1, THREADS // 32 * WARP_RED_SLOTS)
