@@ -299,6 +299,7 @@ from luce.kernels import matvec_fast as F
 u16, f32 = types.uint16[::1], types.float32[::1]
 norm_args = (f32, f32, f32, types.int64, types.float32)  # gn, xg, parts, n_parts, eps
 norm_args += (u16, f32, f32) + (types.int64,) * 2  # the third weight: w_c, out_c, bias_c, n_rows_c, row_h_c
+norm_args += (types.uint8[::1], f32)  # xg's int8 form: xo_b, xo_f
 sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
@@ -361,6 +362,15 @@ for q in F.X8_TYPES:
         assert "dp4a.u32.s32" in ptx and re.search(r"ld\.global\.nc(\.L[12]::\w+)*\.v4\.u32", ptx), name
         assert "ld.global.nc.v4.f32" not in ptx, name
         assert not re.search(r"\.local\b", ptx), name + ": local memory (spills or indexed arrays)"
+# the split norm over int8 x: o / down storing xg and its int8 form, and the norm's readers
+for q in F.X8_TYPES:
+    for glu, res, xn, no in [(False, True, False, True), (False, False, True, False), (True, False, True, False)]:
+        k = F._make_kernel(q, glu, False, res, 8 if no else F.NW, True, None, 8, 1, 2, False, xn, no, None,
+                           2 if no else 0)
+        ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0))
+        name = f"{q.name}_x8_glu{int(glu)}_xn{int(xn)}_no{int(no)}"
+        assert "dp4a.u32.s32" in ptx and not re.search(r"\.local\b", ptx), name
+        assert ptxas_usage(ptx)["spill_bytes"] == 0, name
 print("PTX OK")
 '''
 

@@ -171,3 +171,50 @@ def test_cpu_emulation_of_int8_activations(qtype, planes):
         assert np.abs(got - exact).max() < np.abs(one - exact).max() / 100
     x3 = rng.standard_normal((3, 512)).astype(np.float32)
     np.testing.assert_array_equal(ops.linear(x3, w), x3 @ w.T)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("qtype_o,qtype_p,groups", [(T.Q6_K, T.Q4_K, 8), (T.Q4_K, T.Q6_K, 16), (T.Q4_K, T.Q4_K, 4)],
+                         ids=str)
+def test_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes):
+    """The split RMSNorm (decode's o or down projection storing xg = h * g and the parts of
+    sum h^2) over int8 x: the residual product reads its x in int8 form and also stores xg's
+    (each row block's 16 or 32 rows whole half blocks; 4 groups asked: 8 taken), bit for bit
+    quantize_x_ref of the xg it wrote; the norm's readers over that form with x_norm give
+    1/rms times matvec_x8_ref of xg."""
+    from luce.kernels.matvec_fast import matvec_fast_norm, norm_parts_max
+    rng = np.random.default_rng(int(qtype_o) * 7 + groups + planes)
+    d, k_in, n_out, eps = 256, 512, 16, 1e-6
+    dev = cuda.to_device
+    wo = weights(rng, qtype_o, d, k_in)
+    a = rng.standard_normal(k_in).astype(np.float32)
+    h = (3 * rng.standard_normal(d)).astype(np.float32)
+    g = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+    h_dev, xg, parts = dev(h), nan_device(d), nan_device(norm_parts_max(d))
+    xq_out = dev(np.full(xq_size(d, 1, planes), 0xFFFF, np.uint16))  # poisoned
+    a_dev = dev(a)
+    n_parts = matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, groups=groups,
+                               xq=quantize_x(a_dev, planes=planes), xq_out=xq_out)
+    assert n_parts == -(-d // (2 * max(groups, 8)))
+    h1 = h_dev.copy_to_host()
+    want_h1 = matvec_x8_ref(wo, qtype_o, a, planes) + h
+    _, scale = _x8_bound(wo, qtype_o, a, planes)
+    assert (np.abs(h1 - want_h1) <= 1e-5 * scale.reshape(-1) + 1e-5).all()
+    xg_h = xg.copy_to_host()
+    np.testing.assert_allclose(xg_h, h1 * g, rtol=1e-6)
+    assert_same_form(xq_out.copy_to_host(), quantize_x_ref(xg_h, planes), planes, rtol=1e-5, atol=1e-4)
+    rs = 1 / np.sqrt((h1.astype(np.float64) ** 2).mean() + eps)
+    x_norm = (parts, n_parts, eps)
+    wa, up = weights(rng, qtype_p, n_out, d), weights(rng, qtype_p, n_out, d)
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    out = nan_device(n_out)
+    matvec_fast(dev(wa), qtype_p, xg, out=out, bias=dev(bias), x_norm=x_norm, xq=xq_out)
+    want = rs * matvec_x8_ref(wa, qtype_p, xg_h, planes) + bias
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    out = nan_device(n_out)
+    swiglu_fast(dev(wa), dev(up), qtype_p, xg, out=out, x_norm=x_norm, xq=xq_out)
+    yg, yu = rs * matvec_x8_ref(wa, qtype_p, xg_h, planes), rs * matvec_x8_ref(up, qtype_p, xg_h, planes)
+    want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="xq_out"):
+        matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, xq_out=xq_out[:-8])

@@ -130,6 +130,7 @@ class SplitNorm:
     eps: float
     x: object  # the residual stream it is the norm of, unchanged until its readers have run
     w: object
+    xq: object = None  # xg's quantize_x form (MATVEC_X8), for readers over int8 x
 
     @property
     def shape(self):
@@ -355,11 +356,12 @@ class CudaOps:
         self._flip ^= 1
         self._written(h)  # rewritten: rms_norm says again
         n = x.shape[0]
-        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and not MATVEC_X8
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw)
                 and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
-            n_parts = matvec_fast_norm(w.raw, w.qtype, self._plain(x), residual, norm_w, h, parts,
-                                       stream=self.stream)
-            return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w)
+            x = self._plain(x)
+            n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
+                                       xq=self._x8(x, w.qtype), xq_out=xq)
+            return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w, xq)
         residual = self.linear(x, w, residual=residual)
         if self._own("rms_norm") and h.shape == residual.shape:
             return residual, self.rms_norm(residual, norm_w, eps, out=h, xq=xq)
@@ -376,7 +378,7 @@ class CudaOps:
             if w.qtype in FAST_TYPES and splits_norm(w.raw):
                 out = residual if residual is not None else self._out((n, w.shape[0]))
                 return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual, stream=self.stream,
-                                   x_norm=x.x_norm)
+                                   x_norm=x.x_norm, xq=x.xq)
             x = self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
@@ -410,7 +412,7 @@ class CudaOps:
                 w, w2 = ws[i], ws[i + 1]
                 n = x.shape[0]
                 split = isinstance(x, SplitNorm)
-                xq = None if split else self._x8(x, w.qtype)
+                xq = x.xq if split else self._x8(x, w.qtype)
                 third = None
                 if i + 2 < len(ws) and self._third_fits(x, w, ws[i + 2], biases[i], biases[i + 2], xq is not None):
                     w3 = ws[i + 2]
@@ -486,7 +488,7 @@ class CudaOps:
             from ..kernels.matvec_fast import splits_norm
             if w_up.qtype == qt and qt in FAST_TYPES and splits_norm(w_gate.raw, w_up.raw):
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=self._out((n, w_gate.shape[0])),
-                                   stream=self.stream, x_norm=x.x_norm)
+                                   stream=self.stream, x_norm=x.x_norm, xq=x.xq)
             x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             n_ff = w_gate.shape[0]

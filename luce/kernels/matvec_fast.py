@@ -55,7 +55,7 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
-from .quantize_x import FINE
+from .quantize_x import FINE, block_bytes, int8_half_store
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
@@ -739,7 +739,7 @@ def _make_parts_total():
 
 def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
                  unroll=None, groups: int = 1, nx: int = 1, x8: int = 0, pair: bool = False,
-                 x_norm: bool = False, norm_out: bool = False, third=None):
+                 x_norm: bool = False, norm_out: bool = False, third=None, xq_out: int = 0):
     """pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
     a residual. third (with pair): the qtype of a third weight w_c (the v projection, which
@@ -752,7 +752,12 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     the two launches so it costs no launch of its own (one x row): norm_out (with a residual)
     also stores xg = y * gn and each row block's sum of y^2 in parts[block]; x_norm (its
     consumers, x = xg) sums the n_parts parts (every warp, from L2, while its weights load)
-    and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias."""
+    and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias.
+    xq_out (with norm_out): xg is also stored in quantize_x's form with that many planes
+    (xo_b / xo_f: its bytes and floats), for consumers over int8 x: a row block's 16 or 32
+    rows are whole halves of its 32-column blocks (groups >= 8), each quantized by 16 lanes
+    of warp 0; quantization is per 16 columns, so the norm's scale (a factor of the whole
+    row) can stay with the consumers."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
     TRIO = third is not None
     rows_dot_c = _make_rows(third, inline_sums, unroll, nx, x8) if TRIO else rows_dot
@@ -773,15 +778,20 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     PAIR = pair
     XN, NO = x_norm, norm_out
     NSQ = RPB if NO and SIM else 1  # the simulator's stand-in for the shuffle sum
+    QO = xq_out
+    QRED = NT if QO and SIM else 1  # the simulator's group reductions go through shared memory
+    QBB = block_bytes(QO) if QO else 0
     RMASK = (1 << RPB) - 1 if RPB < 32 else 0xFFFFFFFF  # norm_out: the lanes holding a row block's rows
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
     assert not (TRIO and (not pair or SUMS or (FAST_SPECS[third].sums and not inline_sums and not x8)))
-    assert not ((XN or NO) and (NX > 1 or x8)) and not (NO and (glu or pair or not has_res or RPB > 32))
+    assert not ((XN or NO) and NX > 1) and not (NO and (glu or pair or not has_res or RPB > 32))
+    assert not QO or (NO and RPB % 16 == 0)
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
-               gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c):
+               gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, xo_b, xo_f):
         red = cuda.shared.array(RED, np.float32)
+        qred = cuda.shared.array(QRED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
         nsq = cuda.shared.array(NSQ, np.float32)  # norm_out: the block's y^2, summed in order
         acc = cuda.local.array(NA, np.float32)
@@ -837,6 +847,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                     red[(tid * NA + e) * NV + 1] = group_sum(accu[e])
             cuda.syncthreads()
             sq = np.float32(0.0)  # norm_out: this thread's row's y^2 (rows of a block: warp 0's lanes)
+            xgv = np.float32(0.0)  # and its xg
             for o in range(tid, RPB * NX, NT):  # (x row, row): coalesced stores
                 r = o // RPB if NX > 1 else 0
                 rr = o - r * RPB
@@ -862,7 +873,8 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                     if has_res:
                         y += res[r * n_rows + row]
                     if NO:
-                        xg[row] = y * gn[row]
+                        xgv = y * gn[row]
+                        xg[row] = xgv
                         sq = y * y
                     if thrd:
                         out_c[r * nr + row] = y
@@ -884,6 +896,10 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                             off >>= 1
                         if o == 0:
                             parts[lblk] = sq
+            if QO:  # every thread calls it (its reductions); warp 0's first RPB lanes hold the rows
+                qrow = lblk * RPB + tid
+                int8_half_store(xgv, tid < RPB and qrow < nr, QBB * (qrow >> 5), qrow & 31, lane, wid, qred, xo_b,
+                                xo_f, QO)
             cuda.syncthreads()
             if NO and SIM and tid == 0:  # read before the next row block's epilogue: a barrier away
                 ss = np.float32(0.0)
@@ -937,7 +953,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     third (with pair): (w_c, qtype_c, out_c, bias_c), a third weight of the same columns,
     of any fast type with qtype's block width (Q4_K, Q6_K), biased like the pair.
     x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
-    parts) (see _make_kernel). Returns out, or with norm_out the number of parts."""
+    parts, xq_out) (see _make_kernel; xq_out None, or where xg's quantize_x form goes).
+    Returns out, or with norm_out the number of parts."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -964,7 +981,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         from .quantize_x import xq_size
         xq = as_device(xq)
         x8 = next((p for p in (1, 2) if xq.size == xq_size(n_cols, nx, p)), -1)
-    if (x_norm is not None or norm_out is not None) and (nx != 1 or x8 or len(xshape) != 1 and xshape[0] != 1):
+    if (x_norm is not None or norm_out is not None) and (nx != 1 or len(xshape) != 1 and xshape[0] != 1):
         raise ValueError("matvec_fast: the split RMSNorm takes one float x row")
     if x8:  # the units read the int8 form of x instead
         if xq.dtype != np.uint16 or x8 < 0:
@@ -1013,10 +1030,19 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
             bias_c = _mv._flat_f32(third[3], "bias_c", n_rows_c)
     g, nw = grid_shape(qtype, n_rows + n_rows_b + n_rows_c)
     g, nw = groups or g, warps or nw
+    qo, xo = 0, None  # xg's int8 form: its planes and buffer
+    if norm_out is not None and norm_out[3] is not None:
+        from .quantize_x import xq_size
+        xo = as_device(norm_out[3])
+        qo = next((p for p in (1, 2) if xo.size == xq_size(n_rows, 1, p)), 0)
+        if not qo or xo.dtype != np.uint16:
+            raise ValueError(f"matvec_fast_norm: xq_out must hold quantize_x of {n_rows} columns (uint16, 1 or 2 "
+                             f"planes), got {xo.size} {xo.dtype}")
+        g = max(g, 8)  # whole half blocks a row block
     # several x rows: registers go to their sums
     un = unroll or (spec.unroll if nx == 1 else 1)
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
-                   x_norm is not None, norm_out is not None, qc)
+                   x_norm is not None, norm_out is not None, qc, qo)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
@@ -1037,7 +1063,9 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     kern[grid, 32 * nw, stream](w0, w1, x, out_flat, b, r, n_rows, rb // 2, n_cols // spec.qk * spec.tpb, n_cols,
                                 out_b, bias_b, n_rows_b, gn, xg, parts, n_parts, np.float32(eps),
                                 wc if third is not None else w0, out_c, bias_c, n_rows_c,
-                                row_bytes(qc, n_cols) // 2 if third is not None else 0)
+                                row_bytes(qc, n_cols) // 2 if third is not None else 0,
+                                xo.view(np.uint8) if qo else _mv._dummy().view(np.uint8),
+                                xo.view(np.float32) if qo else _mv._dummy())
     return n_parts if norm_out is not None else out
 
 
@@ -1059,13 +1087,16 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
                    groups, xq, x_norm=x_norm)
 
 
-def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0, *, warps=None, groups=None) -> int:
+def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0, *, warps=None, groups=None,
+                     xq=None, xq_out=None) -> int:
     """residual += W x (one x row), and half of the RMSNorm of the result that follows it in
     a transformer: xg = result * norm_w, and parts[i] = the sum of squares of the result over
     the launch's row block i. Returns the number of parts; the projections of the norm take
-    xg as x with x_norm=(parts, n_parts, eps) and finish it, so the norm has no launch."""
-    return _launch([w_dev], qtype, x_dev, residual, None, residual, stream, warps, None, 0, None, groups,
-                   norm_out=(norm_w, xg, parts))
+    xg as x with x_norm=(parts, n_parts, eps) and finish it, so the norm has no launch.
+    xq: x's quantize_x form (as matvec_fast); xq_out: where xg's goes (uint16, xq_size of
+    the rows, 1 or 2 planes), for projections over int8 x (with x_norm as well)."""
+    return _launch([w_dev], qtype, x_dev, residual, None, residual, stream, warps, None, 0, None, groups, xq,
+                   norm_out=(norm_w, xg, parts, xq_out))
 
 
 def splits_norm(*ws) -> bool:
