@@ -218,3 +218,28 @@ def test_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes):
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match="xq_out"):
         matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, xq_out=xq_out[:-8])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("qtype,groups", [(T.Q4_K, 8), (T.Q6_K, 16), (T.Q4_K, 2)], ids=str)
+def test_gated_product_stores_its_int8_form(qtype, groups, planes):
+    """swiglu_fast's xq_out: the gated product also stores its output in quantize_x form
+    (the down projection's int8 x, no launch of its own), bit for bit quantize_x_ref of the
+    output it wrote; 2 groups asked: 8 taken (whole half blocks a row block)."""
+    rng = np.random.default_rng(int(qtype) + groups + 10 * planes)
+    n_rows, n_cols = 96, 256
+    g, u = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    xd = cuda.to_device(x)
+    xq_out = cuda.to_device(np.full(xq_size(n_rows, 1, planes), 0xFFFF, np.uint16))
+    out = nan_device(n_rows)
+    swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, xd, out=out, xq=quantize_x(xd, planes=planes),
+                xq_out=xq_out, groups=groups)
+    got = out.copy_to_host()
+    yg, yu = matvec_x8_ref(g, qtype, x, planes), matvec_x8_ref(u, qtype, x, planes)
+    want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert_same_form(xq_out.copy_to_host(), quantize_x_ref(got, planes), planes, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="xq_out"):  # two x rows: no
+        swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, cuda.to_device(np.stack([x, x])),
+                    out=nan_device((2, n_rows)), xq_out=xq_out)

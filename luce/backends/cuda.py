@@ -270,6 +270,16 @@ class CudaOps:
         self._xq = (x, xq)
         return xq
 
+    def _xq_out(self, h):
+        """Where a product's launch also stores its output h's int8 form (one decode row under
+        MATVEC_X8: the next product's x), kept as h's for _x8; else None."""
+        if not (self._x8_rows(h) and h.shape[0] == 1 and h.shape[1] % 32 == 0):
+            return None
+        from ..kernels.quantize_x import xq_size
+        xq = self.arena.alloc((xq_size(h.shape[1], 1, MATVEC_X8),), np.uint16)
+        self._xq = (h, xq)
+        return xq
+
     # -- ops ----------------------------------------------------------------------
     def embed(self, table: DeviceWeight, tokens):
         from ..kernels.embedding import embed_quant_cuda
@@ -487,8 +497,9 @@ class CudaOps:
         if isinstance(x, SplitNorm):
             from ..kernels.matvec_fast import splits_norm
             if w_up.qtype == qt and qt in FAST_TYPES and splits_norm(w_gate.raw, w_up.raw):
-                return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=self._out((n, w_gate.shape[0])),
-                                   stream=self.stream, x_norm=x.x_norm, xq=x.xq)
+                h = self._out((n, w_gate.shape[0]))
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=h, stream=self.stream, x_norm=x.x_norm,
+                                   xq=x.xq, xq_out=self._xq_out(h))
             x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             n_ff = w_gate.shape[0]
@@ -501,8 +512,9 @@ class CudaOps:
             return h
         if w_up.qtype == qt:
             if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
-                return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
-                                   stream=self.stream, xq=self._x8(x, qt))
+                h = self._out((n, w_gate.shape[0]))
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=h, stream=self.stream, xq=self._x8(x, qt),
+                                   xq_out=self._xq_out(h))
             if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
                 from ..kernels.matvec import swiglu
                 return swiglu(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),

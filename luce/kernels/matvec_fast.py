@@ -753,11 +753,11 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     also stores xg = y * gn and each row block's sum of y^2 in parts[block]; x_norm (its
     consumers, x = xg) sums the n_parts parts (every warp, from L2, while its weights load)
     and scales each product by 1 / sqrt(sum / K + eps) before the activation and bias.
-    xq_out (with norm_out): xg is also stored in quantize_x's form with that many planes
-    (xo_b / xo_f: its bytes and floats), for consumers over int8 x: a row block's 16 or 32
-    rows are whole halves of its 32-column blocks (groups >= 8), each quantized by 16 lanes
-    of warp 0; quantization is per 16 columns, so the norm's scale (a factor of the whole
-    row) can stay with the consumers."""
+    xq_out: the output (with norm_out, xg) is also stored in quantize_x's form with that
+    many planes (xo_b / xo_f: its bytes and floats), for consumers over int8 x: a row
+    block's 16 or 32 rows are whole halves of its 32-column blocks (groups >= 8), each
+    quantized by 16 lanes of warp 0; quantization is per 16 columns, so the norm's scale (a
+    factor of the whole row) can stay with the consumers."""
     rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
     TRIO = third is not None
     rows_dot_c = _make_rows(third, inline_sums, unroll, nx, x8) if TRIO else rows_dot
@@ -785,7 +785,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
     assert not (TRIO and (not pair or SUMS or (FAST_SPECS[third].sums and not inline_sums and not x8)))
     assert not ((XN or NO) and NX > 1) and not (NO and (glu or pair or not has_res or RPB > 32))
-    assert not QO or (NO and RPB % 16 == 0)
+    assert not QO or (RPB % 16 == 0 and NX == 1 and not pair)
 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
@@ -876,6 +876,8 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                         xgv = y * gn[row]
                         xg[row] = xgv
                         sq = y * y
+                    elif QO:
+                        xgv = y
                     if thrd:
                         out_c[r * nr + row] = y
                     elif second:
@@ -947,14 +949,14 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
 
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None):
+            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None, xq_out=None):
     """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
     product with x goes to out_b in the same launch (w_list then holds one weight).
     third (with pair): (w_c, qtype_c, out_c, bias_c), a third weight of the same columns,
     of any fast type with qtype's block width (Q4_K, Q6_K), biased like the pair.
     x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
-    parts, xq_out) (see _make_kernel; xq_out None, or where xg's quantize_x form goes).
-    Returns out, or with norm_out the number of parts."""
+    parts) (see _make_kernel). xq_out: where the output's (with norm_out, xg's) quantize_x
+    form goes (one x row). Returns out, or with norm_out the number of parts."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -1003,8 +1005,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         wc, n_rows_c = weight_u16(third[0], qc, n_cols)
     if not splits_norm(*[w for w, _ in ws], *([wb] if pair else []), *([wc] if third else [])) \
             or _addr(x) % 16:  # not whole: matvec's
-        if x_norm is not None or norm_out is not None:
-            raise ValueError("matvec_fast: the split RMSNorm needs 16-byte aligned weights and x")
+        if x_norm is not None or norm_out is not None or xq_out is not None:
+            raise ValueError("matvec_fast: the split RMSNorm and xq_out need 16-byte aligned weights and x")
         if len(w_list) == 2:
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
         if pair:
@@ -1030,14 +1032,14 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
             bias_c = _mv._flat_f32(third[3], "bias_c", n_rows_c)
     g, nw = grid_shape(qtype, n_rows + n_rows_b + n_rows_c)
     g, nw = groups or g, warps or nw
-    qo, xo = 0, None  # xg's int8 form: its planes and buffer
-    if norm_out is not None and norm_out[3] is not None:
+    qo, xo = 0, None  # the output's int8 form: its planes and buffer
+    if xq_out is not None:
         from .quantize_x import xq_size
-        xo = as_device(norm_out[3])
+        xo = as_device(xq_out)
         qo = next((p for p in (1, 2) if xo.size == xq_size(n_rows, 1, p)), 0)
-        if not qo or xo.dtype != np.uint16:
-            raise ValueError(f"matvec_fast_norm: xq_out must hold quantize_x of {n_rows} columns (uint16, 1 or 2 "
-                             f"planes), got {xo.size} {xo.dtype}")
+        if not qo or xo.dtype != np.uint16 or nx != 1 or pair or n_rows % 32:
+            raise ValueError(f"matvec_fast: xq_out must hold quantize_x of {n_rows} columns (a multiple of 32; "
+                             f"uint16, 1 or 2 planes) of one x row, no pair; got {xo.size} {xo.dtype}")
         g = max(g, 8)  # whole half blocks a row block
     # several x rows: registers go to their sums
     un = unroll or (spec.unroll if nx == 1 else 1)
@@ -1096,7 +1098,7 @@ def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0,
     xq: x's quantize_x form (as matvec_fast); xq_out: where xg's goes (uint16, xq_size of
     the rows, 1 or 2 planes), for projections over int8 x (with x_norm as well)."""
     return _launch([w_dev], qtype, x_dev, residual, None, residual, stream, warps, None, 0, None, groups, xq,
-                   norm_out=(norm_w, xg, parts, xq_out))
+                   norm_out=(norm_w, xg, parts), xq_out=xq_out)
 
 
 def splits_norm(*ws) -> bool:
@@ -1125,11 +1127,12 @@ def matvec_fast_pair(w_a, w_b, qtype, x_dev, out_a, out_b, bias_a=None, bias_b=N
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None):
+                blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None, xq_out=None):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows, xq and x_norm as
-    matvec_fast)."""
+    matvec_fast). xq_out: where out's quantize_x form goes as well (one x row: the down
+    projection's int8 x, made in the same launch)."""
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
-                   unroll, groups, xq, x_norm=x_norm)
+                   unroll, groups, xq, x_norm=x_norm, xq_out=xq_out)
 
 
 # ---------------------------------------------------------------------------------------
