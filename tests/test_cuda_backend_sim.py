@@ -298,8 +298,8 @@ def test_matvec_mma_rows_from_env(monkeypatch):
         rows_from_env("LUCE_X_ROWS", range(0))
 
 
-@pytest.mark.parametrize("planes", [1, 2])
-def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes):
+@pytest.mark.parametrize("planes,x8_out", [(1, True), (2, True), (2, False)])
+def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes, x8_out):
     """LUCE_MATVEC_X8's wiring: a decode step's Q4_K projections read int8 x made by the
     first norm (rms_norm_quantize: q, k and v share one), by the split norms' residual
     products (o and down store the next norm's xg in int8 form too: gate and up, the head),
@@ -314,6 +314,7 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes):
     f, fam, cfg = model_file(tmp_path / "q4k.gguf", "qwen3", gguf.GGMLQuantizationType.Q4_K, seed=9, n_embd=256,
                              n_ff=256, head_dim=128)
     monkeypatch.setattr(cuda_backend, "MATVEC_X8", planes)
+    monkeypatch.setattr(cuda_backend, "X8_OUT", x8_out)
     seen = {"xq": 0, "quantize": 0, "norm": 0, "xq_out": 0}
     asked = set()
     launch, quantize, norm_quantize = mf._launch, qx.quantize_x, qx.rms_norm_quantize
@@ -351,7 +352,9 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes):
     # (all Q4_K here) over int8 x from five inputs: three norms' outputs (one launch of its
     # own, two from o and down), the gated one (from gate/up's launch) and the attention's
     # (quantize_x)
-    assert seen == {"xq": 5, "norm": 1, "quantize": 1, "xq_out": 3}, seen
+    # (LUCE_X8_OUT=0: three norm launches, two quantize_x)
+    assert seen == ({"xq": 5, "norm": 1, "quantize": 1, "xq_out": 3} if x8_out else
+                    {"xq": 5, "norm": 3, "quantize": 2, "xq_out": 0}), seen
 
 
 def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
