@@ -353,8 +353,9 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
             hi2 = ldg_u16_u32x4(xq, bl + XB + 16 + (l >> 1))
             fla, fha = k4x8_ints(qa, lo2, hi2)
             flb, fhb = k4x8_ints(qb, lo2, hi2)
-            ila, iha = FINE * ila + fla, FINE * iha + fha  # exact: below 2**23
-            ilb, ihb = FINE * ilb + flb, FINE * ihb + fhb
+            # exact in 32 bits (below 2**23); int32 spelled out: numba widens int32 sums to 64
+            ila, iha = np.int32(FINE * ila + fla), np.int32(FINE * iha + fha)
+            ilb, ihb = np.int32(FINE * ilb + flb), np.int32(FINE * ihb + fhb)
         dxl = u32_bits_to_f32(ml[0] if first else ml[1])
         dxh = u32_bits_to_f32(mh[0] if first else mh[1])
         return (k4x8_row(sa[0], sa[1], sa[2], sa[3], j, dxl * np.float32(ila), dxh * np.float32(iha), sxl, sxh),
@@ -555,7 +556,7 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
         ia, ib = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 8 * hh))
         if TWO:
             fa, fb = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 16 + 8 * hh))
-            ia, ib = FINE * ia + fa, FINE * ib + fb
+            ia, ib = np.int32(FINE * ia + fa), np.int32(FINE * ib + fb)  # below 2**25
         off = np.float32(-32.0) * u32_bits_to_f32(m[3] if hh else m[2])
         dx = u32_bits_to_f32(m[1] if hh else m[0])
         return fma(dx, np.float32(ia), off), fma(dx, np.float32(ib), off)
