@@ -173,18 +173,23 @@ def test_cpu_emulation_of_int8_activations(qtype, planes):
     np.testing.assert_array_equal(ops.linear(x3, w), x3 @ w.T)
 
 
-@pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("qtype_o,qtype_p,groups", [(T.Q6_K, T.Q4_K, 8), (T.Q4_K, T.Q6_K, 16), (T.Q4_K, T.Q4_K, 4)],
-                         ids=str)
+@pytest.mark.parametrize("qtype_o,qtype_p,groups,planes", [(T.Q6_K, T.Q4_K, 8, 2), (T.Q4_K, T.Q6_K, 16, 2),
+                                                            (T.Q4_K, T.Q4_K, 4, 1)], ids=str)
 def test_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes):
     """The split RMSNorm (decode's o or down projection storing xg = h * g and the parts of
     sum h^2) over int8 x: the residual product reads its x in int8 form and also stores xg's
     (each row block's 16 or 32 rows whole half blocks; 4 groups asked: 8 taken), bit for bit
     quantize_x_ref of the xg it wrote; the norm's readers over that form with x_norm give
     1/rms times matvec_x8_ref of xg."""
+    check_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes, 256, 512, 16)
+
+
+def check_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes, d, k_in, n_out):
+    """test_split_rms_norm_over_int8_x at d rows of k_in columns, readers of n_out rows (the
+    GPU tests run it at model shapes; groups None: the launch's own choice)."""
     from luce.kernels.matvec_fast import matvec_fast_norm, norm_parts_max
-    rng = np.random.default_rng(int(qtype_o) * 7 + groups + planes)
-    d, k_in, n_out, eps = 256, 512, 16, 1e-6
+    rng = np.random.default_rng(int(qtype_o) * 7 + (groups or 0) + planes)
+    eps = 1e-6
     dev = cuda.to_device
     wo = weights(rng, qtype_o, d, k_in)
     a = rng.standard_normal(k_in).astype(np.float32)
@@ -195,7 +200,7 @@ def test_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes):
     a_dev = dev(a)
     n_parts = matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, groups=groups,
                                xq=quantize_x(a_dev, planes=planes), xq_out=xq_out)
-    assert n_parts == -(-d // (2 * max(groups, 8)))
+    assert groups is None or n_parts == -(-d // (2 * max(groups, 8)))
     h1 = h_dev.copy_to_host()
     want_h1 = matvec_x8_ref(wo, qtype_o, a, planes) + h
     _, scale = _x8_bound(wo, qtype_o, a, planes)
@@ -220,14 +225,17 @@ def test_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes):
         matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, xq_out=xq_out[:-8])
 
 
-@pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("qtype,groups", [(T.Q4_K, 8), (T.Q6_K, 16), (T.Q4_K, 2)], ids=str)
+@pytest.mark.parametrize("qtype,groups,planes", [(T.Q4_K, 8, 2), (T.Q6_K, 16, 2), (T.Q4_K, 2, 1)], ids=str)
 def test_gated_product_stores_its_int8_form(qtype, groups, planes):
     """swiglu_fast's xq_out: the gated product also stores its output in quantize_x form
     (the down projection's int8 x, no launch of its own), bit for bit quantize_x_ref of the
     output it wrote; 2 groups asked: 8 taken (whole half blocks a row block)."""
-    rng = np.random.default_rng(int(qtype) + groups + 10 * planes)
-    n_rows, n_cols = 96, 256
+    check_gated_int8_out(qtype, groups, planes, 96, 256)
+
+
+def check_gated_int8_out(qtype, groups, planes, n_rows, n_cols):
+    """test_gated_product_stores_its_int8_form at n_rows x n_cols (also the GPU tests')."""
+    rng = np.random.default_rng(int(qtype) + (groups or 0) + 10 * planes)
     g, u = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal(n_cols).astype(np.float32)
     xd = cuda.to_device(x)

@@ -191,6 +191,24 @@ def test_rms_norm_quantize_gpu(rows, d, planes):
     check_rms_norm_quantize(rows, d, planes)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("qtype_o,qtype_p,d,k_in,n_out", [(T.Q6_K, T.Q4_K, 4096, 12288, 12288),  # down, gate/up
+                                                          (T.Q4_K, T.Q4_K, 5120, 8192, 1024)], ids=ID)  # 32B's o, k
+def test_split_rms_norm_over_int8_x_gpu(qtype_o, qtype_p, d, k_in, n_out, planes):
+    """The split RMSNorm over int8 x at the 8B and 32B shapes with the launches' own grids
+    (the residual product's int8 output by shuffles): as the simulator test."""
+    from test_quantize_x import check_split_rms_norm_over_int8_x
+    check_split_rms_norm_over_int8_x(qtype_o, qtype_p, None, planes, d, k_in, n_out)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("qtype,n_rows,n_cols", [(T.Q4_K, 12288, 4096), (T.Q4_K, 25600, 5120)], ids=ID)
+def test_gated_int8_out_gpu(qtype, n_rows, n_cols, planes):
+    """The gated product storing its output's int8 form at the 8B and 32B FFN shapes."""
+    from test_quantize_x import check_gated_int8_out
+    check_gated_int8_out(qtype, None, planes, n_rows, n_cols)
+
+
 @pytest.mark.parametrize("qtype_o,qtype_p", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K)], ids=ID)
 def test_split_rms_norm_gpu(qtype_o, qtype_p):
     """The split RMSNorm at the 8B shape with the default grids (shuffle sums of the parts):

@@ -283,10 +283,10 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
                         (attention._combine(128), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
                          32 * attention.COMBINE_WARPS),
-                        (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64)",
+                        (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)",
                          quantize_x.THREADS),
                         (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
-                         "uint8[::1], float32[::1], int64, float32)", quantize_x.THREADS)]:
+                         "uint8[::1], float32[::1], int64, float32, int64)", quantize_x.THREADS)]:
     code = ptx(k, sig)
     use = ptxas_usage(code)
     assert use["registers"] * threads <= 65536, (k, threads, use)
