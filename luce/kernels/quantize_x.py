@@ -1,5 +1,6 @@
-"""Activations quantized to int8 per 32 columns, in one or two planes, for the matvec that
-multiplies 4- and 6-bit weights with dp4a (luce.kernels.matvec_fast, x8 units).
+"""Activations quantized to int8 (a step a 16 columns, blocks of 32), in one or two planes,
+for the matvec that multiplies 4- and 6-bit weights with dp4a (luce.kernels.matvec_fast,
+x8 units).
 
 Why: the float matvec spends ~4.6 instructions a Q4_K weight (decode each nibble to a
 float, one FMA with x as float32), which bounds it at 42-48% of the H200's copy bandwidth
@@ -21,7 +22,7 @@ rounding of what q left (x - d q, at most half a step) in steps of d / 254, then
 16 bytes with the fine steps d / 254 in place of d. So x = (254 q + q2) d / 254 within
 d / 508 = absmax / 64516, about int16's precision, and a unit's integer products of both
 planes combine as 254 i + i2 before one float multiply. Why: one plane's rounding
-changed the greedy output of 3 of 10 prompts of a real model; two planes changed none
+changed the greedy output of 3 or 4 of 10 prompts of a real model; two planes changed none
 (luce.bench.x8_drift). Why not two full 48-byte planes: the x8 units are bound by their
 load instructions (each 16-byte x load serves one row pair), and the second plane's own
 steps and sums cost one more load a block (H200, a377fae: gated Q4_K 12288x4096 24.2 us
@@ -47,11 +48,12 @@ HB = 16         # columns a step
 XQ_BYTES = 48   # bytes a block, one plane
 XQ2_BYTES = 80  # two planes
 FINE = 254      # the second plane's steps in one of the first's
+THREADS = 128  # a multiple of 32: each warp one block
 
 
 def block_bytes(planes: int) -> int:
+    """Bytes of a 32-column block in `planes` planes."""
     return XQ_BYTES if planes == 1 else XQ2_BYTES
-THREADS = 128  # a multiple of 32: each warp one block
 
 
 def xq_size(n_cols: int, n_rows: int = 1, planes: int = 1) -> int:
