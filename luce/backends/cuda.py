@@ -67,8 +67,8 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
     return n in MATVEC_MMA_ROWS and qtype in MMA_TYPES and k % QK == 0
 
 
-# Decode's Q4_K and Q6_K matvecs take x rounded to int8 per 32 columns and multiply with
-# dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1, or =2 for two int8 planes (x and what
+# Decode's Q4_K and Q6_K matvecs take x rounded to int8 (a step a 16 columns) and multiply
+# with dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1, or =2 for two int8 planes (x and what
 # its rounding left: about int16's precision, two dp4a a weight word). H200, Qwen3-8B shape
 # (14109b4): one plane 266.7 decode tok/s against 235.9. One plane is off by default: it
 # moves a real model's logits by ~1.3% (luce.bench.x8_drift), enough to change greedy
@@ -279,7 +279,7 @@ class CudaOps:
     def _xq_out(self, h):
         """Where a product's launch also stores its output h's int8 form (one decode row under
         MATVEC_X8: the next product's x), kept as h's for _x8; else None."""
-        if not (X8_OUT and self._x8_rows(h) and h.shape[0] == 1 and h.shape[1] % 32 == 0):
+        if not (X8_OUT and self._x8_rows(h) and h.shape[0] == 1):
             return None
         from ..kernels.quantize_x import xq_size
         xq = self.arena.alloc((xq_size(h.shape[1], 1, MATVEC_X8),), np.uint16)

@@ -196,8 +196,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             rows.append(dict(name=f"attention_{name}", shape=f"q{n}x{hq}x{d} kv{now}+{n}x{hkv}",
                              time_us=round(us, 2), **{"GB/s": round(kv_bytes / (us * 1e-6) / 1e9, 1)}, mode=mode,
                              n_splits=ns))
-            if (name.startswith("decode") or "_in_grid" in name) and ns > 1 and not q8 and \
-                    plan.get("kind") != "row":
+            if (name.startswith("decode") or "_in_grid" in name) and ns > 1 and not q8 and plan.get("kind") != "row":
                 # the split combine alone, on the partials the launch above left (the row
                 # kernel merges its own)
                 def combine():

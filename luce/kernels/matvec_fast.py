@@ -332,7 +332,7 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
     loads as the float units; per 16-byte piece and row 8 dp4a a plane and 8 logic ops
     where the float unit has ~70 instructions. The mins multiply the exact float sums of x
     kept with it, so the only error is x's rounding (to 8 bits; with two planes, ~16)."""
-    XB = 24 if planes == 1 else 40  # uint16 of a 32-column block of quantized x
+    XB = block_bytes(planes) // 2  # uint16 of a 32-column block of quantized x
     TWO = planes == 2
     MO = 16 * planes  # its 16 bytes of step and sums
 
@@ -530,7 +530,7 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
     """Q6_K units over int8 x (`planes` planes): dot_q6_k's loads and scales, each group's
     16 quants times x with four dp4a a row and plane (the float unit: ~100 instructions a
     group and row)."""
-    XB = 24 if planes == 1 else 40
+    XB = block_bytes(planes) // 2
     TWO = planes == 2
     MO = 16 * planes
 

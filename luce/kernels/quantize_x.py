@@ -183,8 +183,9 @@ _RED = max(1, THREADS // 32 * WARP_RED_SLOTS)
 @cuda.jit
 def _quantize_kernel(x, xq_b, xq_f, n, planes):
     # A thread a value, a warp a block: a 4096-wide row is 32 blocks of 128 threads, each
-    # thread a load and three warp reductions. H200, in a graph: 1.39 us a 4096-wide row
-    # (7e624ca); with a thread walking each block's 32 values, 2.44 us. Written by the
+    # thread a load and two reductions over its 16 lanes (three over the warp at 7e624ca).
+    # H200, in a graph: 1.39 us a 4096-wide row (7e624ca); with a thread walking each
+    # block's 32 values, 2.44 us. Written by the
     # RMSNorm kernel instead (its threads hold whole blocks a warp), the norm took 5.84 us
     # a call instead of 2.97 (7e624ca): more than this launch, so it stays a launch.
     red = cuda.shared.array(_RED, np.float32)
