@@ -54,13 +54,18 @@ def test_quantize_x_matches_reference_and_bounds_its_error(planes):
 
 def assert_same_form(got, want, planes, rtol, atol):
     """Two quantize_x forms: the int8 values and the steps bit for bit, the float sums of x
-    to rounding (the kernel adds in another order)."""
+    to rounding: the kernel adds in another order, so a sum of 16 columns may differ by a few
+    float32 roundings of 16 max|x| (max|x| is 127 steps, 127 * 254 fine steps), which
+    cancellation can make large against the sum itself."""
     nb = block_bytes(planes)
     g, w = got.view(np.uint8).reshape(-1, nb), want.view(np.uint8).reshape(-1, nb)
     m = 32 * planes  # where the steps and the sums start
     np.testing.assert_array_equal(g[:, :m + 8], w[:, :m + 8])
-    np.testing.assert_allclose(g[:, m + 8:].copy().view(np.float32), w[:, m + 8:].copy().view(np.float32),
-                               rtol=rtol, atol=atol)
+    xmax = w[:, m:m + 8].copy().view(np.float32) * np.float32(127 * (254 if planes == 2 else 1))
+    rounding = 4 * 16 * np.finfo(np.float32).eps * xmax
+    gs, ws = g[:, m + 8:].copy().view(np.float32), w[:, m + 8:].copy().view(np.float32)
+    bad = np.abs(gs - ws) > atol + rtol * np.abs(ws) + rounding
+    assert not bad.any(), f"sums differ at {np.argwhere(bad)[:5].tolist()}: {gs[bad][:5]} vs {ws[bad][:5]}"
 
 
 def _x8_bound(raw, qtype, x, planes=1):

@@ -77,12 +77,17 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 MATVEC_X8 = int(os.environ.get("LUCE_MATVEC_X8", "0") or 0)
 if MATVEC_X8 not in (0, 1, 2):
     raise ValueError(f"LUCE_MATVEC_X8={MATVEC_X8}: 0 (float x), 1 or 2 (int8 planes)")
-# Under MATVEC_X8 the products whose output the next one reads as int8 (o and down with the
-# split norm, the gated product) store that form from their epilogue, so it has no launch
-# of its own; LUCE_X8_OUT=0 makes it by launches instead (rms_norm_quantize, quantize_x: the
-# form measured at aa140c3). The epilogue costs registers (sm_90, ptxas 13: gated Q4_K with
-# two planes 80 -> 112, down Q6_K 80 -> 102): which way is faster is not measured yet.
-X8_OUT = os.environ.get("LUCE_X8_OUT", "1") != "0"
+# Under MATVEC_X8 the products whose output the next one reads as int8 can store that form
+# from their epilogue, so it has no launch of its own: o and down with the split norm ("norm")
+# and the gated product ("gated"). LUCE_X8_OUT lists them (comma-separated; "0" none, "all"
+# both); the default is "norm". H200, 8B shape, two planes (this session's A/B, one call):
+# both 291.7 decode tok/s on device, none (aa140c3's launches) 298.0: the gated product's
+# epilogue takes it from 80 to 112 registers (sm_90) and from 20.0 to 26.8 us.
+_X8_OUT = os.environ.get("LUCE_X8_OUT", "norm").strip().lower()
+X8_OUT = ({"norm", "gated"} if _X8_OUT == "all" else set() if _X8_OUT in ("0", "", "none")
+          else set(_X8_OUT.split(",")))
+if not X8_OUT <= {"norm", "gated"}:
+    raise ValueError(f"LUCE_X8_OUT={_X8_OUT}: a list of norm, gated (or all, 0)")
 # Decode's q and k projections (same type and width) as one matvec_fast launch, and
 # verification's as one matvec_mma_pair launch: the 1024-row k projection alone is a
 # latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200, 77d259d) plus a graph gap.
@@ -279,7 +284,7 @@ class CudaOps:
     def _xq_out(self, h):
         """Where a product's launch also stores its output h's int8 form (one decode row under
         MATVEC_X8: the next product's x), kept as h's for _x8; else None."""
-        if not (X8_OUT and self._x8_rows(h) and h.shape[0] == 1):
+        if not ("gated" in X8_OUT and self._x8_rows(h) and h.shape[0] == 1):
             return None
         from ..kernels.quantize_x import xq_size
         xq = self.arena.alloc((xq_size(h.shape[1], 1, MATVEC_X8),), np.uint16)
@@ -372,7 +377,7 @@ class CudaOps:
         self._flip ^= 1
         self._written(h)  # rewritten: rms_norm says again
         n = x.shape[0]
-        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and (X8_OUT or not MATVEC_X8)
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and ("norm" in X8_OUT or not MATVEC_X8)
                 and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             x = self._plain(x)
             n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
