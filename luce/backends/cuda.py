@@ -68,13 +68,15 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 
 
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 (a step a 16 columns) and multiply
-# with dp4a (luce.kernels.quantize_x): LUCE_MATVEC_X8=1, or =2 for two int8 planes (x and what
-# its rounding left: about int16's precision, two dp4a a weight word). H200, Qwen3-8B shape
-# (14109b4): one plane 266.7 decode tok/s against 235.9. One plane is off by default: it
-# moves a real model's logits by ~1.3% (luce.bench.x8_drift), enough to change greedy
-# tokens at near-ties and to make decode and the (float) verification forward of
-# speculative decoding disagree there.
-MATVEC_X8 = int(os.environ.get("LUCE_MATVEC_X8", "0") or 0)
+# with dp4a (luce.kernels.quantize_x), in two planes by default (x and what its rounding
+# left: about int16's precision, two dp4a a weight word); LUCE_MATVEC_X8=1 for one plane, 0
+# for float x. H200, Qwen3-8B shape, one call (this session): two planes with the norm
+# epilogues 308.9 decode tok/s with the next token on device against 287.1 for float x;
+# DDTree stayed lossless on the GPU (decode over int8 x, verification over float x).
+# One plane is faster still but moves a real model's logits by ~1.3% (luce.bench.x8_drift:
+# 4 of 10 prompts' greedy output changed; two planes: none, logits ~5e-5), enough to make
+# decode and the verification forward of speculative decoding disagree at near-ties.
+MATVEC_X8 = int(os.environ.get("LUCE_MATVEC_X8", "2") or 0)
 if MATVEC_X8 not in (0, 1, 2):
     raise ValueError(f"LUCE_MATVEC_X8={MATVEC_X8}: 0 (float x), 1 or 2 (int8 planes)")
 # Under MATVEC_X8 the products whose output the next one reads as int8 can store that form
