@@ -298,12 +298,13 @@ def test_matvec_mma_rows_from_env(monkeypatch):
         rows_from_env("LUCE_X_ROWS", range(0))
 
 
-@pytest.mark.parametrize("planes,x8_out", [(2, {"norm", "gated"}), (1, {"norm"}), (1, set())])
+@pytest.mark.parametrize("planes,x8_out", [(2, {"norm", "gated", "attn"}), (1, {"norm", "attn"}), (1, set())])
 def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes, x8_out):
     """LUCE_MATVEC_X8's wiring: a decode step's Q4_K projections read int8 x made by the
     first norm (rms_norm_quantize: q, k and v share one), by the split norms' residual
     products (o and down store the next norm's xg in int8 form too: gate and up, the head),
-    by gate/up's launch (down's) or by quantize_x (the attention's), in the planes asked for, and
+    by gate/up's launch (down's) and by the attention kernel (o's), or by quantize_x where
+    LUCE_X8_OUT leaves them out, in the planes asked for, and
     the logits stay within int8 rounding of the CPU's (relative L2 below 2e-2, the GPU
     test's bound; with two planes below 2e-3, the float path's own tolerance here)."""
     import gguf
@@ -352,8 +353,9 @@ def test_int8_activations_in_simulator(tmp_path, monkeypatch, planes, x8_out):
     # (all Q4_K here) over int8 x from five inputs: three norms' outputs (one launch of its
     # own, two from o and down), the gated one (from gate/up's launch) and the attention's
     # (quantize_x)
-    # (LUCE_X8_OUT=norm: the gated one by quantize_x; =0: three norm launches, two quantize_x)
-    want = {"xq": 5, "norm": 3 - 2 * ("norm" in x8_out), "quantize": 2 - ("gated" in x8_out),
+    # (without "gated" or "attn" in LUCE_X8_OUT, that one by quantize_x; =0: three norm
+    # launches, two quantize_x)
+    want = {"xq": 5, "norm": 3 - 2 * ("norm" in x8_out), "quantize": 2 - ("gated" in x8_out) - ("attn" in x8_out),
             "xq_out": 2 * ("norm" in x8_out) + ("gated" in x8_out)}
     assert seen == want, seen
 

@@ -79,17 +79,19 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 MATVEC_X8 = int(os.environ.get("LUCE_MATVEC_X8", "2") or 0)
 if MATVEC_X8 not in (0, 1, 2):
     raise ValueError(f"LUCE_MATVEC_X8={MATVEC_X8}: 0 (float x), 1 or 2 (int8 planes)")
-# Under MATVEC_X8 the products whose output the next one reads as int8 can store that form
-# from their epilogue, so it has no launch of its own: o and down with the split norm ("norm")
-# and the gated product ("gated"). LUCE_X8_OUT lists them (comma-separated; "0" none, "all"
-# both); the default is "norm". H200, 8B shape, two planes (this session's A/B, one call):
-# both 291.7 decode tok/s on device, none (aa140c3's launches) 298.0: the gated product's
-# epilogue takes it from 80 to 112 registers (sm_90) and from 20.0 to 26.8 us.
-_X8_OUT = os.environ.get("LUCE_X8_OUT", "norm").strip().lower()
-X8_OUT = ({"norm", "gated"} if _X8_OUT == "all" else set() if _X8_OUT in ("0", "", "none")
+# Under MATVEC_X8 the ops whose output the next product reads as int8 can store that form
+# from their epilogue, so it has no launch of its own: o and down with the split norm
+# ("norm"), decode attention ("attn") and the gated product ("gated"). LUCE_X8_OUT lists
+# them (comma-separated; "0" none, "all" every one); the default is "norm,attn". H200, 8B
+# shape, two planes (this session's A/B, one call): norm and gated 291.7 decode tok/s on
+# device, none (aa140c3's launches) 298.0: the gated product's epilogue takes it from 80 to
+# 112 registers (sm_90) and from 20.0 to 26.8 us; norm alone 308.9 (the next call).
+_X8_OUT = os.environ.get("LUCE_X8_OUT", "norm,attn").strip().lower()
+_X8_PARTS = {"norm", "attn", "gated"}
+X8_OUT = (set(_X8_PARTS) if _X8_OUT == "all" else set() if _X8_OUT in ("0", "", "none")
           else set(_X8_OUT.split(",")))
-if not X8_OUT <= {"norm", "gated"}:
-    raise ValueError(f"LUCE_X8_OUT={_X8_OUT}: a list of norm, gated (or all, 0)")
+if not X8_OUT <= _X8_PARTS:
+    raise ValueError(f"LUCE_X8_OUT={_X8_OUT}: a list of {', '.join(sorted(_X8_PARTS))} (or all, 0)")
 # Decode's q and k projections (same type and width) as one matvec_fast launch, and
 # verification's as one matvec_mma_pair launch: the 1024-row k projection alone is a
 # latency-bound launch (4.5 us for 2.4 MB at the 8B shape, H200, 77d259d) plus a graph gap.
@@ -283,10 +285,10 @@ class CudaOps:
         self._xq = (x, xq)
         return xq
 
-    def _xq_out(self, h):
-        """Where a product's launch also stores its output h's int8 form (one decode row under
+    def _xq_out(self, h, part="gated"):
+        """Where op `part`'s launch also stores its output h's int8 form (one decode row under
         MATVEC_X8: the next product's x), kept as h's for _x8; else None."""
-        if not ("gated" in X8_OUT and self._x8_rows(h) and h.shape[0] == 1):
+        if not (part in X8_OUT and self._x8_rows(h) and h.shape[0] == 1):
             return None
         from ..kernels.quantize_x import xq_size
         xq = self.arena.alloc((xq_size(h.shape[1], 1, MATVEC_X8),), np.uint16)
@@ -542,6 +544,8 @@ class CudaOps:
 
     def merge_heads(self, x):
         y = x.reshape((x.shape[0], x.shape[1] * x.shape[2]))
+        if self._xq is not None and self._xq[0] is x:  # attention's int8 form: the same memory
+            self._xq = (y, self._xq[1])
         if not self._guard(x):
             self._in_range.append(y)
         return y
@@ -583,9 +587,13 @@ class CudaOps:
         plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys)
         ns = plan["n_splits"]
         scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
+        out = self._out((n, hq, d))
+        xq = self._xq_out(out.reshape((n, hq * d)), "attn")
         out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
-                                   self.mask_bits, window=window or 0, n_keys=self.n_keys,
-                                   out=self._out((n, hq, d)), scratch=scratch, stream=self.stream)
+                                   self.mask_bits, window=window or 0, n_keys=self.n_keys, out=out, scratch=scratch,
+                                   xq_out=xq, xq_planes=MATVEC_X8, stream=self.stream)
+        if xq is not None:
+            self._xq = (out, xq)  # merge_heads passes it on to its view
         if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
             self._in_range.append(out)
         return out

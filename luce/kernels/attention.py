@@ -474,17 +474,22 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int, chunk: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int, per_trip: int | None = None,
-                   self_merge: bool = True):
+                   self_merge: bool = True, xq_planes: int = 0):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step,
     `per_trip` splits a trip of its merge (None: decode_per_trip); self_merge False: the
-    splits' partials are left for the combine kernel (decode_self_merges)."""
+    splits' partials are left for the combine kernel (decode_self_merges); xq_planes > 0:
+    where it writes the output (one split, or its merge) it also writes the output's
+    quantize_x form in that many planes (xq_b / xq_f: the next product's int8 x, so that
+    it needs no launch of its own)."""
     from ._reduce import warp_barrier, warp_groupsum
+    from .quantize_x import int8_block_store
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
     from .split_merge import arrive, merge_rows
-    merge = merge_rows(dim, per_trip or decode_per_trip(dim, qt * group))
+    merge = merge_rows(dim, per_trip or decode_per_trip(dim, qt * group), xq_planes)
     SELF_MERGE = self_merge
+    XQ = xq_planes
     CH = chunk
     LPK = 32 // CH  # lanes a key in the score pass
     G = group
@@ -529,7 +534,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
-               out, part_o, part_ml, counter):
+               out, part_o, part_ml, counter, xq_b, xq_f):
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         q0 = cuda.blockIdx.z * QT
@@ -674,19 +679,20 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                 r = e // dim
                 d = e % dim
                 qi = q0 + r // G
+                hq = hkv * G + r % G
+                o = np.float32(0.0)
+                ll = np.float32(1.0)
                 if qi < n_q:
                     big = np.float32(-math.inf)
                     for w in range(W):
                         if mml[w, r, 1] > 0:
                             big = max(big, mml[w, r, 0])
-                    o = np.float32(0.0)
                     ll = np.float32(0.0)
                     for w in range(W):
                         if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
                             f = math.exp(mml[w, r, 0] - big)
                             o += mo[w, r, d] * f
                             ll += mml[w, r, 1] * f
-                    hq = hkv * G + r % G
                     if direct:
                         out[qi, hq, d] = o / ll
                     else:
@@ -694,9 +700,14 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                         if d == 0:
                             part_ml[split, qi, hq, 0] = big
                             part_ml[split, qi, hq, 1] = ll
+                # a warp's 32 consecutive e are 32 columns of one row: one int8 block (direct
+                # is the same for the whole block, so all its lanes take part)
+                if XQ and direct:
+                    int8_block_store(o / ll, qi < n_q, ((qi * n_kvh * G + hq) * dim + d) >> 5, lane, wid, red, xq_b,
+                                     xq_f, XQ)
         # the tile's last block to finish merges the splits (luce.kernels.split_merge)
         if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
-            merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32)
+            merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
 
     return kernel
 
@@ -730,7 +741,7 @@ COMBINE_WARPS = 4  # warps a combine block (one block per query and q head), eac
 
 
 @functools.lru_cache(maxsize=None)
-def _combine(dim: int):
+def _combine(dim: int, xq_planes: int = 0):
     """The split combine for head dim `dim`: one block of up to COMBINE_WARPS warps per
     (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
     no barrier) for the common max and the last split that saw a key, then adds up every
@@ -742,14 +753,17 @@ def _combine(dim: int):
     8K-sized grid (H200, 311dab6); this one 4.9 and 6.6 (33 splits; 6.2 over 17), and 9.8
     us after a decode over 8K keys (64 splits used: each warp's 8 trips wait out their
     loads; the whole 8K decode went 31.8 -> 36.2 us in `bench_attention`, while end-to-end
-    decode at 8K stayed at 209-210 tok/s). More splits a trip is the next thing to time."""
+    decode at 8K stayed at 209-210 tok/s). More splits a trip is the next thing to time.
+    xq_planes > 0: it also stores out's quantize_x form (as _decode_kernel's)."""
+    from .quantize_x import int8_block_store
+    XQ = xq_planes
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     W = COMBINE_WARPS
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions
 
     @cuda.jit
-    def combine(part_o, part_ml, n_splits, meta, out):
+    def combine(part_o, part_ml, n_splits, meta, out, xq_b, xq_f):
         i = cuda.blockIdx.x
         hq = cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -789,13 +803,15 @@ def _combine(dim: int):
         if lane == 0:
             lsh[wid] = den
         cuda.syncthreads()
-        for c in range(t, dim, cuda.blockDim.x):
+        for c in range(t, dim, cuda.blockDim.x):  # whole warps a trip (dim a multiple of 32 with XQ)
             o = np.float32(0.0)
             ll = np.float32(0.0)
             for w in range(nw):
                 o += osh[w, c]
                 ll += lsh[w]
             out[i, hq, c] = o / ll
+            if XQ:
+                int8_block_store(o / ll, True, ((i * out.shape[1] + hq) * dim + c) >> 5, lane, wid, red, xq_b, xq_f, XQ)
 
     return combine
 
@@ -805,10 +821,29 @@ def combine_threads(dim: int) -> int:
     return block_threads(32 * COMBINE_WARPS)
 
 
-def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0):
-    """Merge the splits' (O, m, l) partials into out [N, Hq, D] (rows past meta[1] untouched)."""
+def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=None, xq_planes: int = 1):
+    """Merge the splits' (O, m, l) partials into out [N, Hq, D] (rows past meta[1] untouched);
+    and into xq_out (uint16) out's quantize_x form in xq_planes planes, when given."""
     n_q, n_heads, dim = out.shape
-    _combine(dim)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out)
+    xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
+    _combine(dim, planes)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out, xq_b,
+                                                                        xq_f)
+
+
+def _xq_views(out, xq_out, planes: int):
+    """(bytes, float32) views of xq_out for the kernels' int8 epilogue and its planes; with
+    no xq_out, views of out (typed alike, never written) and 0."""
+    if xq_out is None:
+        flat = out.reshape(out.size)
+        return flat.view(np.uint8), flat, 0
+    from .quantize_x import xq_size
+    n_q, n_heads, dim = out.shape
+    if dim % 32 or xq_out.dtype != np.uint16 or xq_out.size != xq_size(n_heads * dim, n_q, planes):
+        raise ValueError(f"attention: xq_out must be uint16 [{xq_size(n_heads * dim, n_q, planes)}] (quantize_x of "
+                         f"{n_q} rows of {n_heads} x {dim}, head dim a multiple of 32), got {xq_out.dtype} "
+                         f"[{xq_out.size}]")
+    flat = xq_out.reshape(xq_out.size)
+    return flat.view(np.uint8), flat.view(np.float32), planes
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
@@ -850,7 +885,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
 
 def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
                          window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
-                         k_scale=None, v_scale=None, stream=0):
+                         k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, stream=0):
     """Attention of N new queries over the paged pool (luce.kernels.paging layout).
 
     q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
@@ -859,7 +894,9 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     (tree_mask_bits) or None for causal (prefill/chain of any length); window: sliding
     window (0: none). n_keys >= C + N sizes the split grid. Returns out f32 [N, Hq, D];
     the same result as attention_ref. q8_0 pools: k_pool/v_pool int8 with k_scale/v_scale
-    (luce.kernels.paging), dequantized to f16 as each tile is loaded.
+    (luce.kernels.paging), dequantized to f16 as each tile is loaded. xq_out: device
+    uint16, where out's quantize_x form (rows of Hq x D, xq_planes planes) goes as well:
+    from the decode kernel's or its combine's epilogue, else by a quantize_x launch.
     """
     n_q, n_heads, dim = q.shape
     n_kvh = k_pool.shape[2]
@@ -883,12 +920,14 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         mask_bits = kv_pos  # never read when causal (numba needs an array here)
     flat = lambda pool: pool.reshape(pool.size).view(np.uint16)  # noqa: E731 - 16-byte row loads
     if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
+        xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
+        in_kernel = direct or plan["self_merge"]  # else the combine writes the output (and its int8 form)
         _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"],
-                       plan["self_merge"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+                       plan["self_merge"], planes if in_kernel else 0)[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream))
-        if not direct and not plan["self_merge"]:
-            combine_splits(part_o, part_ml, ns, meta, out, stream)
+            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f)
+        if not in_kernel:
+            combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
         return out
     if plan.get("kind") == "mma":
         attention_mma.kernel(dim, plan["warps"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
@@ -901,20 +940,25 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
             out, part_o, part_ml)
     if not direct:
-        combine_splits(part_o, part_ml, ns, meta, out, stream)
+        combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
+    elif xq_out is not None:
+        from .quantize_x import quantize_x
+        quantize_x(out, out=xq_out, stream=stream, planes=xq_planes)
     return out
 
 
 def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: int | None = None, out=None,
-                         max_splits: int | None = None, *, scratch=None, n_keys: int | None = None):
+                         max_splits: int | None = None, *, scratch=None, n_keys: int | None = None, xq_out=None,
+                         xq_planes: int = 1):
     """paged_attention_cuda over a device PagedKVCache after its write() of this layer
     (f16 or q8_0 pools). n_keys: the grid's context (default: the current one; pass
-    cache.n_ctx for a captured graph), scratch as attention_plan sizes it."""
+    cache.n_ctx for a captured graph), scratch as attention_plan sizes it; xq_out,
+    xq_planes: as paged_attention_cuda's."""
     return paged_attention_cuda(q, cache.k_pool, cache.v_pool, cache.table_d, layer, cache.meta, cache.pos_d, q_pos,
                                 mask_bits, window=window or 0,
                                 n_keys=cache.n_past + cache.n_pending if n_keys is None else n_keys, out=out,
                                 scratch=scratch, max_splits=max_splits, k_scale=cache.k_scale,
-                                v_scale=cache.v_scale, stream=cache.stream)
+                                v_scale=cache.v_scale, xq_out=xq_out, xq_planes=xq_planes, stream=cache.stream)
 
 
 _MASK_MEMO: dict = {}  # one forward's mask serves every layer: upload it once

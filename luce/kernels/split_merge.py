@@ -80,17 +80,21 @@ def merge_per_trip(dim: int, rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP):
-    """The device function merging head dim `dim`'s splits for a tile of query rows."""
+def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP, xq_planes: int = 0):
+    """The device function merging head dim `dim`'s splits for a tile of query rows;
+    xq_planes > 0: it also stores the output rows in quantize_x's form (dim a multiple of 32)."""
+    from .quantize_x import int8_block_store
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     PT = per_trip
+    XQ = xq_planes
     PTDL = PT * DL  # array shapes must be plain constants
 
     @device(inline=True)
-    def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt):
+    def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt, xq_b, xq_f):
         """Block-wide, in the tile's last block: out[q, h] for its query rows r0.. r0 + rows
         (row r: query r // G, q head hkv * G + r % G; those below n_rows), from the
-        partials part_o [split, q, h, dim] and part_ml [split, q, h, (m, l)]."""
+        partials part_o [split, q, h, dim] and part_ml [split, q, h, (m, l)]; with XQ also
+        out's quantize_x form (each output row of q heads x dim columns) in xq_b / xq_f."""
         wid = tid // 32
         lane = tid % 32
         nw = nt // 32
@@ -126,6 +130,11 @@ def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP):
                     c = lane + 32 * d
                     if c < dim:
                         out[qi, hq, c] = acc[d] / den
+            if XQ:  # a lane's 32 columns d are one int8 block; every lane takes part, live or not
+                for d in range(DL):
+                    o = acc[d] / den if live else np.float32(0.0)
+                    int8_block_store(o, live, ((qi * out.shape[1] + hq) * dim + 32 * d) >> 5, lane, wid, red, xq_b,
+                                     xq_f, XQ)
 
     return merge
 

@@ -224,7 +224,8 @@ def test_paged_cache_device_vs_numpy():
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _attention_case(n_ctx, n_new, mask, hq=HQ, hkv=HKV, dim=D, new_pos=None, window=None):
+def _attention_case(n_ctx, n_new, mask, hq=HQ, hkv=HKV, dim=D, new_pos=None, window=None, xq_planes=0,
+                    n_keys=None):
     cache = PagedKVCache(1, n_ctx + n_new + 64, hkv, dim, device=True)
     cache.k_pool.copy_to_device(np.full(cache.k_pool.shape, np.nan, np.float16))
     cache.v_pool.copy_to_device(np.full(cache.v_pool.shape, np.nan, np.float16))
@@ -240,11 +241,21 @@ def _attention_case(n_ctx, n_new, mask, hq=HQ, hkv=HKV, dim=D, new_pos=None, win
     q = randn(n_new, hq, dim, scale=2)
     out = nan_out(q.shape)
     bits = None if mask is None else cuda.to_device(tree_mask_bits(mask))
-    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(npos.astype(np.int32)), bits, window, out=out)
+    xq = None
+    if xq_planes:
+        from luce.kernels.quantize_x import xq_size
+        xq = cuda.to_device(np.full(xq_size(hq * dim, n_new, xq_planes), 0xFFFF, np.uint16))
+    attention_cache_cuda(cache, 0, cuda.to_device(q), cuda.to_device(npos.astype(np.int32)), bits, window, out=out,
+                         n_keys=n_keys, xq_out=xq, xq_planes=xq_planes or 1)
     full = causal_mask(n_new) if mask is None else mask
     want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), kn.astype(np.float32),
                          vn.astype(np.float32), full, q_pos=npos, ctx_pos=np.arange(n_ctx), window=window)
-    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-3, atol=1e-4)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    if xq_planes:  # the output's int8 form from the kernel's epilogue: quantize_x's of the output
+        from luce.kernels.quantize_x import quantize_x_ref
+        from tests.test_quantize_x import assert_same_form
+        assert_same_form(xq.copy_to_host(), quantize_x_ref(got, xq_planes), xq_planes, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n_new", [1, TREE])
@@ -343,6 +354,16 @@ def test_decode_chunk_sizes(monkeypatch, chunk, dim, hq, hkv, n_ctx, window):
     from luce.kernels import attention as A
     monkeypatch.setattr(A, "DECODE_CHUNK", chunk)
     _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, hkv=hkv, dim=dim, window=window)
+
+
+@pytest.mark.parametrize("hq,n_ctx,n_keys,planes", [(32, CTX, None, 2), (32, 640, CTX + 1, 2), (64, CTX, None, 2),
+                                                     (64, 640, CTX + 1, 1), (32, 37, None, 2)])
+def test_decode_int8_out(hq, n_ctx, n_keys, planes):
+    """Decode attention storing its output's int8 form (LUCE_X8_OUT's "attn") at the 8B
+    (its last block merges the splits) and 32B (8 q heads a kv head: the combine kernel
+    does) shapes, over 8K keys, over 640 in a grid sized for 8K (a captured graph's), and
+    over 38 keys (one split: the kernel writes the output directly)."""
+    _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, xq_planes=planes, n_keys=n_keys)
 
 
 def test_tree23_8k_row_kernel(monkeypatch):

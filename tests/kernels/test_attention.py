@@ -101,6 +101,35 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
+# The decode output's int8 form (LUCE_X8_OUT's "attn": the o projection's x) from the
+# kernel's epilogue: one split (direct), the last block's merge, the combine kernel (8 q
+# heads a kv head), and a tree (the tile kernel's, by a quantize_x launch after it); the
+# int8 values and steps bit for bit those of quantize_x_ref over the output, the sums to
+# rounding.
+@pytest.mark.parametrize("hq,hkv,max_splits,planes,n_new", [(4, 2, 1, 2, 1), (4, 2, None, 1, 1), (8, 1, None, 2, 1),
+                                                            (4, 2, None, 2, 3)])
+def test_decode_int8_out(hq, hkv, max_splits, planes, n_new):
+    from luce.kernels.quantize_x import quantize_x_ref, xq_size
+    from tests.test_quantize_x import assert_same_form
+    cache, q, kv, cpos, npos = setup(150, n_new, hq=hq, hkv=hkv, d=32)
+    mask = causal_mask(n_new)
+    plan = A.attention_plan(n_new, hq, hkv, 32, 150 + n_new, max_splits)
+    assert (plan["kind"] == "row") == (n_new == 1)
+    assert n_new > 1 or plan["self_merge"] == (hq // hkv <= plan["warps"]) and (plan["n_splits"] == 1) == (max_splits == 1)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    xq = cuda.to_device(np.full(xq_size(hq * 32, n_new, planes), 0xFFFF, np.uint16))
+    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           cuda.to_device(npos.astype(np.int32)), n_keys=150 + n_new, out=out, max_splits=max_splits,
+                           xq_out=xq, xq_planes=planes)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, mask), rtol=2e-4, atol=2e-5)
+    assert_same_form(xq.copy_to_host(), quantize_x_ref(got, planes), planes, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="xq_out"):
+        A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta,
+                               cache.pos_d, cuda.to_device(npos.astype(np.int32)), n_keys=150 + n_new, out=out,
+                               xq_out=xq, xq_planes=3 - planes)
+
+
 def test_decode_one_query_window_and_graph_grid():
     cache, q, kv, cpos, npos = setup(150, 1, d=32)
     one = np.ones((1, 1), bool)
@@ -281,8 +310,8 @@ for d in (128, 4096, 5120, 8192, 16384):
 for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
-                        (attention._combine(128), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, {F3})",
-                         32 * attention.COMBINE_WARPS),
+                        *[(attention._combine(128, p), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, "
+                           f"{F3}, uint8[::1], float32[::1])", 32 * attention.COMBINE_WARPS) for p in (0, 2)],
                         (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)",
                          quantize_x.THREADS),
                         (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
@@ -312,13 +341,14 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
            f"uint64[::1], int64, int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._attn_kernel(dim, qt, 128, q8), sig)
     assert ".local" not in code or qt == 64, (dim, qt, q8)  # accumulators stay in registers
-for dim, group, qt, mask, chunk in [(128, 4, 1, I1, 32), (128, 8, 1, I1, 16), (64, 3, 1, I1, 32), (256, 2, 1, I1, 32),
-                                    (128, 4, 2, "uint64[::1]", 32), (128, 2, 4, "uint64[::1]", 32),
-                                    (128, 4, 2, I1, 32), (128, 4, 1, I1, 8), (128, 4, 1, I1, 16)]:
+for dim, group, qt, mask, chunk, xq in [(128, 4, 1, I1, 32, 0), (128, 8, 1, I1, 16, 0), (64, 3, 1, I1, 32, 0),
+                                        (256, 2, 1, I1, 32, 0), (128, 4, 2, "uint64[::1]", 32, 0),
+                                        (128, 2, 4, "uint64[::1]", 32, 0), (128, 4, 2, I1, 32, 0),
+                                        (128, 4, 1, I1, 8, 0), (128, 4, 1, I1, 16, 2), (128, 4, 1, I1, 16, 1)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
-           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1})")
+           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1}, uint8[::1], float32[::1])")
     attention.DECODE_CHUNK = chunk
-    code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group)), sig)
+    code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group), xq_planes=xq), sig)
     # registers only; K and V rows by cp.async, K read back 16 bytes at a time
     assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
     assert "atom.global.add" in code and ".f64" not in code, (dim, group, qt)  # merges its splits, in float32
