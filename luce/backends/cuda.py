@@ -82,11 +82,13 @@ if MATVEC_X8 not in (0, 1, 2):
 # Under MATVEC_X8 the ops whose output the next product reads as int8 can store that form
 # from their epilogue, so it has no launch of its own: o and down with the split norm
 # ("norm"), decode attention ("attn") and the gated product ("gated"). LUCE_X8_OUT lists
-# them (comma-separated; "0" none, "all" every one); the default is "norm,attn". H200, 8B
-# shape, two planes (this session's A/B, one call): norm and gated 291.7 decode tok/s on
-# device, none (aa140c3's launches) 298.0: the gated product's epilogue takes it from 80 to
-# 112 registers (sm_90) and from 20.0 to 26.8 us; norm alone 308.9 (the next call).
-_X8_OUT = os.environ.get("LUCE_X8_OUT", "norm,attn").strip().lower()
+# them (comma-separated; "0" none, "all" every one); the default is "norm". H200, 8B shape,
+# two planes: norm and gated 291.7 decode tok/s on device, none (aa140c3's launches) 298.0
+# in one call (the gated product's epilogue takes it from 80 to 112 registers, sm_90, and
+# from 20.0 to 26.8 us); norm alone 308.9 the next; norm and attn 300.4 against norm alone
+# 307.6 in a third (the attention op 14.5 us a layer against 12.9: its last block's merge
+# quantizing 4 rows costs more than the launch it saves).
+_X8_OUT = os.environ.get("LUCE_X8_OUT", "norm").strip().lower()
 _X8_PARTS = {"norm", "attn", "gated"}
 X8_OUT = (set(_X8_PARTS) if _X8_OUT == "all" else set() if _X8_OUT in ("0", "", "none")
           else set(_X8_OUT.split(",")))
