@@ -194,6 +194,14 @@ def _addr(a) -> int:
     return (ary.__array_interface__ if ary is not None else a.__cuda_array_interface__)["data"][0]
 
 
+def _takes_int8_x(weights) -> bool:
+    """Whether a layer projection of these weights has int8-x units (matvec_fast.X8_TYPES)."""
+    from ..kernels.matvec_fast import X8_TYPES
+    layers = getattr(weights, "layers", None) or []
+    return any(isinstance(w, DeviceWeight) and w.qtype in X8_TYPES for w in vars(layers[0]).values()) if layers \
+        else False
+
+
 class CudaOps:
     """The op interface of models.transformer on device arrays, writing into the arena."""
 
@@ -205,6 +213,9 @@ class CudaOps:
         self.mask_bits = None
         self.n_keys = 0
         self._xq = None  # (x, its int8 form): q, k (and gate with up) share one quantize_x
+        # whether the model's projections take int8 x (MATVEC_X8 and a Q4_K or Q6_K layer
+        # projection: set with the weights); other models' norms and products make none
+        self.x8_weights = False
         # arrays of this layer whose every |value| is below 2**15 (an RMSNorm's output with a
         # small enough weight, attention over an f16 pool): their tensor-core products skip
         # the f16 guard's fixup launch (luce.kernels.f16_range)
@@ -277,7 +288,7 @@ class CudaOps:
         """quantize_x(x) where the matvec of `qtype` has int8-x units and MATVEC_X8 is on,
         made once for consecutive projections of the same x; else None."""
         from ..kernels.matvec_fast import X8_TYPES
-        if not MATVEC_X8 or qtype not in X8_TYPES:
+        if not self.x8_weights or qtype not in X8_TYPES:
             return None
         if self._xq is not None and self._xq[0] is x:
             return self._xq[1]
@@ -315,10 +326,11 @@ class CudaOps:
         self.arena.mark()  # the residual stream (and the carried norms) outlive every layer
         return out
 
-    @staticmethod
-    def _x8_rows(x) -> bool:
-        """Whether x's projections take int8 x (MATVEC_X8, decode widths)."""
-        return MATVEC_X8 > 0 and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS and x.shape[1] % 32 == 0
+    def _x8_rows(self, x) -> bool:
+        """Whether x's projections take int8 x (MATVEC_X8, a model with int8-x weights,
+        decode widths)."""
+        return (self.x8_weights and len(x.shape) == 2 and x.shape[0] <= FAST_MATVEC_MAX_ROWS
+                and x.shape[1] % 32 == 0)
 
     def _written(self, a):
         """a is rewritten in place: its kept conversions (fragments, int8 form) and its
@@ -383,7 +395,7 @@ class CudaOps:
         self._flip ^= 1
         self._written(h)  # rewritten: rms_norm says again
         n = x.shape[0]
-        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and ("norm" in X8_OUT or not MATVEC_X8)
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and ("norm" in X8_OUT or not self.x8_weights)
                 and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             x = self._plain(x)
             n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
@@ -681,6 +693,7 @@ class CUDABackend:
             st = self._state[key] = {"ops": ops, "run_ops": ops_with_overrides(ops, family, self.name),
                                      "graphs": {}, "arena_tokens": 0, "inputs": None}
             ops.n_keys = kv.n_ctx
+            ops.x8_weights = MATVEC_X8 > 0 and _takes_int8_x(weights)
             # the pool write rides in qk_rope only where linears, qk_rope and attention are ours;
             # a weak reference: the state must not keep its cache alive (see below)
             ops.fuse_kv_write = FUSED_KV_WRITE and st["run_ops"] is ops
