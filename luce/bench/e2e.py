@@ -197,6 +197,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         "TTFT ms": ttft * 1e3, "GPU mem GiB": mem, "copy GB/s": bw,
         "limit tok/s": limit, "% of limit": 100 * decode_tok_s / limit if limit else None,
     }]
+    from ..kernels import pdl
+    if pdl.ENABLED:  # LUCE_PDL: how many of the captured graphs' edges became programmatic
+        from ..backends import cuda_graph
+        summary[0]["programmatic edges (LUCE_PDL)"] = f"{cuda_graph.STATS['programmatic']} in " \
+                                                      f"{cuda_graph.STATS['graphs']} graphs"
     from .report import append_to_docs, print_table
     table = [{"metric": k, "value": v} for k, v in summary[0].items()]
     print_table(f"luce bench: {label}", table)

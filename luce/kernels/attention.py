@@ -88,6 +88,7 @@ from .split_merge import merge_counters, used_splits  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
 from .paging import BLOCK  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 _SMEM = 48 * 1024  # static shared memory a block may use without an opt-in attribute
 
@@ -535,6 +536,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
                out, part_o, part_ml, counter, xq_b, xq_f):
+        grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         q0 = cuda.blockIdx.z * QT
@@ -709,7 +711,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
             merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
 
-    return kernel
+    return pdl_ready(kernel)
 
 
 # Queries up to which attention takes the one-query kernel's structure in tiles of
@@ -764,6 +766,7 @@ def _combine(dim: int, xq_planes: int = 0):
 
     @cuda.jit
     def combine(part_o, part_ml, n_splits, meta, out, xq_b, xq_f):
+        grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         i = cuda.blockIdx.x
         hq = cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -813,7 +816,7 @@ def _combine(dim: int, xq_planes: int = 0):
             if XQ:
                 int8_block_store(o / ll, True, ((i * out.shape[1] + hq) * dim + c) >> 5, lane, wid, red, xq_b, xq_f, XQ)
 
-    return combine
+    return pdl_ready(combine)
 
 
 def combine_threads(dim: int) -> int:

@@ -55,6 +55,7 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
+from .pdl import grid_dependency_sync, ready as pdl_ready
 from .quantize_x import FINE, block_bytes, int8_half_store
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
@@ -791,6 +792,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
                gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, xo_b, xo_f):
+        grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         red = cuda.shared.array(RED, np.float32)
         qred = cuda.shared.array(QRED, np.float32)
         sxs = cuda.shared.array(SXN, np.float32)
@@ -909,7 +911,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                 for i in range(RPB):
                     ss += nsq[i]
                 parts[lblk] = ss
-    return kernel
+    return pdl_ready(kernel)
 
 
 _KERNELS: dict = {}

@@ -22,6 +22,7 @@ from numba import cuda
 from ._reduce import MAX_THREADS, block_sum
 from .norm import rms_norm_ref
 from .paging import BLOCK
+from .pdl import grid_dependency_sync, ready as pdl_ready
 from .rope import _STYLE_ID, inv_freq_table, rope_ref, rotate
 
 _NO_NORM: dict = {}  # arguments of the kernels' types that a launch never reads
@@ -55,6 +56,7 @@ def _make_kernel(write_kv: bool):
     @cuda.jit
     def kernel(q, k, pos, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style, v, k_pool, v_pool, table, layer, meta,
                kv_pos):
+        grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         n = cuda.blockIdx.x
         h = cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -102,7 +104,7 @@ def _make_kernel(write_kv: bool):
         if WRITE and h == 0 and t == 0:
             kv_pos[meta[0] + n] = pos[n]
 
-    return kernel
+    return pdl_ready(kernel)
 
 
 _kernel = functools.lru_cache(maxsize=None)(_make_kernel)

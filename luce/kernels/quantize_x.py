@@ -38,6 +38,7 @@ from numba import cuda
 from ._reduce import MAX_THREADS, WARP_RED_SLOTS, block_sum, warp_groupmax, warp_groupsum
 from .dequant import SIM
 from .device import device
+from .pdl import grid_dependency_sync, ready as pdl_ready
 from .vector_load import ldg_f32x4
 
 __all__ = ["XQ_BYTES", "xq_size", "quantize_x_ref", "dequantize_x_ref", "matvec_x8_ref", "quantize_x",
@@ -188,6 +189,7 @@ def _quantize_kernel(x, xq_b, xq_f, n, planes):
     # block's 32 values, 2.44 us. Written by the
     # RMSNorm kernel instead (its threads hold whole blocks a warp), the norm took 5.84 us
     # a call instead of 2.97 (7e624ca): more than this launch, so it stays a launch.
+    grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
     red = cuda.shared.array(_RED, np.float32)
     t = cuda.threadIdx.x
     e = cuda.blockIdx.x * cuda.blockDim.x + t
@@ -203,6 +205,7 @@ def _norm_quantize_kernel(x, w, out, xq_b, xq_f, d_model, eps, planes):
     # the whole row itself (4096 floats: eight 16-byte loads a thread, from L2) rather than
     # waiting for a reduction across blocks. (RMSNorm's own kernel, one 1024-thread block a
     # row, took 5.84 us with the quantization added, 7e624ca.)
+    grid_dependency_sync()
     buf = cuda.shared.array(MAX_THREADS, np.float32)
     red = cuda.shared.array(_RED, np.float32)
     t = cuda.threadIdx.x
@@ -220,6 +223,10 @@ def _norm_quantize_kernel(x, w, out, xq_b, xq_f, d_model, eps, planes):
     if live:
         out[base + col] = o
     int8_block_store(o, live, (base + col) >> 5, t & 31, t >> 5, red, xq_b, xq_f, planes)
+
+
+pdl_ready(_quantize_kernel)
+pdl_ready(_norm_quantize_kernel)
 
 
 def rms_norm_quantize(x, weight, eps: float, out, xq, stream=0, planes: int = 1):

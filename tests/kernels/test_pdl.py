@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (luce.kernels.pdl): which captured edges become
+programmatic, the kernels marked ready for it, and the instructions they begin with when
+it is on (sm_90 PTX, compiled offline); the graph itself runs in
+tests/gpu/test_cuda_backend_synthetic_gpu.py::test_pdl_decode_matches_cpu."""
+import numpy as np
+
+from luce.kernels import pdl
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
+
+K = ((4, 1, 1), (128, 1, 1))  # a kernel node's (grid, block)
+
+
+def test_programmatic_edges_into_ready_kernels_only():
+    # a copy, then four kernels; the third is not ready: the edge into it stays a full
+    # dependency, the one out of it into a ready kernel does not
+    order = [10, 11, 12, 13, 14]
+    kinds = {10: "memcpy", 11: "kernel", 12: "kernel", 13: "kernel", 14: "kernel"}
+    dims = {n: K for n in order[1:]}
+    launches = [(True, *K), (True, *K), (False, *K), (True, *K)]
+    assert pdl.programmatic_edges(order, kinds, dims, launches) == [(11, 12), (13, 14)]
+    launches[2] = (True, *K)
+    assert pdl.programmatic_edges(order, kinds, dims, launches) == [(11, 12), (12, 13), (13, 14)]
+
+
+def test_programmatic_edges_need_the_launches_one_for_one():
+    order = [1, 2, 3]
+    kinds = dict.fromkeys(order, "kernel")
+    dims = {1: K, 2: K, 3: ((8, 1, 1), (128, 1, 1))}
+    ready = [(True, *K)] * 3
+    assert pdl.programmatic_edges(order, kinds, dims, ready) == []  # a shape differs: not matched
+    assert pdl.programmatic_edges(order, kinds, {n: K for n in order}, ready[:2]) == []  # a launch unseen
+    assert pdl.programmatic_edges(None, kinds, dims, ready) == []  # not one chain
+    assert pdl.programmatic_edges(order, kinds, {n: K for n in order}, ready) == [(1, 2), (2, 3)]
+    assert pdl.dim3(5) == (5, 1, 1) and pdl.dim3((2, 3)) == (2, 3, 1)
+
+
+def test_decode_kernels_are_marked_ready():
+    """The kernels of a decode layer (the products, qk_rope, attention and its combine,
+    quantize_x and the first norm's) are marked; off by default, and never on in the
+    simulator."""
+    from luce.kernels import attention, matvec_fast, qk_rope, quantize_x
+    assert not pdl.ENABLED
+    fn = lambda k: getattr(k, "py_func", None) or k.fn  # noqa: E731
+    kernels = [matvec_fast._make_kernel(matvec_fast.T.Q4_K, False, False, False), qk_rope._make_kernel(True),
+               attention._decode_kernel(32, 4, 1, *attention.decode_shape(32, 4)), attention._combine(32),
+               quantize_x._quantize_kernel, quantize_x._norm_quantize_kernel]
+    assert all(pdl.is_ready(fn(k)) for k in kernels)
+    assert not pdl.is_ready(fn(attention._attn_kernel(32, 4, 32)))  # not in decode: a full dependency
+    assert np.isfinite(pdl.grid_dependency_sync() or 0.0)  # the simulator's: nothing
+
+
+PTX_CHECK = r'''
+import re
+from numba import cuda
+from numba.cuda import types
+from luce.kernels import pdl, quantize_x, qk_rope, attention, matvec_fast as F
+F1, F3 = types.float32[::1], types.float32[:, :, ::1]
+cases = [(quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)"),
+         (attention._combine(128), "void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, int32[::1], "
+                                   "float32[:, :, ::1], uint8[::1], float32[::1])")]
+for on in (False, True):
+    pdl.ENABLED = on  # read at compile time
+    for k, sig in cases:
+        ptx = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
+        body = ptx[ptx.index(".entry"):]
+        if not on:
+            assert "griddepcontrol" not in body, k
+            continue
+        # the wait, then the trigger, before the kernel's first global access
+        w, t = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents")
+        first = min(m.start() for m in re.finditer(r"\b(ld|st|atom|red|cp\.async)\.global", body))
+        assert w < t < first, k
+print("PTX OK")
+'''
+ptx_check = background_ptx_check(PTX_CHECK)
+
+
+def test_grid_dependency_sync_in_ptx(ptx_check):
+    assert_ptx_ok(ptx_check)
