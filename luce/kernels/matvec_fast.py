@@ -55,7 +55,8 @@ from numba import cuda
 from .device import device, fma
 from . import matvec as _mv
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
-from .pdl import grid_dependency_sync, ready as pdl_ready
+from . import pdl
+from .pdl import grid_dependency_sync, l2_prefetch, ready as pdl_ready
 from .quantize_x import FINE, block_bytes, int8_half_store
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
@@ -784,6 +785,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     QRED = NT if QO and SIM else 1  # the simulator's group reductions go through shared memory
     QBB = block_bytes(QO) if QO else 0
     RMASK = (1 << RPB) - 1 if RPB < 32 else 0xFFFFFFFF  # norm_out: the lanes holding a row block's rows
+    PF = pdl.PREFETCH
     assert G * L == 32 and not (SUMS and NX > 1) and not (pair and (glu or has_res))
     assert not (TRIO and (not pair or SUMS or (FAST_SPECS[third].sums and not inline_sums and not x8)))
     assert not ((XN or NO) and NX > 1) and not (NO and (glu or pair or not has_res or RPB > 32))
@@ -792,6 +794,22 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
                gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, xo_b, xo_f):
+        # LUCE_PDL=2: this block's first row block toward L2 (rows whole 16-byte pieces)
+        if PF and cuda.threadIdx.x == 0 and (row_h & 7) == 0 and (not TRIO or (row_h_c & 7) == 0):
+            r0 = cuda.blockIdx.x
+            nba = -(-n_rows // RPB)
+            nbb = nba + (-(-n_rows_b // RPB) if PAIR else 0)
+            if TRIO and r0 >= nbb:
+                lb = (r0 - nbb) * RPB
+                l2_prefetch(w_c, lb * row_h_c, min(RPB, n_rows_c - lb) * row_h_c * 2)
+            elif PAIR and r0 >= nba:
+                lb = (r0 - nba) * RPB
+                l2_prefetch(w_up, lb * row_h, min(RPB, n_rows_b - lb) * row_h * 2)
+            elif r0 < nba:
+                lb = r0 * RPB
+                l2_prefetch(w, lb * row_h, min(RPB, n_rows - lb) * row_h * 2)
+                if glu:
+                    l2_prefetch(w_up, lb * row_h, min(RPB, n_rows - lb) * row_h * 2)
         grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         red = cuda.shared.array(RED, np.float32)
         qred = cuda.shared.array(QRED, np.float32)

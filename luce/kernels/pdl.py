@@ -28,7 +28,8 @@ from numba import cuda
 
 from .dequant import SIM
 
-__all__ = ["ENABLED", "grid_dependency_sync", "ready", "is_ready", "programmatic_edges"]
+__all__ = ["ENABLED", "PREFETCH", "grid_dependency_sync", "l2_prefetch", "ready", "is_ready",
+           "programmatic_edges"]
 
 
 def _enabled() -> bool:
@@ -42,9 +43,16 @@ def _enabled() -> bool:
 
 # read when a kernel is compiled: set it before the first launch (tests set it for the PTX)
 ENABLED = _enabled()
+# LUCE_PDL=2: also start each matvec block's first rows of weights toward L2 before the
+# wait (weights depend on no kernel), so a product launched early streams during the
+# tail of the one before it
+PREFETCH = ENABLED and os.environ.get("LUCE_PDL") == "2"
 
 if SIM:
     def grid_dependency_sync():
+        pass
+
+    def l2_prefetch(arr, i, nbytes):
         pass
 else:
     from llvmlite import ir
@@ -63,6 +71,25 @@ else:
                 fn = ir.FunctionType(ir.VoidType(), [])
                 builder.call(ir.InlineAsm(fn, "griddepcontrol.wait; griddepcontrol.launch_dependents;", "~{memory}",
                                           side_effect=True), [])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def l2_prefetch(typingctx, arr, i, nbytes):
+        """Start nbytes of global memory from arr[i] on their way to L2 (one bulk prefetch:
+        16-byte aligned, a multiple of 16 bytes); nothing unless PREFETCH."""
+        sig = types.void(arr, i, nbytes)
+
+        def codegen(context, builder, sig, args):
+            if PREFETCH:
+                data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+                idx = context.cast(builder, args[1], sig.args[1], types.intp)
+                addr = builder.ptrtoint(builder.gep(data, [idx]), ir.IntType(64))
+                n = context.cast(builder, args[2], sig.args[2], types.uint32)
+                fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
+                builder.call(ir.InlineAsm(fn, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
+                                              "cp.async.bulk.prefetch.L2.global [ga], $1; }", "l,r",
+                                          side_effect=True), [addr, n])
             return context.get_dummy_value()
         return sig, codegen
 

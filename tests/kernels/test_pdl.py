@@ -77,3 +77,30 @@ ptx_check = background_ptx_check(PTX_CHECK)
 
 def test_grid_dependency_sync_in_ptx(ptx_check):
     assert_ptx_ok(ptx_check)
+
+
+PREFETCH_CHECK = r'''
+import re
+from numba import cuda
+from numba.cuda import types
+from luce.kernels import pdl, matvec_fast as F
+u16, f32 = types.uint16[::1], types.float32[::1]
+norm_args = (f32, f32, f32, types.int64, types.float32) + (u16, f32, f32) + (types.int64,) * 2 + (types.uint8[::1], f32)
+sig = (u16, u16, u16, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int64) + norm_args
+pdl.ENABLED = pdl.PREFETCH = True
+ptx = cuda.compile_ptx(F._make_kernel(F.T.Q4_K, True, False, False, F.NW, True, None, 8, 1, 2).py_func, sig,
+                       cc=(9, 0))[0]
+body = ptx[ptx.index(".entry"):]
+pf = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", body)]
+w = body.index("griddepcontrol.wait")
+assert len(pf) == 2 and max(pf) < w, (pf, w)  # gate and up, before the wait
+print("PTX OK")
+'''
+
+
+def test_matvec_weight_prefetch_before_the_wait():
+    """LUCE_PDL=2: the gated product (over int8 x) starts its first row block of gate and up
+    weights toward L2 before it waits on the kernel before it (sm_90 PTX, offline)."""
+    from luce.kernels.ptx import run_check
+    r = run_check(PREFETCH_CHECK)
+    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
