@@ -103,6 +103,7 @@ def _chain(graph):
     from cuda.bindings import driver
 
     from ..kernels.pdl import dim3
+
     def listed(call, what):  # (err, lists..., count): asked once for the count, then filled
         got = call(graph, 0)
         _check(got[0])
