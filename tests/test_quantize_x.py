@@ -104,6 +104,24 @@ def test_matvec_fast_x8(qtype, n_x, n_rows, n_cols, planes):
     assert np.abs(got - exact).max() > 0  # x really went through int8 (else the test checks nothing new)
 
 
+@pytest.mark.parametrize("unroll", [1, "pipe"])
+def test_x8_unroll_setting(monkeypatch, unroll):
+    """LUCE_X8_UNROLL: the products over int8 x take it (float x keeps its type's entry)."""
+    from luce.kernels import matvec_fast as F
+    monkeypatch.setattr(F, "X8_UNROLL", unroll)
+    keys = []
+    kernel = F._kernel
+    monkeypatch.setattr(F, "_kernel", lambda *key: keys.append(key) or kernel(*key))
+    rng = np.random.default_rng(3)
+    raw = weights(rng, T.Q4_K, 4, 512)
+    x = rng.standard_normal(512).astype(np.float32)
+    xd = cuda.to_device(x)
+    got = matvec_fast(cuda.to_device(raw), T.Q4_K, xd, out=nan_device((4,)), xq=quantize_x(xd, planes=2))
+    np.testing.assert_allclose(got.copy_to_host(), matvec_x8_ref(raw, T.Q4_K, x, 2), rtol=1e-5, atol=1e-5)
+    matvec_fast(cuda.to_device(raw), T.Q4_K, xd, out=nan_device((4,)))
+    assert [k[6] for k in keys] == [unroll, F.FAST_SPECS[T.Q4_K].unroll]  # _make_kernel's unroll
+
+
 @pytest.mark.parametrize("planes", [1, 2])
 def test_swiglu_fast_x8_and_other_types_ignore_xq(planes):
     rng = np.random.default_rng(3)

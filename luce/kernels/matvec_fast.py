@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections import namedtuple
 
@@ -629,6 +630,13 @@ PIPE = "pipe"
 # (load, dot))
 X8_UNITS = {T.Q4_K: _make_unit_q4_k_x8, T.Q6_K: _make_unit_q6_k_x8}
 X8_TYPES = frozenset(X8_UNITS)
+# Units a lane loads before computing in the products over int8 x (LUCE_X8_UNROLL: 1, 2 or
+# pipe; default each type's FAST_SPECS entry, chosen over float x). Over two planes the
+# decode q/k/v launch takes 107 registers at Q4_K's 2 and 88 at 1 (ptxas sm_90): not timed.
+X8_UNROLL = os.environ.get("LUCE_X8_UNROLL", "") or None
+if X8_UNROLL not in (None, "1", "2", PIPE):
+    raise ValueError(f"LUCE_X8_UNROLL={X8_UNROLL}: 1, 2 or {PIPE}")
+X8_UNROLL = int(X8_UNROLL) if X8_UNROLL in ("1", "2") else X8_UNROLL
 
 
 
@@ -1063,7 +1071,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
                              f"uint16, 1 or 2 planes) of one x row, no pair; got {xo.size} {xo.dtype}")
         g = max(g, 8)  # whole half blocks a row block
     # several x rows: registers go to their sums
-    un = unroll or (spec.unroll if nx == 1 else 1)
+    un = unroll or (X8_UNROLL if x8 and X8_UNROLL else spec.unroll if nx == 1 else 1)
     kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
                    x_norm is not None, norm_out is not None, qc, qo)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
