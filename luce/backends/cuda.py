@@ -70,7 +70,7 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 (a step a 16 columns) and multiply
 # with dp4a (luce.kernels.quantize_x), in two planes by default (x and what its rounding
 # left: about int16's precision, two dp4a a weight word); LUCE_MATVEC_X8=1 for one plane, 0
-# for float x. H200, Qwen3-8B shape, one call (this session): two planes with the norm
+# for float x. H200, Qwen3-8B shape, one call (18da752): two planes with the norm
 # epilogues 308.9 decode tok/s with the next token on device against 287.1 for float x;
 # DDTree stayed lossless on the GPU (decode over int8 x, verification over float x).
 # One plane is faster still but moves a real model's logits by ~1.3% (luce.bench.x8_drift:
@@ -84,9 +84,9 @@ if MATVEC_X8 not in (0, 1, 2):
 # ("norm"), decode attention ("attn") and the gated product ("gated"). LUCE_X8_OUT lists
 # them (comma-separated; "0" none, "all" every one); the default is "norm". H200, 8B shape,
 # two planes: norm and gated 291.7 decode tok/s on device, none (aa140c3's launches) 298.0
-# in one call (the gated product's epilogue takes it from 80 to 112 registers, sm_90, and
-# from 20.0 to 26.8 us); norm alone 308.9 the next; norm and attn 300.4 against norm alone
-# 307.6 in a third (the attention op 14.5 us a layer against 12.9: its last block's merge
+# in one call at a1a8e55 (the gated product's epilogue takes it from 80 to 112 registers,
+# sm_90, and from 20.0 to 26.8 us); norm alone 308.9 at 18da752; norm and attn 300.4
+# against norm alone 307.6 in one call at 92ca685 (the attention op 14.5 us a layer against 12.9: its last block's merge
 # quantizing 4 rows costs more than the launch it saves).
 _X8_OUT = os.environ.get("LUCE_X8_OUT", "norm").strip().lower()
 _X8_PARTS = {"norm", "attn", "gated"}
@@ -395,8 +395,9 @@ class CudaOps:
         self._flip ^= 1
         self._written(h)  # rewritten: rms_norm says again
         n = x.shape[0]
-        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw) and ("norm" in X8_OUT or not self.x8_weights)
-                and h.shape == residual.shape and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
+        if (FUSED_NORM and n == 1 and w.qtype in FAST_TYPES and splits_norm(w.raw)
+                and ("norm" in X8_OUT or not self.x8_weights) and h.shape == residual.shape
+                and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             x = self._plain(x)
             n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
                                        xq=self._x8(x, w.qtype), xq_out=xq)

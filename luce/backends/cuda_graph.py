@@ -120,7 +120,8 @@ def _chain(graph):
         if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             kinds[key(node)] = "kernel"
             p = _check(driver.cuGraphKernelNodeGetParams(node))
-            dims[key(node)] = (dim3((p.gridDimX, p.gridDimY, p.gridDimZ)), dim3((p.blockDimX, p.blockDimY, p.blockDimZ)))
+            dims[key(node)] = (dim3((p.gridDimX, p.gridDimY, p.gridDimZ)),
+                               dim3((p.blockDimX, p.blockDimY, p.blockDimZ)))
         else:
             kinds[key(node)] = str(kind)
     nxt = {key(a): b for a, b in zip(src, dst)}

@@ -925,8 +925,9 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     if plan.get("kind") == "row":  # merges its own splits (luce.kernels.split_merge)
         xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
         in_kernel = direct or plan["self_merge"]  # else the combine writes the output (and its int8 form)
-        _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"], plan["per_trip"],
-                       plan["self_merge"], planes if in_kernel else 0)[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
+        kernel = _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"],
+                                plan["per_trip"], plan["self_merge"], planes if in_kernel else 0)
+        kernel[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f)
         if not in_kernel:
