@@ -104,3 +104,39 @@ def test_matvec_weight_prefetch_before_the_wait():
     from luce.kernels.ptx import run_check
     r = run_check(PREFETCH_CHECK)
     assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+RECORDING_CHECK = r'''
+from numba.cuda import dispatcher
+from luce.backends.cuda_graph import _recording
+from luce.kernels import pdl
+calls = []
+real = dispatcher._Kernel.launch
+dispatcher._Kernel.launch = lambda self, *a: calls.append(a)  # stands in for the launch
+try:
+    class K:  # a compiled kernel, as numba hands it to launch
+        pass
+    ready, plain = K(), K()
+    ready.py_func, plain.py_func = (lambda: None), (lambda: None)
+    pdl.ready(ready)  # as a factory marks its dispatcher (the same py_func)
+    launches = []
+    with _recording(launches):
+        dispatcher._Kernel.launch(ready, ["args"], (4, 2), 128, "stream", 0)
+        dispatcher._Kernel.launch(plain, [], 7, (32, 2, 1), "stream", 64)
+    assert launches == [(True, (4, 2, 1), (128, 1, 1)), (False, (7, 1, 1), (32, 2, 1))], launches
+    assert calls == [(["args"], (4, 2), 128, "stream", 0), ([], 7, (32, 2, 1), "stream", 64)], calls
+    dispatcher._Kernel.launch(plain, [], 1, 1, 0, 0)  # closed: not recorded
+    assert len(launches) == 2 and len(calls) == 3
+finally:
+    dispatcher._Kernel.launch = real
+print("PTX OK")
+'''
+
+
+def test_capture_records_numba_launches():
+    """While a graph is captured with PDL on, every numba kernel launch is recorded (ready
+    or not, grid and block as 3-tuples) and still made, in the same order; numba's
+    launch is restored after (run with the real, not the simulated, numba.cuda)."""
+    from luce.kernels.ptx import run_check
+    r = run_check(RECORDING_CHECK)
+    assert r.returncode == 0 and "PTX OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
