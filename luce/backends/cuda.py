@@ -197,9 +197,8 @@ def _addr(a) -> int:
 def _takes_int8_x(weights) -> bool:
     """Whether a layer projection of these weights has int8-x units (matvec_fast.X8_TYPES)."""
     from ..kernels.matvec_fast import X8_TYPES
-    layers = getattr(weights, "layers", None) or []
-    return any(isinstance(w, DeviceWeight) and w.qtype in X8_TYPES for w in vars(layers[0]).values()) if layers \
-        else False
+    layers = getattr(weights, "layers", None)
+    return bool(layers) and any(isinstance(w, DeviceWeight) and w.qtype in X8_TYPES for w in vars(layers[0]).values())
 
 
 class CudaOps:

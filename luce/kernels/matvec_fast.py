@@ -633,10 +633,10 @@ X8_TYPES = frozenset(X8_UNITS)
 # Units a lane loads before computing in the products over int8 x (LUCE_X8_UNROLL: 1, 2 or
 # pipe; default each type's FAST_SPECS entry, chosen over float x). Over two planes the
 # decode q/k/v launch takes 107 registers at Q4_K's 2 and 88 at 1 (ptxas sm_90): not timed.
-X8_UNROLL = os.environ.get("LUCE_X8_UNROLL", "") or None
-if X8_UNROLL not in (None, "1", "2", PIPE):
-    raise ValueError(f"LUCE_X8_UNROLL={X8_UNROLL}: 1, 2 or {PIPE}")
-X8_UNROLL = int(X8_UNROLL) if X8_UNROLL in ("1", "2") else X8_UNROLL
+_X8_UNROLLS = {"": None, "1": 1, "2": 2, PIPE: PIPE}
+if os.environ.get("LUCE_X8_UNROLL", "") not in _X8_UNROLLS:
+    raise ValueError(f"LUCE_X8_UNROLL={os.environ['LUCE_X8_UNROLL']}: 1, 2 or {PIPE}")
+X8_UNROLL = _X8_UNROLLS[os.environ.get("LUCE_X8_UNROLL", "")]
 
 
 

@@ -59,6 +59,8 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
+    from .mma import _asm, _shared_addr
+
     @intrinsic
     def grid_dependency_sync(typingctx):
         """Wait until the grids this launch depends on have finished and their writes are
@@ -68,9 +70,8 @@ else:
 
         def codegen(context, builder, sig, args):
             if ENABLED:
-                fn = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fn, "griddepcontrol.wait; griddepcontrol.launch_dependents;", "~{memory}",
-                                          side_effect=True), [])
+                _asm(builder, "griddepcontrol.wait; griddepcontrol.launch_dependents;", "~{memory}", ir.VoidType(),
+                     [], [], side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 
@@ -82,14 +83,10 @@ else:
 
         def codegen(context, builder, sig, args):
             if PREFETCH:
-                data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-                idx = context.cast(builder, args[1], sig.args[1], types.intp)
-                addr = builder.ptrtoint(builder.gep(data, [idx]), ir.IntType(64))
+                addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 n = context.cast(builder, args[2], sig.args[2], types.uint32)
-                fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-                builder.call(ir.InlineAsm(fn, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
-                                              "cp.async.bulk.prefetch.L2.global [ga], $1; }", "l,r",
-                                          side_effect=True), [addr, n])
+                _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
+                     "l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(32)], [addr, n], side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 
