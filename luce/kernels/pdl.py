@@ -16,9 +16,10 @@ launches while it captures a graph and turns the edges into programmatic ones af
 capture (`programmatic_edges`), only into kernels marked here, whose first instruction is
 the wait: an unmarked kernel keeps a full dependency.
 
-Off unless LUCE_PDL=1 on a device of compute capability 9.0+ (the instructions do not
-exist before sm_90): then `grid_dependency_sync()` emits nothing and kernels are as
-without this module.
+On by default on a device of compute capability 9.0+ (H200, Qwen3-8B shape: graph 3,145
+-> 3,022 us a step, decode 304.3 -> 314.8 tok/s in one call); LUCE_PDL=0, the simulator
+and older devices (the instructions do not exist before sm_90) turn it off: then
+`grid_dependency_sync()` emits nothing and kernels are as without this module.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ __all__ = ["ENABLED", "PREFETCH", "grid_dependency_sync", "l2_prefetch", "ready"
 
 
 def _enabled() -> bool:
-    if os.environ.get("LUCE_PDL", "0") in ("", "0") or SIM:
+    if os.environ.get("LUCE_PDL", "1") in ("", "0") or SIM:
         return False
     try:
         return cuda.is_available() and cuda.get_current_device().compute_capability >= (9, 0)
@@ -45,7 +46,7 @@ def _enabled() -> bool:
 ENABLED = _enabled()
 # LUCE_PDL=2: also start each matvec block's first rows of weights toward L2 before the
 # wait (weights depend on no kernel), so a product launched early streams during the
-# tail of the one before it
+# tail of the one before it; measured slower (8B decode 285.6 against 314.8 for =1)
 PREFETCH = ENABLED and os.environ.get("LUCE_PDL") == "2"
 
 if SIM:

@@ -99,26 +99,29 @@ def test_random_gemma3_matches_cpu(tmp_path):
         logits = both([int(logits[-1].argmax())], [100 + i])
 
 
-def test_pdl_decode_matches_cpu():
-    """LUCE_PDL=1 (luce.kernels.pdl: the decode graph's kernels launched before the one
-    before them has finished, waiting on it in their first instruction): the same
-    CPU-against-GPU run as test_random_qwen3_matches_cpu, in a fresh interpreter (the
-    setting is read before any kernel compiles), with programmatic edges in its graphs."""
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_pdl_decode_matches_cpu(setting):
+    """LUCE_PDL (luce.kernels.pdl: the decode graph's kernels launched before the one
+    before them has finished, waiting on it in their first instruction; on by default):
+    the same CPU-against-GPU run as test_random_qwen3_matches_cpu, in a fresh interpreter
+    (the setting is read before any kernel compiles), with programmatic edges in its
+    graphs when on and none when off (LUCE_PDL=0: every edge a full dependency)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
+    on = setting == "1"
     script = (
         "import sys, tempfile, pathlib\n"
         f"sys.path.insert(0, {str(root / 'tests' / 'gpu')!r})\n"
         "from luce.kernels import pdl\n"
-        "assert pdl.ENABLED, 'LUCE_PDL=1 needs compute capability 9.0+'\n"
+        f"assert pdl.ENABLED == {on}, 'LUCE_PDL=1 needs compute capability 9.0+'\n"
         "from test_cuda_backend_synthetic_gpu import test_random_qwen3_matches_cpu\n"
         "from luce.backends import cuda_graph\n"
         "test_random_qwen3_matches_cpu(pathlib.Path(tempfile.mkdtemp()))\n"
         "print('STATS', cuda_graph.STATS)\n"
-        "assert cuda_graph.STATS['programmatic'] > 0, cuda_graph.STATS\n")
-    env = dict(os.environ, LUCE_PDL="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+        f"assert (cuda_graph.STATS['programmatic'] > 0) == {on}, cuda_graph.STATS\n")
+    env = dict(os.environ, LUCE_PDL=setting, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
