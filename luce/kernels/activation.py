@@ -33,14 +33,17 @@ import math  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from ._reduce import MAX_THREADS, block_max, block_sum, block_threads, ceil_div  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 GLU_SWIGLU = 0
 GLU_GEGLU = 1
 _GLU_ID = {"swiglu": GLU_SWIGLU, "geglu": GLU_GEGLU}
 
 
+@pdl_ready
 @cuda.jit
 def _glu_kernel(gate, up, out, kind):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     i = cuda.grid(1)
     if i >= out.size:
         return
@@ -70,8 +73,10 @@ def geglu_cuda(gate, up, out=None, stream=0):
     return glu_cuda(gate, up, "geglu", out, stream)
 
 
+@pdl_ready
 @cuda.jit
 def _softmax_kernel(x, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     row = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x

@@ -145,6 +145,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     @cuda.jit
     def kernel(q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask, causal, window, scale,
                direct, out, part_o, part_ml):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         tile = cuda.blockIdx.z
@@ -356,7 +357,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                 part_ml[split, row // group, hkv * group + row % group, 0] = m_s[par, r]
                 part_ml[split, row // group, hkv * group + row % group, 1] = l_s[par, r]
 
-    return kernel
+    return pdl_ready(kernel)
 
 
 # ------------------------------------------------------------------ decode: one query

@@ -41,6 +41,7 @@ from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_wait, f32x2_to_f16x2, 
                   quad_max, quad_sum)
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 KEYS = BLOCK  # keys a tile: one page of the pool
 MAX_WARPS = 8
@@ -189,6 +190,7 @@ def kernel(dim: int, warps: int):
     @cuda.jit
     def attn(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask, causal, window, scale, direct,
              out, part_o, part_ml):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
         # the last query tiles first: under a causal mask they see the most keys, and blocks
@@ -357,4 +359,4 @@ def kernel(dim: int, warps: int):
         _write_row(o, 0, row_a, n_rows, G, hkv, split, c4, m_a, l_a, direct, out, part_o, part_ml, DN)
         _write_row(o, 2, row_b, n_rows, G, hkv, split, c4, m_b, l_b, direct, out, part_o, part_ml, DN)
 
-    return attn
+    return pdl_ready(attn)

@@ -185,6 +185,7 @@ from numba import cuda  # noqa: E402
 
 from .device import device  # noqa: E402
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 DeviceSpec = namedtuple("DeviceSpec", "qk bs upb runs rl tile_blocks col scale quad")
 _dev = device  # plain Python in the simulator where it can be: see luce.kernels.device
@@ -560,6 +561,7 @@ def _dequant_kernel(qtype, vw: int, tile_blocks: int):
 
     @cuda.jit
     def kernel(w, out, n_rows, row_h, blocks_row, tiles_row):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         sh = cuda.shared.array(SH, np.uint32)
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
@@ -589,7 +591,7 @@ def _dequant_kernel(qtype, vw: int, tile_blocks: int):
                         q = quad(sh, bo, u, k, j)
                         for i in range(4):
                             out[c + 4 * j + i] = s * q[i] + o
-    return kernel
+    return pdl_ready(kernel)
 
 
 _DEQ_CACHE: dict = {}

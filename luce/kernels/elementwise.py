@@ -7,14 +7,17 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import block_threads, ceil_div
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 
 def axpby_ref(x: np.ndarray, y: np.ndarray, a: float, b: float) -> np.ndarray:
     return (np.float32(a) * np.asarray(x, np.float32) + np.float32(b) * np.asarray(y, np.float32)).astype(np.float32)
 
 
+@pdl_ready
 @cuda.jit
 def _axpby_kernel(x, y, a, b, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     i = cuda.grid(1)
     if i < out.size:
         v = a * x[i]

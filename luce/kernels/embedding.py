@@ -15,10 +15,13 @@ def embed_ref(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 from numba import cuda  # noqa: E402
 
 from ._reduce import block_threads, stride_grid  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 
+@pdl_ready
 @cuda.jit
 def _embed_kernel(table, tokens, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # grid (N, ceil(D / threads)): one token per blockIdx.x, coalesced over the row
     n = cuda.blockIdx.x
     d = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
@@ -37,8 +40,10 @@ def embed_cuda(table, tokens, out=None, stream=0):
     return out
 
 
+@pdl_ready
 @cuda.jit
 def _gather_rows_u16_kernel(raw, tokens, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # raw [V, row_bytes/2], out [N, row_bytes/2]: every GGUF block size is even
     n_tok, words = out.shape
     for i in range(cuda.grid(1), n_tok * words, cuda.gridsize(1)):

@@ -54,6 +54,7 @@ from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4
                   sts4)
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 __all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "auto_splits", "choose_splits", "matmul", "matmul_ref",
            "pick_tile", "to_f16"]
@@ -546,6 +547,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
 
     @jit
     def kernel(x, w, y, bias, res, ws, cnt, xs, M, N, K, rowh_w, nsplit):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         As = cuda.shared.array(ASH, np.uint32, alignment=SHARED16)  # 16-byte stores, ldmatrix
         Bs = cuda.shared.array(BSH, np.uint32, alignment=SHARED16)
         scr = cuda.shared.array(SCR, np.uint32)
@@ -634,7 +636,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 for j in range(TN):
                     emit(y, bias, res, xs, M, N, m0 + ty + i * (BM // TM), n0 + tx + j * FTN, acc[i * TN + j])
 
-    return kernel, NT
+    return pdl_ready(kernel), NT
 
 
 _KERNELS: dict = {}
@@ -676,8 +678,10 @@ def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_
     return _KERNELS[key]
 
 
+@pdl_ready
 @cuda.jit
 def _to_f16_kernel(x, out, n2, k, flags):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # a thread a pair of values; a row with a value past f16's range is flagged for the fixup
     i = cuda.grid(1)
     if i < n2:
@@ -688,8 +692,10 @@ def _to_f16_kernel(x, out, n2, k, flags):
             flags[2 * i // k] = 1
 
 
+@pdl_ready
 @cuda.jit
 def _to_f16_fixup(x2, out, flags, scales):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # a block a row (luce.kernels.f16_range): its scale; a flagged row rewritten scaled
     t = cuda.blockIdx.x
     buf = cuda.shared.array(FIXUP_THREADS, np.float32)

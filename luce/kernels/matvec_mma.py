@@ -52,6 +52,7 @@ from .matvec import silu
 from .matvec_fast import k4_scales, ld16, pieces
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
 
@@ -177,8 +178,10 @@ def _frag_item(x, t, n_x, q4, i, rows8, down, out):
     return max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
 
 
+@pdl_ready
 @cuda.jit
 def _frags_kernel(x, n_x, q4, out, flags):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # one thread an item of a row, unscaled; a row with a value past F16_SAFE is flagged
     i = cuda.grid(1)
     per_row = (x.shape[1] // QK) * 64
@@ -190,8 +193,10 @@ def _frags_kernel(x, n_x, q4, out, flags):
         flags[t] = 1
 
 
+@pdl_ready
 @cuda.jit
 def _frags_fixup(x, n_x, q4, out, flags, scales):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # a block a row: its scale; a flagged row rewritten scaled into f16's range
     t = cuda.blockIdx.x
     buf = cuda.shared.array(FIXUP_THREADS, np.float32)
@@ -204,8 +209,10 @@ def _frags_fixup(x, n_x, q4, out, flags, scales):
 NORM_THREADS = 128  # rms_norm_frags: threads a block, one item of each layout a thread
 
 
+@pdl_ready
 @cuda.jit
 def _norm_frags_kernel(x, xf, w, eps, n_x, h, frags4, frags6):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # block (t, s): the RMSNorm of x's row t (every block of the row sums the whole row: a
     # re-read from L2) into h and, from the same values, the row's items s * blockDim ..
     # of both layouts (zeros past n_x). One block a row made 24 blocks for 23 rows, each
@@ -438,6 +445,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     @jit
     def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
                fl6):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
@@ -512,7 +520,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                     fl4[t] = 1
                     fl6[t] = 1
 
-    return kernel
+    return pdl_ready(kernel)
 
 
 def plan(n_x: int, n_out: int, k: int, gated: bool = False) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import numpy as _np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from ._reduce import MAX_THREADS, SIM, block_sum, block_threads  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 
 import functools  # noqa: E402
@@ -37,6 +38,7 @@ def _rms_norm_kernel(vpt: int, nt: int):
 
     @jit
     def kernel(x, res, w, out, sum_out, eps, has_res):
+        grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         # One block per row; a row is a hidden state or one head (q/k norm), so D is 64..16384.
         # Every load of the row is issued before the first store (a store to sum_out, which may
         # alias x, kept the next load from being issued before it), and the weights load while
@@ -70,7 +72,7 @@ def _rms_norm_kernel(vpt: int, nt: int):
             d = t + i * nt
             if d < d_model:
                 out[row, d] = xv[i] * inv * wv[i]
-    return kernel
+    return pdl_ready(kernel)
 
 
 def norm_shape(d_model: int) -> tuple[int, int]:

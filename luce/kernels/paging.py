@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import block_threads, stride_grid
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 BLOCK = 64
 MAX_MOVE = 64  # rows one compaction pass moves (a speculative tree has at most 64 nodes)
@@ -86,8 +87,10 @@ def compact_ref(k_pool, v_pool, block_table, base: int, accepted, pos=None) -> N
 
 # ------------------------------------------------------------------------------ CUDA
 
+@pdl_ready
 @cuda.jit
 def _write_kernel(k_pool, v_pool, table, layer, meta, k_new, v_new, positions, pos):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # grid-stride over (token, head, dim) elements; token n goes to logical row meta[0] + n
     n_tok, n_heads, dim = k_new.shape
     start = cuda.grid(1)
@@ -105,8 +108,10 @@ def _write_kernel(k_pool, v_pool, table, layer, meta, k_new, v_new, positions, p
         pos[meta[0] + i] = positions[i]
 
 
+@pdl_ready
 @cuda.jit
 def _write_q8_kernel(kq, kd, vq, vd, table, layer, meta, k_new, v_new, positions, pos):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # grid-stride over (token, head, 32-value group, K or V): ggml's Q8_0 rounding
     n_tok, n_heads, dim = k_new.shape
     groups = dim // Q8
@@ -141,8 +146,10 @@ def _write_q8_kernel(kq, kd, vq, vd, table, layer, meta, k_new, v_new, positions
         pos[meta[0] + i] = positions[i]
 
 
+@pdl_ready
 @cuda.jit
 def _gather_kernel(pool, table, layer, start, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     n_tok, n_heads, dim = out.shape
     for i in range(cuda.grid(1), n_tok * n_heads * dim, cuda.gridsize(1)):
         d = i % dim
@@ -152,6 +159,7 @@ def _gather_kernel(pool, table, layer, start, out):
         out[nh // n_heads, h, d] = pool[table[p // BLOCK], layer, h, p % BLOCK, d]
 
 
+@pdl_ready
 @cuda.jit
 def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos, with_pos):
     """Rows base + accepted[j] -> base + j for j in [first, first + n_move), base = meta[0].
@@ -160,6 +168,7 @@ def _compact_kernel(k_pool, v_pool, table, meta, accepted, first, n_move, pos, w
     writing any: a destination row may be another row's source, and no two blocks touch
     the same (layer, head, K/V) plane, so one barrier orders everything.
     """
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     lh = cuda.blockIdx.x
     which = cuda.blockIdx.y
     n_heads = k_pool.shape[2]

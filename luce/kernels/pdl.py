@@ -14,7 +14,9 @@ at most one kernel waits behind a running one) and is marked with `ready()`. Num
 launches kernels without launch attributes, so luce.backends.cuda_graph records the
 launches while it captures a graph and turns the edges into programmatic ones after
 capture (`programmatic_edges`), only into kernels marked here, whose first instruction is
-the wait: an unmarked kernel keeps a full dependency.
+the wait: an unmarked kernel keeps a full dependency. Every kernel of luce.kernels that a
+forward launches is marked (decode, tree verification, prefill): a kernel's first
+statement is the wait, so nothing it reads or writes can race the one before.
 
 On by default on a device of compute capability 9.0+ (H200, Qwen3-8B shape: graph 3,145
 -> 3,022 us a step, decode 304.3 -> 314.8 tok/s in one call); LUCE_PDL=0, the simulator
@@ -27,7 +29,7 @@ import os
 
 from numba import cuda
 
-from .dequant import SIM
+from .vector_load import SIM
 
 __all__ = ["ENABLED", "PREFETCH", "grid_dependency_sync", "l2_prefetch", "ready", "is_ready",
            "programmatic_edges"]

@@ -47,6 +47,7 @@ from numba import cuda  # noqa: E402
 
 from ._reduce import block_threads, ceil_div  # noqa: E402
 from .device import device  # noqa: E402
+from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 _STYLE_ID = {ROPE_ADJACENT: 0, ROPE_HALVES: 1}
 _TWO_PI = 2.0 * math.pi
@@ -74,8 +75,10 @@ def inv_freq_table(rope_dim: int, base: float, freq_scale: float = 1.0):
     return t
 
 
+@pdl_ready
 @cuda.jit
 def _rope_kernel(x, pos, inv_freq, rope_dim, style):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # One thread per rotated pair; the angle as in qk_rope.rotate (float64 product and range
     # reduction: at 8K+ positions a float32 product is off by ~1e-3 rad; float32 sin/cos).
     i = cuda.grid(1)

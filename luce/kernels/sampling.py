@@ -13,6 +13,7 @@ from numba import cuda
 
 from .device import device
 from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div
+from .pdl import grid_dependency_sync, ready as pdl_ready
 
 MAX_TOP_K = 64
 
@@ -61,8 +62,10 @@ def _better(v, i, bv, bi):
     return v > bv or (v == bv and i < bi)
 
 
+@pdl_ready
 @cuda.jit
 def _argmax_kernel(logits, out):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     row = cuda.blockIdx.x
     t = cuda.threadIdx.x
     vbuf = cuda.shared.array(MAX_THREADS, np.float32)
@@ -88,8 +91,10 @@ def argmax_cuda(logits, out=None, stream=0):
     return out
 
 
+@pdl_ready
 @cuda.jit
 def _penalty_kernel(logits, counts, recent, rep, presence, frequency):
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     i = cuda.grid(1)
     v_size = logits.shape[1]
     if i >= logits.shape[0] * v_size:
@@ -115,6 +120,7 @@ def apply_penalties_cuda(logits, counts, recent, repeat_penalty: float = 1.0, pr
     return logits
 
 
+@pdl_ready
 @cuda.jit
 def _topk_kernel(vals, ids, use_ids, k, chunk, out_v, out_i):
     """Top-k of each `chunk` of a row into out[row, chunk_id, :k].
@@ -123,6 +129,7 @@ def _topk_kernel(vals, ids, use_ids, k, chunk, out_v, out_i):
     winner in the candidate order, so nothing is marked and the input stays read-only.
     Phase 1 runs it over logits (ids = positions), phase 2 over phase 1's candidates.
     """
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     c = cuda.blockIdx.x
     row = cuda.blockIdx.y
     t = cuda.threadIdx.x

@@ -34,18 +34,33 @@ def test_programmatic_edges_need_the_launches_one_for_one():
     assert pdl.dim3(5) == (5, 1, 1) and pdl.dim3((2, 3)) == (2, 3, 1)
 
 
-def test_decode_kernels_are_marked_ready():
-    """The kernels of a decode layer (the products, qk_rope, attention and its combine,
-    quantize_x and the first norm's) are marked; off by default, and never on in the
+def test_forward_kernels_are_marked_ready():
+    """The kernels of decode (the products, qk_rope, attention and its combine, quantize_x
+    and the first norm's), of verification (the tensor-core products and their x
+    conversions, tree attention, the embedding's gather and dequantization, argmax) and of
+    prefill (the matmul, its f16 conversion, RMSNorm) are marked; never on in the
     simulator."""
-    from luce.kernels import attention, matvec_fast, qk_rope, quantize_x
+    import gguf
+    from numba import cuda
+    from luce.kernels import (attention, attention_mma, dequant, embedding, matmul, matvec_fast, matvec_mma, norm,
+                              qk_rope, quantize_x, sampling)
     assert not pdl.ENABLED
     fn = lambda k: getattr(k, "py_func", None) or k.fn  # noqa: E731
     kernels = [matvec_fast._make_kernel(matvec_fast.T.Q4_K, False, False, False), qk_rope._make_kernel(True),
                attention._decode_kernel(32, 4, 1, *attention.decode_shape(32, 4)), attention._combine(32),
-               quantize_x._quantize_kernel, quantize_x._norm_quantize_kernel]
-    assert all(pdl.is_ready(fn(k)) for k in kernels)
-    assert not pdl.is_ready(fn(attention._attn_kernel(32, 4, 32)))  # not in decode: a full dependency
+               quantize_x._quantize_kernel, quantize_x._norm_quantize_kernel,
+               matvec_mma._kernel(gguf.GGMLQuantizationType.Q4_K, 1, 1, 1), matvec_mma._frags_kernel,
+               matvec_mma._frags_fixup, matvec_mma._norm_frags_kernel, attention_mma.kernel(32, 1),
+               embedding._gather_rows_u16_kernel, dequant._dequant_kernel(gguf.GGMLQuantizationType.Q4_K, 4, 1),
+               sampling._argmax_kernel, matmul._to_f16_kernel, norm._rms_norm_kernel(1, 32)]
+    assert all(pdl.is_ready(fn(k)) for k in kernels), [k for k in kernels if not pdl.is_ready(fn(k))]
+    kernels.append(attention._attn_kernel(32, 4, 32))  # q8_0 KV's attention
+    assert all(pdl.is_ready(fn(k)) for k in kernels), [k for k in kernels if not pdl.is_ready(fn(k))]
+
+    @cuda.jit
+    def plain(x):  # not marked: a full dependency
+        x[0] = 1
+    assert not pdl.is_ready(fn(plain))
     assert np.isfinite(pdl.grid_dependency_sync() or 0.0)  # the simulator's: nothing
 
 
@@ -55,9 +70,14 @@ from numba import cuda
 from numba.cuda import types
 from luce.kernels import pdl, quantize_x, qk_rope, attention, matvec_fast as F
 F1, F3 = types.float32[::1], types.float32[:, :, ::1]
+from luce.kernels import embedding, sampling, matvec_mma
 cases = [(quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)"),
          (attention._combine(128), "void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, int32[::1], "
-                                   "float32[:, :, ::1], uint8[::1], float32[::1])")]
+                                   "float32[:, :, ::1], uint8[::1], float32[::1])"),
+         # verification and prefill forwards' kernels
+         (embedding._gather_rows_u16_kernel, "void(uint16[:, ::1], int32[::1], uint16[:, ::1])"),
+         (sampling._argmax_kernel, "void(float32[:, ::1], int32[::1])"),
+         (matvec_mma._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])")]
 for on in (False, True):
     pdl.ENABLED = on  # read at compile time
     for k, sig in cases:
