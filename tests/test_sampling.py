@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from luce.engine.sampling import Sampler, SamplingParams, apply_penalties, distribution
+from luce.engine.sampling import Sampler, SamplingParams, apply_penalties, distribution, kept
 from luce.engine.stops import StopMatcher
 
 
@@ -89,3 +89,60 @@ def test_stop_strings_hold_back_only_possible_prefixes(split):
     piece, stopped = m.push("the EN")
     assert piece == "the " and not stopped
     assert m.flush() == "EN"
+
+
+def _sorted_distribution(logits, history, p):
+    """The distribution by a stable sort of the whole vocabulary (luce's before `kept`)."""
+    logits = apply_penalties(np.asarray(logits, dtype=np.float32), history, p)
+    z = logits.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        order = order[:p.top_k]
+    ps = np.exp(z[order] - z[order][0])
+    ps /= ps.sum()
+    keep = len(ps)
+    if p.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(ps), p.top_p) + 1))
+    if p.min_p > 0.0:
+        keep = min(keep, max(1, int(np.sum(ps >= p.min_p * ps[0]))))
+    probs = np.zeros(len(logits))
+    probs[order[:keep]] = ps[:keep] / ps[:keep].sum()
+    return probs
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_kept_tokens_match_a_sort_of_the_vocabulary(case):
+    """`kept` sorts only the tokens that can be kept; against a stable sort of the whole
+    vocabulary: the same tokens, the same probabilities (top-k: bit for bit), ties at the
+    top-k boundary included (logits rounded to a coarse grid), with penalties."""
+    rng = np.random.default_rng(case)
+    v = int(rng.choice([50, 1000, 20000]))
+    logits = (rng.standard_normal(v) * rng.choice([0.5, 3.0, 8.0])).astype(np.float32)
+    if case % 3 == 0:
+        logits = np.round(logits * 2) / 2  # many ties
+    params = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([0, 1, 5, 40, v])),
+                            top_p=float(rng.choice([1.0, 0.95, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.3])),
+                            repeat_penalty=float(rng.choice([1.0, 1.3])), presence_penalty=float(rng.choice([0.0, 0.5])))
+    hist = list(rng.integers(0, v, 30))
+    want = _sorted_distribution(logits, hist, params)
+    ids, ps = kept(logits, hist, params)
+    assert np.all(np.diff(ids) > 0)
+    assert set(ids.tolist()) == set(np.flatnonzero(want).tolist()), params
+    if 0 < params.top_k < v:
+        assert np.array_equal(ps, want[ids]), params
+    np.testing.assert_allclose(ps, want[ids], rtol=1e-12)
+    d = distribution(logits, hist, params)  # the same, over the whole vocabulary
+    np.testing.assert_array_equal(np.flatnonzero(d), ids)
+    np.testing.assert_array_equal(d[ids], ps)
+
+
+def test_sampler_draws_as_from_the_whole_distribution():
+    """Drawing among the kept tokens gives the token a draw from `distribution`'s whole
+    vector gives for the same generator state (a seed's output is what it was)."""
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal(5000) * 2).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=7)
+    s, ref = Sampler(params), np.random.default_rng(7)
+    probs = distribution(logits, [], params)
+    for _ in range(200):
+        assert s.sample(logits, []) == int(ref.choice(len(probs), p=probs))
