@@ -67,6 +67,23 @@ def apply_penalties(logits: np.ndarray, history: list[int] | np.ndarray, p: Samp
     return logits
 
 
+def _top_k_ties(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids (ascending) of the logits at least the k-th largest. A partition of the whole
+    vocabulary took ~2.5 ms at 152K; the k-th largest of the maxima of 64-logit runs is a
+    floor below which none of the top k lies (k runs hold a logit above it), and only the
+    few logits over it are partitioned."""
+    v = logits.shape[-1]
+    if v >= 64 * 4 * k:
+        runs = np.maximum.reduceat(logits, np.arange(0, v, 64))
+        floor = np.partition(runs, len(runs) - k)[len(runs) - k]
+        cand = np.flatnonzero(logits >= floor)
+    else:
+        cand = np.arange(v)
+    vals = logits[cand]
+    kth = np.partition(vals, len(vals) - k)[len(vals) - k]  # the k-th largest
+    return cand[vals >= kth]
+
+
 def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, ascending; their probabilities, float64, summing to 1): the tokens that
     penalties, temperature, top-k, top-p and min-p leave (greedy: the argmax alone).
@@ -87,8 +104,7 @@ def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np
     top = np.float64(logits.max())
     total = None  # the normalization over the tokens top-k leaves, where not the candidates'
     if 0 < p.top_k < v:
-        kth = np.partition(logits, v - p.top_k)[v - p.top_k]  # the k-th largest
-        cand = np.flatnonzero(logits >= kth)
+        cand = _top_k_ties(logits, p.top_k)
     elif p.min_p > 0.0 or p.top_p < 1.0:
         e = np.exp(logits.astype(np.float64) / p.temperature - top / p.temperature)
         total = e.sum()
