@@ -78,9 +78,11 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     # workspace reaches its size now: growing it later drops the captured graphs, and the
     # timed decode would pay an eager step and a re-capture (2026-11-30 H200 runs: ~3 ms a
     # token of the 128, on top of the graph's time).
+    t0 = time.perf_counter()
     prefill(prompt)
     decode(4, 1)
     kv.truncate(0)
+    warmup_s = time.perf_counter() - t0
     _say(t_start, "warm-up done (kernels compiled; on CUDA, the decode graph captured)")
 
     best_prefill = float("inf")
@@ -190,6 +192,9 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     limit = bw * 1e9 / wbytes if bw else None
     summary = [{
         "model": label, "backend": be.name, "load s": load_s,
+        # the first prefill and decode steps: kernels compiled (or read from numba's cache) and
+        # graphs captured; luce.load's own warm-up, in its load time, does this for a model file
+        "first prefill + 4 decode steps s": warmup_s,
         "prefill tok/s": n_prompt / best_prefill,
         "prefill tok/s eager": n_prompt / eager_prefill_s if eager_prefill_s else None,
         "decode tok/s": decode_tok_s,
