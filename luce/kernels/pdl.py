@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the kernels of a captured decode graph.
+"""Programmatic dependent launch (PDL) for the kernels of captured forward graphs.
 
 Why: a decode step is ~290 dependent launches in one CUDA graph, and on the H200 the time
 between them is ~15% of the step (Qwen3-8B shape: graph 3,229 us against 2,720 us of
