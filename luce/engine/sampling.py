@@ -101,11 +101,11 @@ def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np
     if p.greedy:
         return np.array([int(np.argmax(logits))]), np.ones(1)
     v = logits.shape[-1]
-    top = np.float64(logits.max())
     total = None  # the normalization over the tokens top-k leaves, where not the candidates'
     if 0 < p.top_k < v:
         cand = _top_k_ties(logits, p.top_k)
     elif p.min_p > 0.0 or p.top_p < 1.0:
+        top = np.float64(logits.max())
         e = np.exp(logits.astype(np.float64) / p.temperature - top / p.temperature)
         total = e.sum()
         if p.min_p > 0.0:
@@ -126,7 +126,8 @@ def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np
         if len(cand) == v:
             total = None  # the sorted sum, as without a bound
     else:  # every token kept: no order needed
-        e = np.exp(logits.astype(np.float64) / p.temperature - top / p.temperature)
+        z = logits.astype(np.float64) / p.temperature
+        e = np.exp(z - z.max())
         return np.arange(v), e / e.sum()
     z = logits[cand].astype(np.float64) / p.temperature
     order = np.argsort(-z, kind="stable")  # cand is ascending: ties keep the lower id first
