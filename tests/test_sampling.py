@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from luce.engine.sampling import Sampler, SamplingParams, apply_penalties, distribution, kept
+from luce.engine.sampling import Sampler, SamplingParams, apply_penalties, distribution, draw, kept, top_logprobs
 from luce.engine.stops import StopMatcher
 
 
@@ -146,3 +146,26 @@ def test_sampler_draws_as_from_the_whole_distribution():
     probs = distribution(logits, [], params)
     for _ in range(200):
         assert s.sample(logits, []) == int(ref.choice(len(probs), p=probs))
+
+
+@pytest.mark.parametrize("v,k", [(50, 8), (1000, 8), (20000, 8), (20000, 40), (5, 8)])
+def test_top_logprobs_match_a_log_softmax(v, k):
+    """A draft's per-position candidates: the k largest logits (ties: the lower id first, as
+    a stable sort of the whole row puts them) with their log-softmax values."""
+    rng = np.random.default_rng(v + k)
+    x = np.round(rng.standard_normal(v) * 4).astype(np.float32)  # integers: many ties
+    ids, lp = top_logprobs(x, k)
+    x64 = x.astype(np.float64)
+    ref = x64 - x64.max() - np.log(np.exp(x64 - x64.max()).sum())
+    order = np.argsort(-ref, kind="stable")[:min(k, v)]
+    np.testing.assert_array_equal(ids, order)
+    np.testing.assert_allclose(lp, ref[order], rtol=0, atol=1e-6)
+
+
+def test_draw_among_nonzero_entries_is_the_whole_vector_draw():
+    rng = np.random.default_rng(3)
+    probs = np.zeros(30000)
+    probs[rng.choice(30000, 50, replace=False)] = rng.random(50)
+    probs /= probs.sum()
+    a, b = np.random.default_rng(11), np.random.default_rng(11)
+    assert [draw(a, probs) for _ in range(300)] == [int(b.choice(len(probs), p=probs)) for _ in range(300)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, distribution
+from ..engine.sampling import SamplingParams, distribution, draw, top_logprobs
 
 
 @dataclass
@@ -28,18 +28,6 @@ class Draft:
     @staticmethod
     def empty() -> "Draft":
         return Draft([], np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1)))
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
-
-
-def _topk(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    idx = np.argpartition(-logp, k - 1)[:k] if k < len(logp) else np.arange(len(logp))
-    idx = idx[np.argsort(-logp[idx], kind="stable")]
-    return idx.astype(np.int64), logp[idx]
 
 
 class DraftModel:
@@ -77,11 +65,10 @@ class DraftModel:
         k = min(self.top_k, len(logits))
         toks, ids, lps, qs = [], [], [], []
         for i in range(n):
-            logp = _log_softmax(logits)
-            top_i, top_l = _topk(logp, k)
+            top_i, top_l = top_logprobs(logits, k)
             if sample:
                 q = distribution(logits, context + toks, params)
-                t = int(rng.choice(len(q), p=q))
+                t = draw(rng, q)
                 qs.append(q)
             else:
                 t = int(top_i[0])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, distribution
+from ..engine.sampling import SamplingParams, distribution, draw
 from .ddtree import Tree
 
 
@@ -36,10 +36,6 @@ class Verdict:
 def plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.repeat_penalty == 1.0 and not params.presence_penalty \
         and not params.frequency_penalty
-
-
-def _draw(rng, probs: np.ndarray) -> int:
-    return int(rng.choice(len(probs), p=probs))
 
 
 def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingParams, rng,
@@ -86,21 +82,28 @@ def _accept_sampled(children, tree: Tree, p: np.ndarray, q: np.ndarray, rng):
     x = int(tree.tokens[c])
     if q[x] > 0 and rng.random() < min(1.0, p[x] / q[x]):
         return c, None
-    r = np.maximum(p - q, 0.0)
+    # the residual lives where p does: computed there (a draw in id order, as over the
+    # whole vocabulary)
+    nz = np.flatnonzero(p)
+    r = np.maximum(p[nz] - q[nz], 0.0)
     s = r.sum()
     # s == 0 means p == q, where rejection has probability 0: only rounding gets here
-    return None, _draw(rng, r / s if s > 1e-12 else p)
+    return None, int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
 
 
 def _accept_points(children, tree: Tree, p: np.ndarray, rng):
-    r = p.copy()
+    nz = np.flatnonzero(p)  # r lives where p does (see _accept_sampled)
+    r = p[nz]
     for c in children:
         x = int(tree.tokens[c])
+        j = int(np.searchsorted(nz, x))
+        j = j if j < len(nz) and nz[j] == x else -1  # -1: x outside p's support, r(x) = 0
         s = r.sum()
         if s <= 1e-12:
             break
-        if r[x] > 0 and rng.random() < r[x] / s:
+        if j >= 0 and r[j] > 0 and rng.random() < r[j] / s:
             return c, None
-        r[x] = 0.0
+        if j >= 0:
+            r[j] = 0.0
     s = r.sum()
-    return None, _draw(rng, r / s if s > 1e-12 else p)
+    return None, int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
