@@ -114,8 +114,8 @@ def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np
     Why not sort the vocabulary: a stable argsort of 152K logits took ~37 ms on this
     project's 2-core CI machine, a whole sampled token of a chat at 300 tok/s many times
     over (and speculative sampling makes one distribution a tree node). Only the tokens
-    that can be kept are sorted: top-k's candidates come from a partition (every logit
-    tied with the k-th kept, so the stable order's first k are the same); without top-k,
+    that can be kept are sorted: top-k's candidates are top_k_ties' (every logit tied with
+    the k-th kept, so the stable order's first k are the same); without top-k,
     min-p bounds the kept set by a logit threshold, and top-p alone by the highest tokens
     that hold more than its mass; with none of them nothing is sorted. The normalizations
     are those of the sorted computation (top-k: over the same k values, in the same
