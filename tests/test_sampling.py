@@ -122,7 +122,8 @@ def test_kept_tokens_match_a_sort_of_the_vocabulary(case):
         logits = np.round(logits * 2) / 2  # many ties
     params = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([0, 1, 5, 40, v])),
                             top_p=float(rng.choice([1.0, 0.95, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.3])),
-                            repeat_penalty=float(rng.choice([1.0, 1.3])), presence_penalty=float(rng.choice([0.0, 0.5])))
+                            repeat_penalty=float(rng.choice([1.0, 1.3])),
+                            presence_penalty=float(rng.choice([0.0, 0.5])))
     hist = list(rng.integers(0, v, 30))
     want = _sorted_distribution(logits, hist, params)
     ids, ps = kept(logits, hist, params)

@@ -66,12 +66,12 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
             s += size
         return logits
 
-    def decode(n, first):
+    def decode(n, first, pick=lambda row: int(np.argmax(row))):
         tok, pos = first, kv.n_past
         for i in range(n):
             logits = forward([tok], [pos + i])
             kv.commit()
-            tok = int(np.argmax(logits[-1]))
+            tok = pick(logits[-1])
         return tok
 
     # warm-up: compile kernels, capture the decode graph. The full prompt, so that the
@@ -115,7 +115,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     pipelined_s = _decode_pipelined(be, fam, cfg, w, kv, first, n_gen) if be.name == "cuda" else None
     if pipelined_s:
         _say(t_start, f"decode, next token on device: {n_gen / pipelined_s:,.1f} tok/s")
-    sampled_s = _decode_sampled(forward, kv, first, n_gen)
+    sampled_s = _decode_sampled(decode, kv, first, n_gen)
     _say(t_start, f"decode, sampled on the host: {n_gen / sampled_s:,.1f} tok/s")
     breakdown = host = prefill_host = verify_ops = prefill_ops = None
     if be.name == "cuda" and per_op:
@@ -268,21 +268,17 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
     return dt
 
 
-def _decode_sampled(forward, kv, first: int, n: int) -> float:
+def _decode_sampled(decode, kv, first: int, n: int) -> float:
     """Seconds for n decode steps sampled on the host with the default sampling parameters
     (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05: what a chat client without its
     own settings gets), as PlainStepper runs them: the logits row to the host, then the
     sampler; the cache is put back afterwards."""
     from ..engine.sampling import Sampler, SamplingParams
-    sampler = Sampler(SamplingParams(seed=0))
+    sampler = Sampler(SamplingParams(seed=0))  # no penalties: the history is not read
     n0 = kv.n_past
-    history = [first]
     try:
         t0 = time.perf_counter()
-        for i in range(n):
-            logits = forward([history[-1]], [n0 + i])
-            kv.commit()
-            history.append(sampler.sample(logits[-1], history))
+        decode(n, first, pick=lambda row: sampler.sample(row, []))
         return time.perf_counter() - t0
     finally:
         kv.truncate(n0)

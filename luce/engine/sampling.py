@@ -73,7 +73,7 @@ def top_k_ties(logits: np.ndarray, k: int) -> np.ndarray:
     floor below which none of the top k lies (k runs hold a logit above it), and only the
     few logits over it are partitioned."""
     v = logits.shape[-1]
-    if v >= 64 * 4 * k:
+    if v >= 64 * 4 * k:  # runs outnumber k well: the floor leaves few candidates
         runs = np.maximum.reduceat(logits, np.arange(0, v, 64))
         floor = np.partition(runs, len(runs) - k)[len(runs) - k]
         cand = np.flatnonzero(logits >= floor)

@@ -82,17 +82,13 @@ def _accept_sampled(children, tree: Tree, p: np.ndarray, q: np.ndarray, rng):
     x = int(tree.tokens[c])
     if q[x] > 0 and rng.random() < min(1.0, p[x] / q[x]):
         return c, None
-    # the residual lives where p does: computed there (a draw in id order, as over the
-    # whole vocabulary)
-    nz = np.flatnonzero(p)
-    r = np.maximum(p[nz] - q[nz], 0.0)
-    s = r.sum()
-    # s == 0 means p == q, where rejection has probability 0: only rounding gets here
-    return None, int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
+    nz = np.flatnonzero(p)  # the residual lives where p does
+    # its mass is 0 where p == q, where rejection has probability 0: only rounding gets there
+    return None, _draw_residual(rng, nz, np.maximum(p[nz] - q[nz], 0.0), p)
 
 
 def _accept_points(children, tree: Tree, p: np.ndarray, rng):
-    nz = np.flatnonzero(p)  # r lives where p does (see _accept_sampled)
+    nz = np.flatnonzero(p)  # r lives where p does
     r = p[nz]
     for c in children:
         x = int(tree.tokens[c])
@@ -105,5 +101,11 @@ def _accept_points(children, tree: Tree, p: np.ndarray, rng):
             return c, None
         if j >= 0:
             r[j] = 0.0
+    return None, _draw_residual(rng, nz, r, p)
+
+
+def _draw_residual(rng, nz, r, p) -> int:
+    """A token from the residual r over the ids nz (ascending: the draw is the one over the
+    whole vocabulary), normalized; from p where r has no mass left."""
     s = r.sum()
-    return None, int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
+    return int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
