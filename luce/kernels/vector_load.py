@@ -21,7 +21,7 @@ from .device import device
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
-           "ldw_u16_u32x4", "ldw_u16_u32", "WEIGHT_HINTS"]
+           "f32_to_u32_bits", "ldw_u16_u32x4", "ldw_u16_u32", "WEIGHT_HINTS"]
 
 # Cache hints for streamed weight loads (ldw_*: read once a forward), LUCE_WEIGHT_HINT picks
 # one. H200, 5fab17b, `luce.bench.kernels_matvec_mma` (us, none / prefetch / no_allocate /
@@ -68,6 +68,10 @@ if SIM:
     @device
     def u32_bits_to_f32(u):
         return np.uint32(u).view(np.float32)
+
+    @device
+    def f32_to_u32_bits(f):
+        return np.float32(f).view(np.uint32)
 
 else:
     from llvmlite import ir
@@ -144,4 +148,14 @@ else:
 
         def codegen(context, builder, sig, args):
             return builder.bitcast(_resize(builder, args[0], 32), ir.FloatType())
+        return sig, codegen
+
+    @intrinsic
+    def f32_to_u32_bits(typingctx, f):
+        """The bits of a float32 as uint32 (no instruction: a register's reading)."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            v = args[0] if args[0].type == ir.FloatType() else builder.fptrunc(args[0], ir.FloatType())
+            return builder.bitcast(v, ir.IntType(32))
         return sig, codegen

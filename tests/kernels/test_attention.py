@@ -312,6 +312,8 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
                         *[(attention._combine(128, p), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, "
                            f"{F3}, uint8[::1], float32[::1])", 32 * attention.COMBINE_WARPS) for p in (0, 2)],
+                        (sampling._sample_kernels(sampling.SAMPLE_RUN)[1],
+                         f"void({F2}, int64, uint64[::1], float64[::1], {I1})", sampling.SAMPLE_THREADS),
                         (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)",
                          quantize_x.THREADS),
                         (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
@@ -319,7 +321,7 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
     code = ptx(k, sig)
     use = ptxas_usage(code)
     assert use["registers"] * threads <= 65536, (k, threads, use)
-    assert "shfl.sync" in code, k
+    assert "shfl.sync" in code or k is sampling._sample_kernels(sampling.SAMPLE_RUN)[1], k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (elementwise._axpby_kernel, "void(float32[::1], float32[::1], float32, float32, float32[::1])"),
                *[(qk_rope._kernel(w), f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
@@ -328,6 +330,7 @@ for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),
                (embedding._embed_kernel, f"void(float16[:, ::1], {I1}, {F2})"),
                (embedding._gather_rows_u16_kernel, f"void(uint16[:, ::1], {I1}, uint16[:, ::1])"),
+               (sampling._sample_kernels(sampling.SAMPLE_RUN)[0], f"void({F2}, int64, uint64[::1])"),
                (sampling._penalty_kernel, f"void({F2}, {I1}, {I1}, float32, float32, float32)"),
                (paging._write_kernel, f"void({P5('float16')}, {P5('float16')}, {I1}, int64, {I1}, {F3}, {F3}, {I1}, {I1})"),
                (paging._write_q8_kernel, f"void({P5('int8')}, {P5('float16')}, {P5('int8')}, {P5('float16')}, {I1}, "

@@ -6,8 +6,9 @@ import pytest
 from numba import cuda
 
 from luce.engine.sampling import SamplingParams, apply_penalties
-from luce.kernels.sampling import (apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,
-                                   token_counts, topk_cuda, topk_ref, topk_scratch_shape)
+from luce.kernels.sampling import (MAX_TOP_K, apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,
+                                   sample_applies, sample_cuda, sample_params, sample_ref, token_counts, topk_cuda,
+                                   topk_ref, topk_scratch_shape)
 
 rng = np.random.default_rng()
 
@@ -55,3 +56,50 @@ def test_topk(vocab, k):
     rv, ri = topk_ref(x, k)
     np.testing.assert_array_equal(oi.copy_to_host(), ri)
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
+
+
+DRAW_CASES = [(0.8, 40, 0.95, 0.05), (1.5, 64, 1.0, 0.0), (0.3, 5, 0.5, 0.0), (1.0, 1, 1.0, 0.0),
+              (2.0, 20, 0.9, 0.2)]
+
+
+@pytest.mark.parametrize("vocab,run", [(1200, 8), (300, 64)])
+def test_sample_draws_the_reference_token(vocab, run):
+    """Runs of 8 over 1,200 logits: 150 run maxima, more than SAMPLE_MAX_RUNS, so the
+    floor's radix search runs; 300 logits in runs of 64: every run a candidate. The second
+    row has many equal logits (order: the smaller id first)."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((2, vocab)) * 3).astype(np.float32)
+    logits[1] = np.round(logits[1])
+    d = cuda.to_device(logits)
+    out = cuda.to_device(np.full(1, -7, np.int32))
+    picks = set()
+    for row in range(2):
+        for case in DRAW_CASES:
+            sp = sample_params(*case, u=rng.random())
+            sample_cuda(d, cuda.to_device(sp), out, row=row, run=run)
+            got = int(out.copy_to_host()[0])
+            assert got == sample_ref(logits[row], sp), (row, case)
+            picks.add(got)
+    assert len(picks) > 5  # the draws depend on u and the parameters, not one fixed token
+
+
+def test_sample_ref_is_the_engine_sampler():
+    """sample_ref (a sort of the whole row) draws what the host sampler (kept: no sort;
+    Generator.choice) draws for the same generator state, which is what lets the device
+    draw take the host's uniforms."""
+    from luce.engine.sampling import Sampler, SamplingParams
+    rng = np.random.default_rng(3)
+    for seed in range(40):
+        logits = (rng.standard_normal(20_000) * rng.uniform(0.5, 4)).astype(np.float32)
+        t, k, p, m = DRAW_CASES[seed % len(DRAW_CASES)]
+        s = Sampler(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=seed))
+        u = np.random.default_rng(seed).random()
+        assert s.sample(logits, []) == sample_ref(logits, sample_params(t, k, p, m, u)), seed
+
+
+def test_sample_applies_only_where_top_k_bounds_the_kept_set():
+    assert sample_applies(0.8, 40, 151_936)
+    assert not sample_applies(0.0, 40, 151_936)  # greedy: the argmax kernel
+    assert not sample_applies(0.8, 0, 151_936)  # no top-k: the whole row's normalizer
+    assert not sample_applies(0.8, MAX_TOP_K + 1, 151_936)
+    assert not sample_applies(0.8, 40, 40)
