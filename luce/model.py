@@ -86,10 +86,14 @@ class Model:
         from .backends import greedy_rows
         return greedy_rows(self.forward(cache, tokens, positions, mask=mask))
 
-    def forward_next_token(self, cache, token, position):
-        """Queue a greedy one-token decode step (backends with `forward_next_token`): see
+    def forward_next_token(self, cache, token, position, sample=None):
+        """Queue a one-token decode step whose next token (greedy, or drawn with `sample`)
+        stays on the device (backends with `forward_next_token`): see
         CUDABackend.forward_next_token."""
-        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
+        if sample is None:
+            return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
+        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
+                                               sample=sample)
 
     def new_session(self, n_ctx: int | None = None) -> Session:
         return Session(self, n_ctx or self.n_ctx)

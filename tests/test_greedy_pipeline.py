@@ -1,15 +1,15 @@
-"""Greedy decoding with the next step queued on the device (DeviceGreedyStepper): the same
-tokens as the plain stepper, and a cache that holds exactly the kept tokens afterwards
+"""Decoding with the next step queued on the device (DeviceStepper), greedy and sampled: the
+same tokens as the plain stepper (for a seed), and a cache that holds exactly the kept tokens afterwards
 (stops, length limits, a consumer that leaves early, the next turn's prefix reuse). The
 stepper runs on the CPU backend's forward_next_token (same contract, computed at once); the
-CUDA backend's, with its argmax inside the forward and the token taken on the device, is
-checked in numba's simulator against the CPU's greedy tokens (two steps: a simulated decode
-step takes ~16 s). The pinned staging ring's bookkeeping is tested on its own."""
+CUDA backend's, with its argmax (or draw) inside the forward and the token taken on the
+device, is checked in numba's simulator against the CPU's tokens (two steps: a simulated
+decode step takes ~16 s). The pinned staging ring's bookkeeping is tested on its own."""
 import numpy as np
 import pytest
 
 from luce.backends.cuda_copy import Ring
-from luce.engine.generator import DeviceGreedyStepper, PlainStepper, Session, generate, pipelined_greedy
+from luce.engine.generator import DeviceStepper, PlainStepper, Session, device_steps, generate
 from luce.engine.sampling import Sampler, SamplingParams
 
 
@@ -47,8 +47,9 @@ class _Model:
         return self.backend.forward(self.family, self.config, self.weights, cache, tokens, positions, mask=mask,
                                     logits_rows=logits_rows)
 
-    def forward_next_token(self, cache, token, position):
-        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
+    def forward_next_token(self, cache, token, position, sample=None):
+        return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
+                                               sample=sample)
 
 
 def _tiny(tmp_path_factory, backend):
@@ -75,7 +76,7 @@ def tiny_cpu(tmp_path_factory):
 
 def _run(model, prompt, params, pipelined, session=None, take=None):
     s = session or Session(model, 48)
-    stepper = DeviceGreedyStepper(s, min(params.max_tokens, s.n_ctx - len(prompt))) if pipelined else None
+    stepper = DeviceStepper(s, min(params.max_tokens, s.n_ctx - len(prompt)), Sampler(params)) if pipelined else None
     ids = []
     gen = generate(s, prompt, params, stepper=stepper)
     for d in gen:
@@ -86,9 +87,10 @@ def _run(model, prompt, params, pipelined, session=None, take=None):
     return ids, s
 
 
-def test_same_tokens_as_the_plain_stepper_and_a_cache_of_the_kept_tokens(tiny_cpu):
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_same_tokens_as_the_plain_stepper_and_a_cache_of_the_kept_tokens(tiny_cpu, temperature):
     model = _Model(*tiny_cpu)
-    greedy = SamplingParams(temperature=0, max_tokens=12)
+    greedy = SamplingParams(temperature=temperature, top_p=0.99, min_p=0.0, max_tokens=12, seed=4)
     prompt = [3, 17, 42, 5]
     want, s_plain = _run(model, prompt, greedy, pipelined=False)
     got, s = _run(model, prompt, greedy, pipelined=True)
@@ -117,43 +119,52 @@ def test_stop_token_and_early_close_leave_no_queued_rows(tiny_cpu):
     assert got3 == free[:len(got3)] and s3.cache.n_past == len(s3.tokens)
 
 
-def test_generate_picks_the_device_stepper_only_for_plain_greedy():
+def test_generate_picks_the_device_stepper_without_penalties_and_with_a_top_k_it_draws():
     class B:
         pipelined_greedy = True
+        device_sampling = True
 
     class M:
         backend = B()
+
+        class config:
+            vocab_size = 151_936
 
         def forward_next_token(self, *a):
             pass
 
     s = Session.__new__(Session)
     s.model = M()
-    assert pipelined_greedy(s, SamplingParams(temperature=0))
-    assert not pipelined_greedy(s, SamplingParams(temperature=0.7))
-    assert not pipelined_greedy(s, SamplingParams(temperature=0, repeat_penalty=1.1))
-    assert not pipelined_greedy(s, SamplingParams(temperature=0, presence_penalty=0.5))
+    assert device_steps(s, SamplingParams(temperature=0))
+    assert device_steps(s, SamplingParams(temperature=0.7))  # the defaults: top-k 40
+    assert not device_steps(s, SamplingParams(temperature=0.7, top_k=0))  # no top-k: the host's sampler
+    assert not device_steps(s, SamplingParams(temperature=0, repeat_penalty=1.1))
+    assert not device_steps(s, SamplingParams(temperature=0.7, presence_penalty=0.5))
+    B.device_sampling = False
+    assert device_steps(s, SamplingParams(temperature=0)) and not device_steps(s, SamplingParams(temperature=0.7))
     B.pipelined_greedy = False
-    assert not pipelined_greedy(s, SamplingParams(temperature=0))
+    assert not device_steps(s, SamplingParams(temperature=0))
     assert isinstance(PlainStepper(s, Sampler(SamplingParams())), PlainStepper)
 
 
 def test_cuda_forward_next_token_in_simulator(tmp_path_factory, tiny_cpu):
-    """Two queued steps, the second taking its token on the device, give the CPU's greedy
-    tokens; the rows they wrote are committed like any decode step's."""
+    """Two queued steps, the first greedy, the second taking its token on the device and
+    drawing the next with a temperature, give the CPU's tokens; the rows they wrote are
+    committed like any decode step's."""
     from luce.backends.cuda import CUDABackend
     be, fam, cfg, w = _tiny(tmp_path_factory, CUDABackend(use_graphs=False))
     cpu, _, _, w_cpu = tiny_cpu
+    sp = Sampler(SamplingParams(temperature=1.5, top_k=50, top_p=0.98, min_p=0.0, seed=2)).device_params()
     kv_cpu = cpu.new_cache(cfg, 8)
     want = [cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, 11, 0).result()]
     kv_cpu.commit()
-    want.append(cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, None, 1).result())
+    want.append(cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, None, 1, sample=sp).result())
     kv = be.new_cache(cfg, 8)
     with pytest.raises(RuntimeError):
         be.forward_next_token(fam, cfg, w, kv, None, 0)  # nothing queued yet to take a token from
     first = be.forward_next_token(fam, cfg, w, kv, 11, 0)
     kv.commit()
-    second = be.forward_next_token(fam, cfg, w, kv, None, 1)  # queued before `first` is read
+    second = be.forward_next_token(fam, cfg, w, kv, None, 1, sample=sp)  # queued before `first` is read
     kv.commit()
     assert [first.result(), second.result()] == want
     assert kv.n_past == 2

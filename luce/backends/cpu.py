@@ -89,8 +89,9 @@ class NumpyOps:
 
 class CPUBackend:
     name = "cpu"
-    # generate's DeviceGreedyStepper gains nothing here: the host computes every step anyway
+    # generate's DeviceStepper gains nothing here: the host computes every step anyway
     pipelined_greedy = False
+    device_sampling = True
 
     def load_tensor(self, info) -> np.ndarray:
         return dequantize(info.data, info.qtype, info.shape)
@@ -124,16 +125,21 @@ class CPUBackend:
         kv.reserve(len(tokens))
         return family.run_forward(cfg, weights, self.ops_for(family), kv, tokens, positions, mask, logits_rows)
 
-    def forward_next_token(self, family, cfg, weights, kv: KVCache, token, position) -> "ReadyToken":
+    def forward_next_token(self, family, cfg, weights, kv: KVCache, token, position, sample=None) -> "ReadyToken":
         """CUDABackend.forward_next_token's contract, computed at once: a one-token decode
-        step whose greedy next token is returned; token None takes the previous call's
-        next token on this cache."""
+        step whose greedy (or with `sample`, drawn) next token is returned; token None
+        takes the previous call's next token on this cache."""
         if token is None:
             if kv not in self._next_token:
                 raise RuntimeError("forward_next_token(None) needs a forward_next_token before it")
             token = self._next_token[kv]
         logits = self.forward(family, cfg, weights, kv, [token], [position])
-        nxt = self._next_token[kv] = int(np.argmax(logits[-1]))
+        if sample is None:
+            nxt = int(np.argmax(logits[-1]))
+        else:
+            from ..engine.sampling import draw_params
+            nxt = draw_params(logits[-1], sample)
+        self._next_token[kv] = nxt
         return ReadyToken(nxt)
 
 

@@ -629,6 +629,8 @@ class CUDABackend:
         self._compiled = set()
         self._ungraphable = set()  # forward keys whose capture failed
 
+    device_sampling = True  # forward_next_token draws sampled tokens too (sample=...)
+
     @property
     def pipelined_greedy(self) -> bool:
         """Whether generate decodes greedily through forward_next_token (DeviceGreedyStepper):
@@ -762,22 +764,33 @@ class CUDABackend:
             return row.copy()
         return GreedyRows(host.copy(), fetch)
 
-    def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position) -> "PendingToken":
-        """Queue a one-token decode forward whose greedy next token (the argmax of its
-        logits) is computed inside the graph and read back as 4 bytes; returns at once.
+    def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position,
+                           sample=None) -> "PendingToken":
+        """Queue a one-token decode forward whose next token is computed inside the graph
+        and read back as 4 bytes; returns at once. The token is the argmax of the logits,
+        or with `sample` (luce.kernels.sampling.sample_params: the host's uniform and the
+        parameters, for which sample_applies holds) the one drawn as sample_ref draws it.
         token None: the next token of the previous forward_next_token on this model and
         cache, taken on the device, so a caller can queue a step before it has read the
         token it consumes. Nothing here waits for the GPU."""
         st = self._model_state(family, cfg, weights, kv)
+        cuda = self.cuda
         if "next_token" not in st:
-            cuda = self.cuda
-            st["next_token"] = cuda.device_array(1, np.int32)  # the last argmax, at a fixed address
+            st["next_token"] = cuda.device_array(1, np.int32)  # the last token, at a fixed address
             st["token_slots"] = [[cuda.pinned_array(1, np.int32), cuda.event(), -1] for _ in range(TOKEN_SLOTS)]
             st["token_turn"] = 0
         if token is None and not st.get("next_token_set"):
             raise RuntimeError("forward_next_token(None) needs a queued forward_next_token before it")
+        draw = None
+        if sample is not None:
+            from ..kernels.sampling import sample_scratch
+            if "sample_params" not in st:  # fixed addresses: graphs read them
+                st["sample_params"] = cuda.device_array(5, np.float64)
+                st["sample_scratch"] = sample_scratch(cfg.vocab_size)
+            h2d(st["sample_params"], np.asarray(sample, np.float64), self.stream)
+            draw = (st["sample_params"], st["sample_scratch"])
         self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
-                     argmax=st["next_token"])
+                     argmax=st["next_token"], draw=draw)
         st["next_token_set"] = True
         turn = st["token_turn"]
         st["token_turn"] += 1
@@ -788,10 +801,12 @@ class CUDABackend:
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
 
-    def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax=None):
+    def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax=None,
+                draw=None):
         """Queue one forward (a captured graph where it can); returns (model state, device
         logits). tokens None: one token, the model state's device-side next token. argmax:
-        a device int32 array (fixed per width) that gets each logits row's argmax."""
+        a device int32 array (fixed per width) that gets each logits row's argmax, or with
+        draw (device sample parameters and scratch, fixed) the last row's drawn token."""
         from ..kernels.attention import tree_mask_bits
         n = 1 if tokens is None else len(tokens)
         st = self._model_state(family, cfg, weights, kv)
@@ -817,14 +832,18 @@ class CUDABackend:
         def run():
             ops.begin_forward(mask_d if tree else None)
             st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
-            if argmax is not None:
+            if draw is not None:
+                from ..kernels.sampling import sample_cuda
+                logits = st["logits"]
+                sample_cuda(logits, draw[0], argmax, scratch=draw[1], row=logits.shape[0] - 1, stream=self.stream)
+            elif argmax is not None:
                 from ..kernels.sampling import argmax_cuda
                 argmax_cuda(st["logits"], out=argmax, stream=self.stream)
 
         st["forward_turn"] = st.get("forward_turn", 0) + 1
         # the argmax's destination is part of what a graph captured (next token, verify rows)
-        key = (n, tree, tuple(rows), None if argmax is None else id(argmax))
-        form = (n, tree, len(rows), argmax is not None)
+        key = (n, tree, tuple(rows), None if argmax is None else id(argmax), draw is not None)
+        form = (n, tree, len(rows), argmax is not None, draw is not None)
         g = st["graphs"].get(key) if self.use_graphs else None
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's

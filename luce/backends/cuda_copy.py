@@ -92,7 +92,7 @@ STAGE_MAX = 4096  # bytes: larger copies (prompts, tables of long contexts) go d
 
 
 # Small host-to-device copies through the pinned ring, and greedy decoding with the next
-# step queued on the device (engine.generator.DeviceGreedyStepper); LUCE_ASYNC_HOST=0 turns
+# step queued on the device (engine.generator.DeviceStepper); LUCE_ASYNC_HOST=0 turns
 # both off. H200, Qwen3-8B shape, 3000fcd: 236.8 decode tok/s this way, 230.3 with the host
 # reading logits and taking the argmax every step (the graph alone: 242.7).
 ASYNC_HOST = os.environ.get("LUCE_ASYNC_HOST", "1") == "1"

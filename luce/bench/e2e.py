@@ -115,8 +115,13 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     pipelined_s = _decode_pipelined(be, fam, cfg, w, kv, first, n_gen) if be.name == "cuda" else None
     if pipelined_s:
         _say(t_start, f"decode, next token on device: {n_gen / pipelined_s:,.1f} tok/s")
-    sampled_s = _decode_sampled(decode, kv, first, n_gen)
-    _say(t_start, f"decode, sampled on the host: {n_gen / sampled_s:,.1f} tok/s")
+    host_sampled_s = _decode_sampled(decode, kv, first, n_gen)
+    _say(t_start, f"decode, sampled on the host: {n_gen / host_sampled_s:,.1f} tok/s")
+    sampled_s = host_sampled_s  # what generate runs: the device draw where the backend has one
+    if be.name == "cuda" and getattr(be, "device_sampling", False):
+        from ..engine.sampling import Sampler, SamplingParams
+        sampled_s = _decode_pipelined(be, fam, cfg, w, kv, first, n_gen, Sampler(SamplingParams(seed=0)))
+        _say(t_start, f"decode, sampled on the device: {n_gen / sampled_s:,.1f} tok/s")
     breakdown = host = prefill_host = verify_ops = prefill_ops = None
     if be.name == "cuda" and per_op:
         from .profile import host_profile
@@ -200,6 +205,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         "decode tok/s": decode_tok_s,
         "decode tok/s, next token on device": n_gen / pipelined_s if pipelined_s else None,
         "decode tok/s, sampled (default sampling)": n_gen / sampled_s,
+        "decode tok/s, sampled on the host": n_gen / host_sampled_s if sampled_s != host_sampled_s else None,
         f"decode tok/s @{long_ctx}": long_tok_s,
         "long/short": (long_tok_s / decode_tok_s) if long_tok_s else None,
         "TTFT ms": ttft * 1e3, "GPU mem GiB": mem, "copy GB/s": bw,
@@ -242,16 +248,19 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     return summary, verify, breakdown
 
 
-def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int) -> float:
-    """Seconds for n greedy decode steps as DeviceGreedyStepper runs them (argmax in the
-    graph, the next step queued before the host reads a token), from where the cache is;
-    the cache is put back afterwards."""
+def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int, sampler=None) -> float:
+    """Seconds for n decode steps as DeviceStepper runs them (the argmax, or with a sampler
+    its draw, in the graph; the next step queued before the host reads a token), from where
+    the cache is; the cache is put back afterwards."""
     from collections import deque
     n0 = kv.n_past
     q = deque()
 
     def queue(tok):
-        q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past))
+        if sampler is None:
+            q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past))
+        else:
+            q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past, sample=sampler.device_params()))
         kv.commit()
     try:
         for _pass in range(2):  # the first compiles and records the graph; the second is timed

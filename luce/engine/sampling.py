@@ -180,6 +180,24 @@ def distribution(logits: np.ndarray, history, p: SamplingParams) -> np.ndarray:
     return probs
 
 
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """The index Generator.choice(len(probs), p=probs) picks when its uniform is u: the
+    device draw takes the host generator's uniforms, so both draw the same tokens."""
+    cdf = np.cumsum(probs)
+    cdf /= cdf[-1]
+    return min(len(probs) - 1, int(np.searchsorted(cdf, u, side="right")))
+
+
+def draw_params(logits: np.ndarray, sp: np.ndarray) -> int:
+    """The token the device draw (luce.kernels.sampling.sample_cuda) takes from a logits
+    row with its parameter vector, on the host."""
+    from ..kernels.sampling import SP_MIN_P, SP_TEMPERATURE, SP_TOP_K, SP_TOP_P, SP_U
+    p = SamplingParams(temperature=float(sp[SP_TEMPERATURE]), top_k=int(sp[SP_TOP_K]), top_p=float(sp[SP_TOP_P]),
+                       min_p=float(sp[SP_MIN_P]))
+    ids, ps = kept(logits, (), p)
+    return int(ids[inverse_cdf(ps, float(sp[SP_U]))])
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -196,3 +214,10 @@ class Sampler:
 
     def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))
+
+    def device_params(self) -> np.ndarray:
+        """The next draw's uniform (the one `draw` would take) with the parameters, as the
+        device draw reads them (luce.kernels.sampling.sample_params)."""
+        from ..kernels.sampling import sample_params
+        p = self.params
+        return sample_params(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random())

@@ -125,3 +125,27 @@ def test_pdl_decode_matches_cpu(setting):
     env = dict(os.environ, LUCE_PDL=setting, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def test_sampled_decode_on_the_device_draws_the_host_samplers_tokens(tmp_path):
+    """generate with a temperature takes DeviceStepper on the GPU (the draw inside the
+    decode graph, the next step queued before the token is read): for a seed, the tokens
+    of the host sampler over the same backend's logits (PlainStepper)."""
+    import luce
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.engine.generator import DeviceStepper, PlainStepper, device_steps, generate
+    from luce.engine.sampling import Sampler, SamplingParams
+    shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
+    m = luce.load(write_gguf(tmp_path / "q3.gguf", shape, seed=6), backend="cuda", n_ctx=256)
+    prompt = list(np.random.default_rng(2).integers(0, 2048, 30))
+    for seed in (1, 2):
+        params = SamplingParams(temperature=1.2, top_k=40, top_p=0.97, min_p=0.0, seed=seed, max_tokens=48,
+                                ignore_eos=True)
+        s_dev, s_host = m.new_session(256), m.new_session(256)
+        assert device_steps(s_dev, params)
+        dev = DeviceStepper(s_dev, params.max_tokens, Sampler(params))
+        got = [t for d in generate(s_dev, prompt, params, stepper=dev) for t in d.token_ids]
+        want = [t for d in generate(s_host, prompt, params, stepper=PlainStepper(s_host, Sampler(params)))
+                for t in d.token_ids]
+        assert got == want and len(got) == 48
+        assert len(set(got)) > 10  # drawn, not one greedy loop

@@ -28,7 +28,7 @@ from luce.kernels.embedding import embed_cuda, embed_quant_cuda, embed_ref  # no
 from luce.kernels.norm import rms_norm_cuda, rms_norm_ref  # noqa: E402
 from luce.kernels.rope import rope_cuda, rope_ref  # noqa: E402
 from luce.kernels.sampling import (apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,  # noqa: E402
-                                   token_counts, topk_cuda, topk_ref)
+                                   sample_cuda, sample_params, sample_ref, token_counts, topk_cuda, topk_ref)
 from luce.kv.paged import PagedKVCache  # noqa: E402
 from luce.models.config import ROPE_ADJACENT, ROPE_HALVES  # noqa: E402
 
@@ -185,6 +185,26 @@ def test_topk_vocab(k):
     rv, ri = topk_ref(x, k)
     np.testing.assert_array_equal(oi.copy_to_host(), ri)
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
+
+
+def test_sample_vocab():
+    """The device draw at Qwen's vocabulary with 1024-thread blocks: rows of spread-out
+    logits, a peaked row, and one with a block of equal logits at the top (ties beyond k)."""
+    x = randn(4, VOCAB, scale=4)
+    x[1, 1234] = 30.0
+    x[2, VOCAB // 3:VOCAB // 3 + 100] = 20.0
+    d = cuda.to_device(x)
+    out = cuda.to_device(np.full(1, -7, np.int32))
+    picks = set()
+    for row in range(4):
+        for case in [(0.8, 40, 0.95, 0.05), (1.5, 64, 1.0, 0.0), (0.7, 20, 0.8, 0.0), (1.0, 1, 1.0, 0.0)]:
+            for u in (0.01, 0.5, 0.97, rng.random()):
+                sp = sample_params(*case, u)
+                sample_cuda(d, cuda.to_device(sp), out, row=row)
+                got = int(out.copy_to_host()[0])
+                assert got == sample_ref(x[row], sp), (row, case, u)
+                picks.add(got)
+    assert len(picks) > 10
 
 
 def _fill(caches, layers, n, pos=None):
