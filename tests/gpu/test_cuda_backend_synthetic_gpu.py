@@ -138,6 +138,7 @@ def test_sampled_decode_on_the_device_draws_the_host_samplers_tokens(tmp_path):
     shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
     m = luce.load(write_gguf(tmp_path / "q3.gguf", shape, seed=6), backend="cuda", n_ctx=256)
     prompt = list(np.random.default_rng(2).integers(0, 2048, 30))
+    runs = []
     for seed in (1, 2):
         params = SamplingParams(temperature=1.2, top_k=40, top_p=0.97, min_p=0.0, seed=seed, max_tokens=48,
                                 ignore_eos=True)
@@ -148,4 +149,6 @@ def test_sampled_decode_on_the_device_draws_the_host_samplers_tokens(tmp_path):
         want = [t for d in generate(s_host, prompt, params, stepper=PlainStepper(s_host, Sampler(params)))
                 for t in d.token_ids]
         assert got == want and len(got) == 48
-        assert len(set(got)) > 10  # drawn, not one greedy loop
+        runs.append(got)
+    # drawn, not one greedy loop (a random-weight model's logits are peaked: few distinct tokens)
+    assert runs[0] != runs[1]
