@@ -103,9 +103,11 @@ def _py_func(kernel):
 
 def ready(kernel):
     """Mark a kernel (a numba dispatcher) whose body begins with grid_dependency_sync():
-    a captured graph may launch it before the kernel it depends on has finished."""
+    a captured graph may launch it before the kernel it depends on has finished. Every
+    forward kernel passes here, so here it also gets its disk cache (luce.kernels.disk_cache)."""
+    from . import disk_cache
     setattr(_py_func(kernel), _MARK, True)
-    return kernel
+    return disk_cache.enable(kernel)
 
 
 def is_ready(py_func) -> bool:

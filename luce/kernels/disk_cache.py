@@ -1,0 +1,165 @@
+"""Forward kernels compiled once per machine: an on-disk cache that numba's own key cannot be.
+
+Why: the CUDA backend compiles its kernels when a model loads, every time `luce serve`
+starts (H200, Qwen3-8B shape: 40-46 s of `luce bench`'s "first prefill + 4 decode steps"
+went to compiling and capturing). numba's cache (`cuda.jit(cache=True)`) keys a kernel by
+its bytecode and a pickle of its closure; the kernels here come from factories whose
+closures hold device functions, and a dispatcher pickles with a uuid drawn per process,
+so that key never matched in a new process (checked: the decode attention and matvec
+kernels' closure hashes differ between two interpreters).
+
+How: `enable(kernel)` (luce.kernels.pdl.ready calls it: every forward kernel passes there)
+gives the dispatcher a numba CUDACache whose index key describes the closure by value
+instead: numbers, strings and enums by repr, device functions and plain functions by
+their code (constants and nested code included) and their own closures, recursively.
+What that key does not see is in the stamp of the whole cache: the source of every
+luce.kernels module (globals and called device functions), the LUCE_* and NUMBA_*
+settings (read at compile time: LUCE_PDL, LUCE_WEIGHT_HINT, ...), numba-cuda's version.
+numba adds the device's compute capability. A closure value this cannot describe leaves
+that kernel uncached (compiled as before).
+
+Where: LUCE_KERNEL_CACHE (a directory; default ~/.cache/luce/kernels; 0 turns it off).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import os
+import types
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+SIM = bool(cuda.config.ENABLE_CUDASIM)
+
+
+def cache_dir() -> Path | None:
+    v = os.environ.get("LUCE_KERNEL_CACHE", "")
+    if v == "0":
+        return None
+    if v:
+        return Path(v).expanduser()
+    base = Path(os.environ.get("LUCE_CACHE", "~/.cache/luce")).expanduser()
+    return base / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def stamp() -> str:
+    """What every cached kernel depends on beyond its own closure (see the module doc)."""
+    import numba_cuda
+    h = hashlib.sha256(numba_cuda.__version__.encode())
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    for k in sorted(os.environ):
+        if k.startswith(("LUCE_", "NUMBA_")) and k not in ("LUCE_KERNEL_CACHE", "LUCE_CACHE"):
+            h.update(f"{k}={os.environ[k]}\0".encode())
+    return h.hexdigest()[:20]
+
+
+class Undescribable(TypeError):
+    pass
+
+
+def describe(v, _seen=None) -> str:
+    """A description of a closure value that is the same in every process for the same
+    value and differs where the compiled code could (Undescribable where it cannot tell)."""
+    seen = set() if _seen is None else _seen
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return repr(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__qualname__}.{v.name}"
+    if isinstance(v, (np.generic, np.dtype)):
+        return f"{type(v).__name__}:{v!r}"
+    if isinstance(v, type):
+        return f"type:{v.__module__}.{v.__qualname__}"
+    if isinstance(v, (tuple, list)):
+        return f"{type(v).__name__}(" + ",".join(describe(x, seen) for x in v) + ")"
+    if isinstance(v, dict):
+        return "dict(" + ",".join(f"{describe(k, seen)}:{describe(x, seen)}" for k, x in
+                                  sorted(v.items(), key=lambda kv: repr(kv[0]))) + ")"
+    if id(v) in seen:  # a recursive closure: its name is enough the second time
+        return f"<seen {getattr(v, '__qualname__', type(v).__name__)}>"
+    seen.add(id(v))
+    py_func = getattr(v, "py_func", None)  # a numba dispatcher: device function or kernel
+    if isinstance(py_func, types.FunctionType):
+        opts = getattr(v, "targetoptions", {})
+        return "jit:" + _function(py_func, seen) + describe({k: opts[k] for k in sorted(opts)
+                                                              if isinstance(opts[k], (bool, int, str))}, seen)
+    defn = getattr(v, "_defn", None)  # a numba intrinsic: its typing/codegen function
+    if isinstance(defn, types.FunctionType):
+        return "intrinsic:" + _function(defn, seen)
+    if isinstance(v, types.FunctionType):
+        return "fn:" + _function(v, seen)
+    raise Undescribable(f"{type(v).__module__}.{type(v).__qualname__}")
+
+
+def _code(c: types.CodeType) -> str:
+    consts = ",".join(_code(x) if isinstance(x, types.CodeType) else repr(x) for x in c.co_consts)
+    return f"{c.co_name}:{hashlib.sha256(c.co_code).hexdigest()[:16]}:[{consts}]:{c.co_names}"
+
+
+def _function(f: types.FunctionType, seen) -> str:
+    cells = tuple(c.cell_contents for c in f.__closure__) if f.__closure__ else ()
+    return (f"{f.__module__}.{f.__qualname__}({_code(f.__code__)})"
+            f"[{describe(cells, seen)}]{describe(f.__defaults__, seen)}")
+
+
+def closure_key(py_func) -> str:
+    """The hash of a kernel's code and closure by value."""
+    return hashlib.sha256(_function(py_func, set()).encode()).hexdigest()
+
+
+if not SIM:
+    from numba.cuda.core.caching import _CacheLocator
+    from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
+
+    class _Locator(_CacheLocator):
+        def __init__(self, py_func):
+            self._path = str(cache_dir())
+            self._lineno = py_func.__code__.co_firstlineno
+
+        def get_cache_path(self):
+            return self._path
+
+        def get_source_stamp(self):
+            return stamp()
+
+        def get_disambiguator(self):
+            return str(self._lineno)
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            return cls(py_func)
+
+    class _Impl(CUDACacheImpl):
+        _locator_classes = [_Locator]
+
+    class KernelCache(CUDACache):
+        """numba's CUDA cache with the closure described by value (closure_key)."""
+        _impl_class = _Impl
+
+        def __init__(self, py_func, key: str):
+            self._closure_key = key
+            super().__init__(py_func)
+
+        def _index_key(self, sig, codegen):
+            import numba_cuda
+            key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._closure_key)
+            if self._launch_config_key is not None:
+                key += (("launch_config", self._launch_config_key),)
+            return key
+
+
+def enable(kernel):
+    """Give a numba kernel dispatcher the disk cache, where there is one to give (a GPU
+    build, LUCE_KERNEL_CACHE not 0, a closure this module can describe). Returns the kernel."""
+    if SIM or cache_dir() is None or not isinstance(getattr(kernel, "py_func", None), types.FunctionType):
+        return kernel
+    try:
+        key = closure_key(kernel.py_func)
+    except Undescribable:
+        return kernel
+    kernel._cache = KernelCache(kernel.py_func, key)
+    return kernel

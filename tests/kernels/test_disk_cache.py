@@ -1,0 +1,80 @@
+"""luce.kernels.disk_cache: the key of a factory-made kernel is the same in two fresh
+interpreters (numba's own closure pickle is not: a dispatcher pickles with a per-process
+uuid) and differs where the factory's arguments differ; every kernel the modules create
+at import gets the cache. Dispatchers are made without a GPU (NUMBA_ENABLE_CUDASIM=0 in a
+subprocess: creating one needs no driver); saving and loading compiled kernels needs a
+device: tests/gpu/test_disk_cache_gpu.py."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from luce.kernels import disk_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import gc
+from numba.cuda.dispatcher import CUDADispatcher
+from luce.kernels import attention, disk_cache, matvec_fast, sampling
+from luce.kernels.dequant import T
+ks = [attention._decode_kernel(128, 4, 1, 4, 1, 16), attention._decode_kernel(64, 4, 1, 4, 1, 16),
+      matvec_fast._kernel(T.Q4_K, True, False, False, 4, True, None, 8, 1, 2), sampling._sample_kernels(64)[1]]
+print("KEYS", " ".join(disk_cache.closure_key(k.py_func) for k in ks))
+ds = [o for o in gc.get_objects() if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device")]
+print("CACHED", sum(type(d._cache).__name__ == "KernelCache" for d in ds), len(ds))
+print("STAMP", disk_cache.stamp())
+'''
+
+
+def _run(tmp_path, **env):
+    e = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", LUCE_KERNEL_CACHE=str(tmp_path), PYTHONPATH=str(ROOT), **env)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:1].isupper())
+    return out["KEYS"].split(), [int(v) for v in out["CACHED"].split()], out["STAMP"]
+
+
+def test_keys_agree_across_interpreters_and_every_kernel_is_cached(tmp_path):
+    keys, (cached, total), stamp = _run(tmp_path)
+    keys2, _, stamp2 = _run(tmp_path)
+    assert keys == keys2 and stamp == stamp2
+    assert len(set(keys)) == 4  # head dim 128 vs 64, another factory, another module
+    assert total >= 10 and cached == total
+    _, _, stamp3 = _run(tmp_path, LUCE_PDL="0")  # a compile-time setting: another stamp
+    assert stamp3 != stamp
+
+
+def test_describe_by_value():
+    def make(n, f):
+        def k():
+            return n + f()
+        return k
+
+    def one():
+        return 1
+
+    def two():
+        return 2
+    d = disk_cache.describe
+    k = make(3, one)
+    assert d(k.__closure__[k.__code__.co_freevars.index("f")].cell_contents) == d(one)
+    assert disk_cache.closure_key(make(3, one)) == disk_cache.closure_key(make(3, one))
+    assert disk_cache.closure_key(make(3, one)) != disk_cache.closure_key(make(4, one))
+    assert disk_cache.closure_key(make(3, one)) != disk_cache.closure_key(make(3, two))
+    assert d(np.float32) != d(np.float64) and d((1, 2.0, "a")) == d((1, 2.0, "a"))
+    with pytest.raises(disk_cache.Undescribable):
+        d(object())
+
+
+def test_cache_dir_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("LUCE_KERNEL_CACHE", "0")
+    assert disk_cache.cache_dir() is None
+    monkeypatch.setenv("LUCE_KERNEL_CACHE", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path
+    monkeypatch.delenv("LUCE_KERNEL_CACHE")
+    monkeypatch.setenv("LUCE_CACHE", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "kernels"
