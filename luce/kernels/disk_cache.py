@@ -144,6 +144,16 @@ if not SIM:
             self._closure_key = key
             super().__init__(py_func)
 
+        def load_overload(self, sig, target_context):
+            # numba rebuilds a cached kernel without the attributes its compiled form has;
+            # luce reads py_func at launch (cuda_graph records which launches are PDL-ready:
+            # without it every capture failed and decode ran eagerly, H200: 7 tok/s)
+            kernel = super().load_overload(sig, target_context)
+            if kernel is not None:
+                kernel.py_func = self._py_func
+                kernel.argtypes = tuple(kernel.signature.args)
+            return kernel
+
         def _index_key(self, sig, codegen):
             import numba_cuda
             key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._closure_key)

@@ -1,5 +1,6 @@
 """luce.kernels.disk_cache on a GPU: a forward kernel compiled in one interpreter is loaded,
-not compiled, in the next (numba's cache-hit counter), and computes the same result.
+not compiled, in the next (numba's cache-hit counter), computes the same result, and is
+captured into a CUDA graph like a compiled one.
 
 Run: NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu tests/gpu/test_disk_cache_gpu.py"""
 import os
@@ -23,6 +24,14 @@ sampling.sample_cuda(cuda.to_device(x), cuda.to_device(sp), out)
 run_keys, draw = sampling._sample_kernels(sampling.SAMPLE_RUN)
 hits = sum(run_keys._cache_hits.values()) + sum(draw._cache_hits.values())
 misses = sum(run_keys._cache_misses.values()) + sum(draw._cache_misses.values())
+# a loaded kernel is captured like a compiled one (luce reads its py_func while recording)
+from luce.backends.cuda_graph import Graph
+stream = cuda.stream()
+xd, spd, out2 = cuda.to_device(x, stream=stream), cuda.to_device(sp, stream=stream), cuda.device_array(1, np.int32)
+g = Graph(stream, lambda: sampling.sample_cuda(xd, spd, out2, stream=stream))
+g.replay()
+stream.synchronize()
+assert int(out2.copy_to_host()[0]) == int(out.copy_to_host()[0])
 print("RESULT", int(out.copy_to_host()[0]), sampling.sample_ref(x[0], sp), hits, misses)
 '''
 
