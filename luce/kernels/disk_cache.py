@@ -162,10 +162,27 @@ if not SIM:
             return key
 
 
+@functools.lru_cache(maxsize=None)
+def _writable(path: Path) -> bool:
+    """numba's save raises where the directory cannot be made or written (a read-only home):
+    then kernels compile as without a cache."""
+    import tempfile
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
 def enable(kernel):
     """Give a numba kernel dispatcher the disk cache, where there is one to give (a GPU
-    build, LUCE_KERNEL_CACHE not 0, a closure this module can describe). Returns the kernel."""
-    if SIM or cache_dir() is None or not isinstance(getattr(kernel, "py_func", None), types.FunctionType):
+    build, LUCE_KERNEL_CACHE not 0 and writable, a closure this module can describe).
+    Returns the kernel."""
+    if SIM or not isinstance(getattr(kernel, "py_func", None), types.FunctionType):
+        return kernel
+    where = cache_dir()
+    if where is None or not _writable(where):
         return kernel
     try:
         key = closure_key(kernel.py_func)

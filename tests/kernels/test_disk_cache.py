@@ -70,6 +70,12 @@ def test_describe_by_value():
         d(object())
 
 
+def test_an_unwritable_directory_leaves_kernels_uncached(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    assert not disk_cache._writable(tmp_path / "a_file" / "kernels")  # cannot be made, even by root
+    assert disk_cache._writable(tmp_path / "w" / "kernels")
+
+
 def test_cache_dir_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("LUCE_KERNEL_CACHE", "0")
     assert disk_cache.cache_dir() is None
