@@ -95,6 +95,11 @@ class Model:
         return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
                                                sample=sample)
 
+    def set_penalty_history(self, cache, history, repeat_last_n: int) -> None:
+        """The history that forward_next_token's draws with penalties penalize (backends
+        with device sampling): see CUDABackend.set_penalty_history."""
+        self.backend.set_penalty_history(self.family, self.config, self.weights, cache, history, repeat_last_n)
+
     def new_session(self, n_ctx: int | None = None) -> Session:
         return Session(self, n_ctx or self.n_ctx)
 

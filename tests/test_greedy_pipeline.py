@@ -51,6 +51,9 @@ class _Model:
         return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
                                                sample=sample)
 
+    def set_penalty_history(self, cache, history, repeat_last_n):
+        self.backend.set_penalty_history(self.family, self.config, self.weights, cache, history, repeat_last_n)
+
 
 def _tiny(tmp_path_factory, backend):
     import gguf
@@ -87,10 +90,12 @@ def _run(model, prompt, params, pipelined, session=None, take=None):
     return ids, s
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.3])
-def test_same_tokens_as_the_plain_stepper_and_a_cache_of_the_kept_tokens(tiny_cpu, temperature):
+@pytest.mark.parametrize("temperature,penalties", [(0.0, {}), (1.3, {}), (0.0, {"repeat_penalty": 1.5}),
+                                                   (1.3, {"repeat_penalty": 1.3, "presence_penalty": 0.4,
+                                                          "frequency_penalty": 0.2, "repeat_last_n": 3})])
+def test_same_tokens_as_the_plain_stepper_and_a_cache_of_the_kept_tokens(tiny_cpu, temperature, penalties):
     model = _Model(*tiny_cpu)
-    greedy = SamplingParams(temperature=temperature, top_p=0.99, min_p=0.0, max_tokens=12, seed=4)
+    greedy = SamplingParams(temperature=temperature, top_p=0.99, min_p=0.0, max_tokens=12, seed=4, **penalties)
     prompt = [3, 17, 42, 5]
     want, s_plain = _run(model, prompt, greedy, pipelined=False)
     got, s = _run(model, prompt, greedy, pipelined=True)
@@ -133,15 +138,20 @@ def test_generate_picks_the_device_stepper_without_penalties_and_with_a_top_k_it
         def forward_next_token(self, *a):
             pass
 
+        def set_penalty_history(self, *a):
+            pass
+
     s = Session.__new__(Session)
     s.model = M()
     assert device_steps(s, SamplingParams(temperature=0))
     assert device_steps(s, SamplingParams(temperature=0.7))  # the defaults: top-k 40
     assert not device_steps(s, SamplingParams(temperature=0.7, top_k=0))  # no top-k: the host's sampler
-    assert not device_steps(s, SamplingParams(temperature=0, repeat_penalty=1.1))
-    assert not device_steps(s, SamplingParams(temperature=0.7, presence_penalty=0.5))
+    assert device_steps(s, SamplingParams(temperature=0, repeat_penalty=1.1))  # a top-1 draw with penalties
+    assert device_steps(s, SamplingParams(temperature=0.7, presence_penalty=0.5))
+    assert not device_steps(s, SamplingParams(temperature=0.7, presence_penalty=0.5, repeat_last_n=10_000))
     B.device_sampling = False
     assert device_steps(s, SamplingParams(temperature=0)) and not device_steps(s, SamplingParams(temperature=0.7))
+    assert not device_steps(s, SamplingParams(temperature=0, repeat_penalty=1.1))
     B.pipelined_greedy = False
     assert not device_steps(s, SamplingParams(temperature=0))
     assert isinstance(PlainStepper(s, Sampler(SamplingParams())), PlainStepper)
@@ -149,17 +159,21 @@ def test_generate_picks_the_device_stepper_without_penalties_and_with_a_top_k_it
 
 def test_cuda_forward_next_token_in_simulator(tmp_path_factory, tiny_cpu):
     """Two queued steps, the first greedy, the second taking its token on the device and
-    drawing the next with a temperature, give the CPU's tokens; the rows they wrote are
+    drawing the next with a temperature and penalties, give the CPU's tokens; the rows they wrote are
     committed like any decode step's."""
     from luce.backends.cuda import CUDABackend
     be, fam, cfg, w = _tiny(tmp_path_factory, CUDABackend(use_graphs=False))
     cpu, _, _, w_cpu = tiny_cpu
-    sp = Sampler(SamplingParams(temperature=1.5, top_k=50, top_p=0.98, min_p=0.0, seed=2)).device_params()
+    sp = Sampler(SamplingParams(temperature=1.5, top_k=50, top_p=0.98, min_p=0.0, seed=2, repeat_penalty=1.4,
+                                frequency_penalty=0.3)).device_params()
     kv_cpu = cpu.new_cache(cfg, 8)
     want = [cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, 11, 0).result()]
     kv_cpu.commit()
+    history = [11, want[0], 5, 5]  # penalized by the second step's draw
+    cpu.set_penalty_history(fam, cfg, w_cpu, kv_cpu, history, 3)
     want.append(cpu.forward_next_token(fam, cfg, w_cpu, kv_cpu, None, 1, sample=sp).result())
     kv = be.new_cache(cfg, 8)
+    be.set_penalty_history(fam, cfg, w, kv, history, 3)
     with pytest.raises(RuntimeError):
         be.forward_next_token(fam, cfg, w, kv, None, 0)  # nothing queued yet to take a token from
     first = be.forward_next_token(fam, cfg, w, kv, 11, 0)

@@ -108,6 +108,7 @@ class CPUBackend:
     def __init__(self):
         self._ops = {}
         self._next_token = weakref.WeakKeyDictionary()  # cache -> its last forward_next_token's token
+        self._history = weakref.WeakKeyDictionary()  # cache -> (tokens its draws penalize, repeat_last_n)
 
     def ops_for(self, family):
         """NumpyOps with any kernels plugins registered for this family swapped in."""
@@ -138,9 +139,18 @@ class CPUBackend:
             nxt = int(np.argmax(logits[-1]))
         else:
             from ..engine.sampling import draw_params
-            nxt = draw_params(logits[-1], sample)
+            from ..kernels.sampling import SP_PENALIZE
+            history, n = self._history.get(kv, ([], 0))
+            nxt = draw_params(logits[-1], sample, history, n)
+            if sample[SP_PENALIZE]:
+                history.append(nxt)
         self._next_token[kv] = nxt
         return ReadyToken(nxt)
+
+
+    def set_penalty_history(self, family, cfg, weights, kv: KVCache, history, repeat_last_n: int) -> None:
+        """CUDABackend.set_penalty_history's contract: the history the next draws penalize."""
+        self._history[kv] = (list(history), repeat_last_n)
 
 
 class ReadyToken:

@@ -783,12 +783,9 @@ class CUDABackend:
             raise RuntimeError("forward_next_token(None) needs a queued forward_next_token before it")
         draw = None
         if sample is not None:
-            from ..kernels.sampling import sample_scratch
-            if "sample_params" not in st:  # fixed addresses: graphs read them
-                st["sample_params"] = cuda.device_array(5, np.float64)
-                st["sample_scratch"] = sample_scratch(cfg.vocab_size)
+            self._sampling_buffers(st, cfg)
             h2d(st["sample_params"], np.asarray(sample, np.float64), self.stream)
-            draw = (st["sample_params"], st["sample_scratch"])
+            draw = (st["sample_params"], st["sample_scratch"], st["sample_state"])
         self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
                      argmax=st["next_token"], draw=draw)
         st["next_token_set"] = True
@@ -800,6 +797,27 @@ class CUDABackend:
         d2h_async(slot[0], st["next_token"], self.stream)
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
+
+    def _sampling_buffers(self, st, cfg) -> None:
+        """The draw's parameters, scratch and penalty state: fixed addresses, graphs read them."""
+        if "sample_params" in st:
+            return
+        from ..kernels.sampling import MAX_REPEAT_WINDOW, sample_params, sample_scratch
+        cuda = self.cuda
+        st["sample_params"] = cuda.device_array(len(sample_params(1.0, 1, 1.0, 0.0, 0.0)), np.float64)
+        st["sample_scratch"] = sample_scratch(cfg.vocab_size)
+        st["sample_state"] = (cuda.device_array((2, cfg.vocab_size), np.int32),
+                              cuda.device_array(2 + MAX_REPEAT_WINDOW, np.int32))
+
+    def set_penalty_history(self, family, cfg, weights, kv: PagedKVCache, history, repeat_last_n: int) -> None:
+        """The history the next forward_next_token draws penalize (luce.kernels.sampling.
+        penalty_state); each draw with penalties then adds its token on the device."""
+        from ..kernels.sampling import penalty_state
+        st = self._model_state(family, cfg, weights, kv)
+        self._sampling_buffers(st, cfg)
+        pen, ring = penalty_state(history, cfg.vocab_size, repeat_last_n)
+        h2d(st["sample_state"][0], pen, self.stream)
+        h2d(st["sample_state"][1], ring, self.stream)
 
     def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax=None,
                 draw=None):
@@ -835,7 +853,8 @@ class CUDABackend:
             if draw is not None:
                 from ..kernels.sampling import sample_cuda
                 logits = st["logits"]
-                sample_cuda(logits, draw[0], argmax, scratch=draw[1], row=logits.shape[0] - 1, stream=self.stream)
+                sample_cuda(logits, draw[0], argmax, scratch=draw[1], row=logits.shape[0] - 1, stream=self.stream,
+                            state=draw[2])
             elif argmax is not None:
                 from ..kernels.sampling import argmax_cuda
                 argmax_cuda(st["logits"], out=argmax, stream=self.stream)

@@ -159,12 +159,16 @@ class DeviceStepper:
     def __init__(self, session: Session, limit: int, sampler: Sampler | None = None):
         self.session = session
         self.limit = limit  # tokens the generation may produce
-        self.sampler = None if sampler is None or sampler.params.greedy else sampler
+        # plain greedy needs no draw; greedy with penalties is a top-1 draw
+        drawn = sampler is not None and (not sampler.params.greedy or sampler.penalized)
+        self.sampler = sampler if drawn else None
         self.produced = 0
         self.queue: deque = deque()  # pending next tokens of queued forwards, in order
+        self.history = None  # generate's history (prompt and output): what penalties read
 
     def step(self, last_logits: np.ndarray, history: list[int]) -> list[int]:
         self.produced += 1
+        self.history = history
         if not self.queue:  # the first token: from the prefill's logits
             if self.sampler is not None:
                 return [self.sampler.sample(last_logits, history)]
@@ -173,7 +177,11 @@ class DeviceStepper:
 
     def _queue(self, token: int | None) -> None:
         s = self.session
-        sample = None if self.sampler is None else self.sampler.device_params()
+        sample = None
+        if self.sampler is not None:
+            if not self.queue and self.sampler.penalized:  # the device's history, once (then it adds its draws)
+                s.model.set_penalty_history(s.cache, self.history, self.sampler.params.repeat_last_n)
+            sample = self.sampler.device_params()
         self.queue.append(s.queue_decode(token, sample=sample))
 
     def advance(self, tokens: list[int]):
@@ -194,19 +202,20 @@ class DeviceStepper:
 
 
 def device_steps(session: Session, params: SamplingParams) -> bool:
-    """Whether generate decodes through DeviceStepper: no penalties, greedy or with
-    parameters the device draw takes (luce.kernels.sampling.sample_applies), on a backend
-    that computes the next token on the device and opts in."""
+    """Whether generate decodes through DeviceStepper: greedy, or with parameters the
+    device draw takes (luce.kernels.sampling.sample_applies; penalties included), on a
+    backend that computes the next token on the device and opts in."""
     backend = getattr(session.model, "backend", None)
-    no_penalties = params.repeat_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
-    if not (no_penalties and getattr(backend, "pipelined_greedy", False)
-            and hasattr(session.model, "forward_next_token")):
+    if not (getattr(backend, "pipelined_greedy", False) and hasattr(session.model, "forward_next_token")):
         return False
-    if params.greedy:
+    penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    if params.greedy and not penalties:
         return True
     from ..kernels.sampling import sample_applies
     vocab = getattr(getattr(session.model, "config", None), "vocab_size", 0)
-    return bool(getattr(backend, "device_sampling", False)) and sample_applies(params.temperature, params.top_k, vocab)
+    t, k = (1.0, 1) if params.greedy else (params.temperature, params.top_k)
+    return (bool(getattr(backend, "device_sampling", False)) and hasattr(session.model, "set_penalty_history")
+            and sample_applies(t, k, vocab, params.repeat_last_n))
 
 
 def generate(session: Session, prompt: list[int], params: SamplingParams, stepper=None) -> Iterator[Delta]:

@@ -188,14 +188,16 @@ def inverse_cdf(probs: np.ndarray, u: float) -> int:
     return min(len(probs) - 1, int(np.searchsorted(cdf, u, side="right")))
 
 
-def draw_params(logits: np.ndarray, sp: np.ndarray) -> int:
+def draw_params(logits: np.ndarray, sp: np.ndarray, history=(), repeat_last_n: int = 64) -> int:
     """The token the device draw (luce.kernels.sampling.sample_cuda) takes from a logits
-    row with its parameter vector, on the host."""
-    from ..kernels.sampling import SP_MIN_P, SP_TEMPERATURE, SP_TOP_K, SP_TOP_P, SP_U
-    p = SamplingParams(temperature=float(sp[SP_TEMPERATURE]), top_k=int(sp[SP_TOP_K]), top_p=float(sp[SP_TOP_P]),
-                       min_p=float(sp[SP_MIN_P]))
-    ids, ps = kept(logits, (), p)
-    return int(ids[inverse_cdf(ps, float(sp[SP_U]))])
+    row with its parameter vector (penalties over `history`), on the host."""
+    from ..kernels import sampling as S
+    p = SamplingParams(temperature=float(sp[S.SP_TEMPERATURE]), top_k=int(sp[S.SP_TOP_K]),
+                       top_p=float(sp[S.SP_TOP_P]), min_p=float(sp[S.SP_MIN_P]),
+                       repeat_penalty=float(sp[S.SP_REPEAT]), presence_penalty=float(sp[S.SP_PRESENCE]),
+                       frequency_penalty=float(sp[S.SP_FREQUENCY]), repeat_last_n=repeat_last_n)
+    ids, ps = kept(logits, history, p)
+    return int(ids[inverse_cdf(ps, float(sp[S.SP_U]))])
 
 
 class Sampler:
@@ -215,9 +217,17 @@ class Sampler:
     def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))
 
+    @property
+    def penalized(self) -> bool:
+        p = self.params
+        return p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
     def device_params(self) -> np.ndarray:
         """The next draw's uniform (the one `draw` would take) with the parameters, as the
-        device draw reads them (luce.kernels.sampling.sample_params)."""
+        device draw reads them (luce.kernels.sampling.sample_params); greedy (with
+        penalties: without, nothing is drawn) as a top-1 draw."""
         from ..kernels.sampling import sample_params
         p = self.params
-        return sample_params(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random())
+        t, k = (1.0, 1) if p.greedy else (p.temperature, p.top_k)
+        return sample_params(t, k, p.top_p, p.min_p, self.rng.random(), p.repeat_penalty, p.presence_penalty,
+                             p.frequency_penalty)

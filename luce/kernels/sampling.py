@@ -213,31 +213,63 @@ def topk_cuda(logits, k: int, out_values=None, out_ids=None, scratch=None, strea
 SAMPLE_RUN = 64
 SAMPLE_MAX_RUNS = 64
 SAMPLE_THREADS = 1024
-# sample_params' layout (float64): the uniform, then the parameters
-SP_U, SP_TEMPERATURE, SP_TOP_P, SP_MIN_P, SP_TOP_K = range(5)
+# sample_params' layout (float64): the uniform, the parameters, the penalties (SP_PENALIZE:
+# 1 where any applies: then the draw reads and updates the penalty state)
+(SP_U, SP_TEMPERATURE, SP_TOP_P, SP_MIN_P, SP_TOP_K, SP_REPEAT, SP_PRESENCE, SP_FREQUENCY,
+ SP_PENALIZE) = range(9)
+# the longest repeat_last_n window the device keeps (penalty_state's ring)
+MAX_REPEAT_WINDOW = 4096
 
 
-def sample_params(temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> np.ndarray:
-    """The parameter vector sample_cuda reads (device float64 [5] in the layout SP_*)."""
-    sp = np.zeros(5, np.float64)
+def sample_params(temperature: float, top_k: int, top_p: float, min_p: float, u: float, repeat_penalty: float = 1.0,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> np.ndarray:
+    """The parameter vector sample_cuda reads (device float64 [9] in the layout SP_*)."""
+    sp = np.zeros(9, np.float64)
     sp[SP_U], sp[SP_TEMPERATURE], sp[SP_TOP_P], sp[SP_MIN_P], sp[SP_TOP_K] = u, temperature, top_p, min_p, top_k
+    sp[SP_REPEAT], sp[SP_PRESENCE], sp[SP_FREQUENCY] = repeat_penalty, presence_penalty, frequency_penalty
+    sp[SP_PENALIZE] = float(repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0)
     return sp
 
 
-def sample_applies(temperature: float, top_k: int, vocab: int) -> bool:
-    """Whether sample_cuda draws with these parameters: a temperature, and a top-k of at
-    most MAX_TOP_K below the vocabulary (without one, the kept set is bounded only by the
-    whole row's normalizer). Penalties are the caller's to apply first."""
-    return temperature > 0.0 and 0 < top_k <= MAX_TOP_K and top_k < vocab
+def penalty_state(history, vocab: int, repeat_last_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the draw's penalties read, for a history of tokens (the prompt and the output so
+    far): int32 [2, vocab] (each token's count over the whole history; over the last
+    repeat_last_n tokens, all of them when <= 0), and the window's ring int32 [2 +
+    MAX_REPEAT_WINDOW]: (the slot the next token takes, the window's length, the tokens,
+    oldest first from that slot; -1 where the history is shorter). The draw updates both
+    with each token it takes."""
+    hist = np.asarray(history, dtype=np.int64)
+    counts, recent = token_counts(hist, vocab, repeat_last_n)
+    ring = np.full(2 + MAX_REPEAT_WINDOW, -1, np.int32)
+    n = max(0, repeat_last_n)
+    if n > MAX_REPEAT_WINDOW:
+        raise ValueError(f"repeat_last_n {repeat_last_n} is past the device's window of {MAX_REPEAT_WINDOW}")
+    if n:
+        last = hist[-n:]
+        ring[2:2 + len(last)] = last
+        ring[0] = len(last) % n
+    ring[1] = n
+    return np.stack([counts, recent]).astype(np.int32), ring
 
 
-def sample_ref(logits: np.ndarray, sp: np.ndarray) -> int:
-    """The token drawn from one logits row [V] with sample_params `sp`: a stable descending
+def sample_applies(temperature: float, top_k: int, vocab: int, repeat_last_n: int = 0) -> bool:
+    """Whether sample_cuda draws with these parameters: a temperature, a top-k of at most
+    MAX_TOP_K below the vocabulary (without one, the kept set is bounded only by the whole
+    row's normalizer), a repeat window the device keeps."""
+    return (temperature > 0.0 and 0 < top_k <= MAX_TOP_K and top_k < vocab
+            and repeat_last_n <= MAX_REPEAT_WINDOW)
+
+
+def sample_ref(logits: np.ndarray, sp: np.ndarray, pen: np.ndarray | None = None) -> int:
+    """The token drawn from one logits row [V] with sample_params `sp` (and its penalties
+    over penalty_state's counts `pen`, as apply_penalties_ref): a stable descending
     sort of the whole row (ties: the smaller id first; NaN as -inf), the first top_k, their
     softmax at the temperature; the smallest prefix whose mass reaches top_p, the tokens of
     at least min_p of the best's probability; then the inverse CDF at u over the kept
     tokens in id order (numpy's Generator.choice for a uniform u)."""
     x = np.where(np.isnan(logits), -np.inf, np.asarray(logits, np.float32))
+    if sp[SP_PENALIZE]:
+        x = apply_penalties_ref(x, pen[0], pen[1], sp[SP_REPEAT], sp[SP_PRESENCE], sp[SP_FREQUENCY])
     k = int(sp[SP_TOP_K])
     order = np.argsort(-x, kind="stable")[:k]
     z = x[order].astype(np.float64) / sp[SP_TEMPERATURE]
@@ -285,6 +317,20 @@ def _key_id(key):
     return np.int32(U32(0xFFFFFFFF) - U32(key & U64(0xFFFFFFFF)))
 
 
+@device(inline=True)
+def _penalized(v, j, sp, pen):
+    """Logit v of token j after sp's penalties over pen (apply_penalties_ref's float32 steps)."""
+    v = np.float32(v)
+    if sp[SP_PENALIZE] != 0.0:
+        if pen[1, j] > 0:
+            rep = np.float32(sp[SP_REPEAT])
+            v = v / rep if v > 0 else v * rep
+        c = pen[0, j]
+        if c > 0:
+            v = v - (np.float32(sp[SP_FREQUENCY]) * np.float32(c) + np.float32(sp[SP_PRESENCE]))
+    return v
+
+
 @functools.lru_cache(maxsize=None)
 def _sample_kernels(run: int):
     RUN = run
@@ -293,8 +339,8 @@ def _sample_kernels(run: int):
     K = MAX_TOP_K
 
     @cuda.jit
-    def run_keys(logits, row, rk):
-        """rk[r] = the best order key of run r of the row."""
+    def run_keys(logits, row, rk, sp, pen):
+        """rk[r] = the best order key of run r of the row (penalized)."""
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         r = cuda.grid(1)
         v_size = logits.shape[1]
@@ -302,14 +348,15 @@ def _sample_kernels(run: int):
             return
         best = U64(0)
         for j in range(r * RUN, min(r * RUN + RUN, v_size)):
-            key = _order_key(logits[row, j], j)
+            key = _order_key(_penalized(logits[row, j], j, sp, pen), j)
             if key > best:
                 best = key
         rk[r] = best
 
     @cuda.jit
-    def draw(logits, row, rk, sp, out):
-        """One block: out[0] = the token drawn from the row (see sample_ref)."""
+    def draw(logits, row, rk, sp, out, pen, ring):
+        """One block: out[0] = the token drawn from the row (see sample_ref); with
+        penalties, the token then counts in pen and ring (penalty_state)."""
         grid_dependency_sync()
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -369,7 +416,7 @@ def _sample_kernels(run: int):
         for e in range(tid, ints[2] * RUN, nt):
             j = sel[e // RUN] * RUN + e % RUN
             if j < v_size:
-                key = _order_key(logits[row, j], j)
+                key = _order_key(_penalized(logits[row, j], j, sp, pen), j)
                 if key >= floor:
                     cand[cuda.atomic.add(ints, 3, 1)] = key
         cuda.syncthreads()
@@ -435,7 +482,19 @@ def _sample_kernels(run: int):
                 if asc_p[i] / asc_p[keep - 1] > u:
                     pick = i
                     break
-            out[0] = asc_id[pick]
+            t = asc_id[pick]
+            out[0] = t
+            if sp[SP_PENALIZE] != 0.0:  # the history the next draw penalizes has t
+                pen[0, t] += 1
+                pen[1, t] += 1
+                n = ring[1]
+                if n > 0:
+                    slot = ring[0]
+                    old = ring[2 + slot]
+                    if old >= 0:
+                        pen[1, old] -= 1  # out of the window
+                    ring[2 + slot] = t
+                    ring[0] = (slot + 1) % n
 
     return pdl_ready(run_keys), pdl_ready(draw)
 
@@ -446,12 +505,16 @@ def sample_scratch(v_size: int, run: int = SAMPLE_RUN):
     return cuda.device_array(ceil_div(v_size, run), dtype=np.uint64)
 
 
-def sample_cuda(logits, sp, out, scratch=None, row: int = 0, run: int = SAMPLE_RUN, stream=0):
+def sample_cuda(logits, sp, out, scratch=None, row: int = 0, run: int = SAMPLE_RUN, stream=0, state=None):
     """out[0] = the token drawn from row `row` of device logits [R, V] (f32) with the
-    device parameters sp (sample_params; sample_applies must hold), as sample_ref draws it."""
+    device parameters sp (sample_params; sample_applies must hold), as sample_ref draws it.
+    state: device (pen, ring) of penalty_state, read and updated where sp has penalties
+    (None: sp must have none)."""
     rk = sample_scratch(logits.shape[1], run) if scratch is None else scratch
+    if state is None:
+        state = (cuda.device_array((2, 1), np.int32, stream=stream), cuda.device_array(2, np.int32, stream=stream))
     run_keys, draw = _sample_kernels(run)
     nt = block_threads(128)
-    run_keys[ceil_div(rk.shape[0], nt), nt, stream](logits, row, rk)
-    draw[1, block_threads(SAMPLE_THREADS), stream](logits, row, rk, sp, out)
+    run_keys[ceil_div(rk.shape[0], nt), nt, stream](logits, row, rk, sp, state[0])
+    draw[1, block_threads(SAMPLE_THREADS), stream](logits, row, rk, sp, out, state[0], state[1])
     return out

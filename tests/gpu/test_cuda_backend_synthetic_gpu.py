@@ -130,7 +130,8 @@ def test_pdl_decode_matches_cpu(setting):
 def test_sampled_decode_on_the_device_draws_the_host_samplers_tokens(tmp_path):
     """generate with a temperature takes DeviceStepper on the GPU (the draw inside the
     decode graph, the next step queued before the token is read): for a seed, the tokens
-    of the host sampler over the same backend's logits (PlainStepper)."""
+    of the host sampler over the same backend's logits (PlainStepper); with penalties too
+    (the device keeps the history's counts and repeat window itself)."""
     import luce
     from luce.bench.synthetic import tiny, write_gguf
     from luce.engine.generator import DeviceStepper, PlainStepper, device_steps, generate
@@ -139,9 +140,10 @@ def test_sampled_decode_on_the_device_draws_the_host_samplers_tokens(tmp_path):
     m = luce.load(write_gguf(tmp_path / "q3.gguf", shape, seed=6), backend="cuda", n_ctx=256)
     prompt = list(np.random.default_rng(2).integers(0, 2048, 30))
     runs = []
-    for seed in (1, 2):
+    for seed, penalties in ((1, {}), (2, {}), (3, {"repeat_penalty": 1.3, "presence_penalty": 0.3,
+                                                    "frequency_penalty": 0.1, "repeat_last_n": 8})):
         params = SamplingParams(temperature=1.2, top_k=40, top_p=0.97, min_p=0.0, seed=seed, max_tokens=48,
-                                ignore_eos=True)
+                                ignore_eos=True, **penalties)
         s_dev, s_host = m.new_session(256), m.new_session(256)
         assert device_steps(s_dev, params)
         dev = DeviceStepper(s_dev, params.max_tokens, Sampler(params))

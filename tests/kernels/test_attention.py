@@ -313,7 +313,8 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
                         *[(attention._combine(128, p), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, "
                            f"{F3}, uint8[::1], float32[::1])", 32 * attention.COMBINE_WARPS) for p in (0, 2)],
                         (sampling._sample_kernels(sampling.SAMPLE_RUN)[1],
-                         f"void({F2}, int64, uint64[::1], float64[::1], {I1})", sampling.SAMPLE_THREADS),
+                         f"void({F2}, int64, uint64[::1], float64[::1], {I1}, int32[:, ::1], {I1})",
+                         sampling.SAMPLE_THREADS),
                         (quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)",
                          quantize_x.THREADS),
                         (quantize_x._norm_quantize_kernel, "void(float32[::1], float32[::1], float32[::1], "
@@ -330,7 +331,8 @@ for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),
                (embedding._embed_kernel, f"void(float16[:, ::1], {I1}, {F2})"),
                (embedding._gather_rows_u16_kernel, f"void(uint16[:, ::1], {I1}, uint16[:, ::1])"),
-               (sampling._sample_kernels(sampling.SAMPLE_RUN)[0], f"void({F2}, int64, uint64[::1])"),
+               (sampling._sample_kernels(sampling.SAMPLE_RUN)[0],
+                f"void({F2}, int64, uint64[::1], float64[::1], int32[:, ::1])"),
                (sampling._penalty_kernel, f"void({F2}, {I1}, {I1}, float32, float32, float32)"),
                (paging._write_kernel, f"void({P5('float16')}, {P5('float16')}, {I1}, int64, {I1}, {F3}, {F3}, {I1}, {I1})"),
                (paging._write_q8_kernel, f"void({P5('int8')}, {P5('float16')}, {P5('int8')}, {P5('float16')}, {I1}, "

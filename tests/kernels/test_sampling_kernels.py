@@ -6,9 +6,9 @@ import pytest
 from numba import cuda
 
 from luce.engine.sampling import SamplingParams, apply_penalties
-from luce.kernels.sampling import (MAX_TOP_K, apply_penalties_cuda, apply_penalties_ref, argmax_cuda, argmax_ref,
-                                   sample_applies, sample_cuda, sample_params, sample_ref, token_counts, topk_cuda,
-                                   topk_ref, topk_scratch_shape)
+from luce.kernels.sampling import (MAX_REPEAT_WINDOW, MAX_TOP_K, apply_penalties_cuda, apply_penalties_ref,
+                                   argmax_cuda, argmax_ref, penalty_state, sample_applies, sample_cuda, sample_params,
+                                   sample_ref, token_counts, topk_cuda, topk_ref, topk_scratch_shape)
 
 rng = np.random.default_rng()
 
@@ -97,9 +97,37 @@ def test_sample_ref_is_the_engine_sampler():
         assert s.sample(logits, []) == sample_ref(logits, sample_params(t, k, p, m, u)), seed
 
 
+@pytest.mark.parametrize("window", [4, 0])
+def test_sample_with_penalties_draws_and_keeps_the_history(window):
+    """Repeat, presence and frequency penalties over a history the draw itself extends:
+    each token is the reference's over the penalties of the history so far, and after
+    each draw the device's counts are those of the history with it (window 4: the ring
+    wraps, tokens leave the repeat window; 0: the whole history)."""
+    rng = np.random.default_rng(11 + window)
+    vocab = 300
+    logits = (rng.standard_normal((1, vocab)) * 1.5).astype(np.float32)
+    logits[0, :6] += 4.0  # a few likely tokens, so that the history repeats and penalties bite
+    history = list(rng.integers(0, 6, 7))
+    pen, ring = penalty_state(history, vocab, window)
+    state = cuda.to_device(pen), cuda.to_device(ring)
+    d = cuda.to_device(logits)
+    out = cuda.to_device(np.full(1, -7, np.int32))
+    for step in range(6):
+        sp = sample_params(1.0, 20, 0.98, 0.0, rng.random(), repeat_penalty=1.6, presence_penalty=0.4,
+                           frequency_penalty=0.3)
+        want = sample_ref(logits[0], sp, penalty_state(history, vocab, window)[0])
+        sample_cuda(d, cuda.to_device(sp), out, run=64, state=state)
+        got = int(out.copy_to_host()[0])
+        assert got == want, step
+        history.append(got)
+        np.testing.assert_array_equal(state[0].copy_to_host(), penalty_state(history, vocab, window)[0])
+    assert len(set(history[7:])) > 1
+
+
 def test_sample_applies_only_where_top_k_bounds_the_kept_set():
     assert sample_applies(0.8, 40, 151_936)
     assert not sample_applies(0.0, 40, 151_936)  # greedy: the argmax kernel
     assert not sample_applies(0.8, 0, 151_936)  # no top-k: the whole row's normalizer
     assert not sample_applies(0.8, MAX_TOP_K + 1, 151_936)
     assert not sample_applies(0.8, 40, 40)
+    assert not sample_applies(0.8, 40, 151_936, repeat_last_n=MAX_REPEAT_WINDOW + 1)
