@@ -1,6 +1,8 @@
 """The small per-layer ops of a decode step for `luce bench --kernels`: RMSNorm of the
 hidden state, the fused q/k norm + RoPE against its unfused parts (two per-head norms and
-two RoPE launches), at the Qwen3-8B shape for one token (decode) and 512 (a prefill piece).
+two RoPE launches), at the Qwen3-8B shape for one token (decode) and 512 (a prefill piece);
+and once a decode step, the next token from 151,936 logits: the argmax, the draw with the
+default sampling parameters, and with penalties (luce.kernels.sampling.sample_cuda).
 Each is a few microseconds of latency, not bandwidth: the rows say what one launch costs
 inside a CUDA graph, which is what the decode step pays per call."""
 from __future__ import annotations
@@ -45,10 +47,33 @@ def bench_small_ops(tokens=(1, 512), reps: int = 50, seed: int = 0) -> list[dict
                  ("qk_rope (fused q/k norm + rope)",
                   lambda: qk_rope_cuda(q, k, pos, hw, hw, 1e-6, d, 1e6, "halves", stream=stream)),
                  ("q/k norm + rope, unfused (4 launches)", unfused)]
+        if n == 1:
+            cases += _next_token_cases(rng, stream)
         for name, launch in cases:
             us, mode = time_launch(launch, stream, reps)
             rows.append(dict(name=name, tokens=n, time_us=round(us, 2), mode=mode))
     return rows
+
+
+VOCAB = 151_936
+
+
+def _next_token_cases(rng, stream) -> list:
+    from numba import cuda
+
+    from ..kernels.sampling import argmax_cuda, penalty_state, sample_cuda, sample_params, sample_scratch
+    logits = cuda.to_device((rng.standard_normal((1, VOCAB)) * 3).astype(np.float32), stream=stream)
+    tok = cuda.device_array(1, np.int32, stream=stream)
+    scratch = sample_scratch(VOCAB)
+    plain = cuda.to_device(sample_params(0.8, 40, 0.95, 0.05, 0.5), stream=stream)
+    pen_sp = cuda.to_device(sample_params(0.8, 40, 0.95, 0.05, 0.5, repeat_penalty=1.1, presence_penalty=0.2),
+                            stream=stream)
+    state = tuple(cuda.to_device(a, stream=stream) for a in penalty_state(rng.integers(0, VOCAB, 600), VOCAB, 64))
+    return [("next token: argmax", lambda: argmax_cuda(logits, out=tok, stream=stream)),
+            ("next token: draw (default sampling)",
+             lambda: sample_cuda(logits, plain, tok, scratch=scratch, stream=stream, state=state)),
+            ("next token: draw with penalties",
+             lambda: sample_cuda(logits, pen_sp, tok, scratch=scratch, stream=stream, state=state))]
 
 
 if __name__ == "__main__":

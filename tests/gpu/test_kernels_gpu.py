@@ -339,7 +339,7 @@ def test_bench_attention_rows():
 def test_bench_small_ops_rows():
     from luce.bench.kernels_small import bench_small_ops
     rows = bench_small_ops(tokens=(1,), reps=5)
-    assert [r["name"].split()[0] for r in rows] == ["rms_norm", "qk_rope", "q/k"]
+    assert [r["name"].split()[0] for r in rows] == ["rms_norm", "qk_rope", "q/k", "next", "next", "next"]
     assert all(r["time_us"] > 0 for r in rows)
 
 
