@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, distribution, draw
+from ..engine.sampling import SamplingParams, kept
 from .ddtree import Tree
 
 
@@ -59,17 +59,18 @@ def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingP
             if nxt is None:
                 return Verdict(nodes, toks, None)
         elif params.greedy:
-            p = distribution(logits[node + 1], hist, params)
-            best = int(np.argmax(p))
+            best = int(kept(logits[node + 1], hist, params)[0][0])
             nxt = next((c for c in children if tree.tokens[c] == best), None)
             if nxt is None:
                 return Verdict(nodes, toks, None)
         else:
-            p = distribution(logits[node + 1], hist, params)
+            # p over its support (ascending ids): no vocabulary-sized arrays a node
+            ids, ps = kept(logits[node + 1], hist, params)
+            nz, p = ids[ps > 0], ps[ps > 0]
             if q is not None:
-                nxt, replacement = _accept_sampled(children, tree, p, q[len(toks)], rng)
+                nxt, replacement = _accept_sampled(children, tree, nz, p, q[len(toks)], rng)
             else:
-                nxt, replacement = _accept_points(children, tree, p, rng)
+                nxt, replacement = _accept_points(children, tree, nz, p, rng)
             if nxt is None:
                 return Verdict(nodes, toks, replacement)
         nodes.append(nxt)
@@ -77,23 +78,29 @@ def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingP
         node = nxt
 
 
-def _accept_sampled(children, tree: Tree, p: np.ndarray, q: np.ndarray, rng):
+def _at(nz: np.ndarray, x: int) -> int:
+    """x's index in the ascending ids nz, or -1 where x is not among them."""
+    j = int(np.searchsorted(nz, x))
+    return j if j < len(nz) and nz[j] == x else -1
+
+
+def _accept_sampled(children, tree: Tree, nz: np.ndarray, p: np.ndarray, q: np.ndarray, rng):
+    """p: the target's probabilities of the ids nz (its support, ascending); q over the vocabulary."""
     c = children[0]
     x = int(tree.tokens[c])
-    if q[x] > 0 and rng.random() < min(1.0, p[x] / q[x]):
+    j = _at(nz, x)
+    px = p[j] if j >= 0 else 0.0
+    if q[x] > 0 and rng.random() < min(1.0, px / q[x]):
         return c, None
-    nz = np.flatnonzero(p)  # the residual lives where p does
-    # its mass is 0 where p == q, where rejection has probability 0: only rounding gets there
-    return None, _draw_residual(rng, nz, np.maximum(p[nz] - q[nz], 0.0), p)
+    # the residual lives where p does; its mass is 0 where p == q, where rejection has
+    # probability 0: only rounding gets there
+    return None, _draw_residual(rng, nz, np.maximum(p - q[nz], 0.0), p)
 
 
-def _accept_points(children, tree: Tree, p: np.ndarray, rng):
-    nz = np.flatnonzero(p)  # r lives where p does
-    r = p[nz]
+def _accept_points(children, tree: Tree, nz: np.ndarray, p: np.ndarray, rng):
+    r = p.copy()  # r lives where p does
     for c in children:
-        x = int(tree.tokens[c])
-        j = int(np.searchsorted(nz, x))
-        j = j if j < len(nz) and nz[j] == x else -1  # -1: x outside p's support, r(x) = 0
+        j = _at(nz, int(tree.tokens[c]))  # -1: outside p's support, r(x) = 0
         s = r.sum()
         if s <= 1e-12:
             break
@@ -106,6 +113,6 @@ def _accept_points(children, tree: Tree, p: np.ndarray, rng):
 
 def _draw_residual(rng, nz, r, p) -> int:
     """A token from the residual r over the ids nz (ascending: the draw is the one over the
-    whole vocabulary), normalized; from p where r has no mass left."""
+    whole vocabulary), normalized; from p (over the same ids) where r has no mass left."""
     s = r.sum()
-    return int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else draw(rng, p)
+    return int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else int(nz[rng.choice(len(nz), p=p)])
