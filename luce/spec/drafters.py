@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, distribution, draw, top_logprobs
+from ..engine.sampling import SamplingParams, kept, top_logprobs
 
 
 @dataclass
@@ -20,10 +20,11 @@ class Draft:
     tokens: list[int]
     topk_ids: np.ndarray  # int64 [len(tokens), K]; rank 0 is tokens[i] unless sampled
     topk_logp: np.ndarray  # float [len(tokens), K]; -inf pads
-    # The distribution each token was sampled from when the drafter sampled; None when
-    # the tokens are deterministic proposals (greedy draft, lookup). Verification needs
-    # it for the p/q acceptance rule.
-    q: list[np.ndarray] | None = None
+    # The distribution each token was sampled from when the drafter sampled, over its
+    # support: (ascending token ids, their probabilities); None when the tokens are
+    # deterministic proposals (greedy draft, lookup). Verification needs it for the p/q
+    # acceptance rule.
+    q: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @staticmethod
     def empty() -> "Draft":
@@ -67,9 +68,12 @@ class DraftModel:
         for i in range(n):
             top_i, top_l = top_logprobs(logits, k)
             if sample:
-                q = distribution(logits, context + toks, params)
-                t = draw(rng, q)
-                qs.append(q)
+                # over its support (no vocabulary-sized array a position); the draw is
+                # the one over the whole vector: zeros add nothing to its cumulative sums
+                q_ids, q_ps = kept(logits, context + toks, params)
+                q_ids, q_ps = q_ids[q_ps > 0], q_ps[q_ps > 0]
+                t = int(q_ids[rng.choice(len(q_ids), p=q_ps)])
+                qs.append((q_ids, q_ps))
             else:
                 t = int(top_i[0])
             toks.append(t)

@@ -42,7 +42,8 @@ def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingP
            q: list[np.ndarray] | None = None) -> Verdict:
     """Walk `tree` from the root. logits[0] are the target's logits after the root (the
     last token of `history`), logits[i + 1] after node i. `q[d]`: the distribution the
-    depth-(d+1) chain token was sampled from (chains only)."""
+    depth-(d+1) chain token was sampled from, (ids, probabilities) over its support
+    (chains only)."""
     nodes: list[int] = []
     toks: list[int] = []
     node = -1
@@ -84,17 +85,25 @@ def _at(nz: np.ndarray, x: int) -> int:
     return j if j < len(nz) and nz[j] == x else -1
 
 
-def _accept_sampled(children, tree: Tree, nz: np.ndarray, p: np.ndarray, q: np.ndarray, rng):
-    """p: the target's probabilities of the ids nz (its support, ascending); q over the vocabulary."""
+def _values_at(ids: np.ndarray, vals: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """vals at the tokens xs of a distribution over its support (ascending ids), 0 elsewhere."""
+    j = np.minimum(np.searchsorted(ids, xs), len(ids) - 1)
+    return np.where(ids[j] == xs, vals[j], 0.0)
+
+
+def _accept_sampled(children, tree: Tree, nz: np.ndarray, p: np.ndarray, q, rng):
+    """p: the target's probabilities of the ids nz (its support, ascending); q: the draft's,
+    (ids, probabilities) over its own support."""
     c = children[0]
     x = int(tree.tokens[c])
     j = _at(nz, x)
     px = p[j] if j >= 0 else 0.0
-    if q[x] > 0 and rng.random() < min(1.0, px / q[x]):
+    qx = float(_values_at(q[0], q[1], np.array([x]))[0])
+    if qx > 0 and rng.random() < min(1.0, px / qx):
         return c, None
     # the residual lives where p does; its mass is 0 where p == q, where rejection has
     # probability 0: only rounding gets there
-    return None, _draw_residual(rng, nz, np.maximum(p - q[nz], 0.0), p)
+    return None, _draw_residual(rng, nz, np.maximum(p - _values_at(q[0], q[1], nz), 0.0), p)
 
 
 def _accept_points(children, tree: Tree, nz: np.ndarray, p: np.ndarray, rng):
