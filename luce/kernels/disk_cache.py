@@ -27,6 +27,7 @@ import functools
 import hashlib
 import os
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -148,11 +149,21 @@ if not SIM:
             # numba rebuilds a cached kernel without the attributes its compiled form has;
             # luce reads py_func at launch (cuda_graph records which launches are PDL-ready:
             # without it every capture failed and decode ran eagerly, H200: 7 tok/s)
-            kernel = super().load_overload(sig, target_context)
+            try:
+                kernel = super().load_overload(sig, target_context)
+            except Exception as e:  # a damaged file (numba re-raises unpickling errors): compile
+                warnings.warn(f"luce: a cached kernel in {self._cache_path} could not be read ({e!r}); compiling it")
+                return None
             if kernel is not None:
                 kernel.py_func = self._py_func
                 kernel.argtypes = tuple(kernel.signature.args)
             return kernel
+
+        def save_overload(self, sig, data):
+            try:
+                super().save_overload(sig, data)
+            except Exception as e:  # a full disk: the kernel is compiled, only not kept
+                warnings.warn(f"luce: a compiled kernel could not be saved in {self._cache_path} ({e!r})")
 
         def _index_key(self, sig, codegen):
             import numba_cuda

@@ -84,3 +84,32 @@ def test_cache_dir_setting(monkeypatch, tmp_path):
     monkeypatch.delenv("LUCE_KERNEL_CACHE")
     monkeypatch.setenv("LUCE_CACHE", str(tmp_path))
     assert disk_cache.cache_dir() == tmp_path / "kernels"
+
+
+DAMAGED = r'''
+import warnings
+from luce.kernels import disk_cache, sampling
+k = sampling._sample_kernels(64)[1]
+assert type(k._cache).__name__ == "KernelCache"
+class Codegen:
+    def magic_tuple(self):
+        return ("nvptx64", "sm_90", "")
+class Ctx:
+    def refresh(self):
+        pass
+    def codegen(self):
+        return Codegen()
+k._cache._impl.locator.ensure_cache_path()
+open(k._cache._cache_file._index_path, "wb").write(b"not a pickle")
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    assert k._cache.load_overload(("sig",), Ctx()) is None
+assert any("could not be read" in str(x.message) for x in w), [str(x.message) for x in w]
+print("OK")
+'''
+
+
+def test_a_damaged_cache_file_means_compiling_not_failing(tmp_path):
+    e = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", LUCE_KERNEL_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", DAMAGED], capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
