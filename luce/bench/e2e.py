@@ -200,6 +200,7 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         # the first prefill and decode steps: kernels compiled (or read from numba's cache) and
         # graphs captured; luce.load's own warm-up, in its load time, does this for a model file
         "first prefill + 4 decode steps s": warmup_s,
+        "kernels from the disk cache / compiled": "{} / {}".format(*_kernel_counts()) if be.name == "cuda" else None,
         "prefill tok/s": n_prompt / best_prefill,
         "prefill tok/s eager": n_prompt / eager_prefill_s if eager_prefill_s else None,
         "decode tok/s": decode_tok_s,
@@ -291,6 +292,11 @@ def _decode_sampled(decode, kv, first: int, n: int) -> float:
         return time.perf_counter() - t0
     finally:
         kv.truncate(n0)
+
+
+def _kernel_counts() -> tuple[int, int]:
+    from ..kernels.disk_cache import counts
+    return counts()
 
 
 def _routing_note() -> str:

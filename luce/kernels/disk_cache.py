@@ -201,3 +201,16 @@ def enable(kernel):
         return kernel
     kernel._cache = KernelCache(kernel.py_func, key)
     return kernel
+
+
+def counts() -> tuple[int, int]:
+    """(kernels loaded from the disk cache, kernels compiled) in this process so far, over
+    the dispatchers that have the cache."""
+    import gc
+    hits = misses = 0
+    for o in gc.get_objects():
+        cache = getattr(o, "_cache", None) if type(o).__name__ == "CUDADispatcher" else None
+        if cache is not None and type(cache).__name__ == "KernelCache":
+            hits += sum(o._cache_hits.values())
+            misses += sum(o._cache_misses.values())
+    return hits, misses

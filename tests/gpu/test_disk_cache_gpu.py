@@ -24,6 +24,8 @@ sampling.sample_cuda(cuda.to_device(x), cuda.to_device(sp), out)
 run_keys, draw = sampling._sample_kernels(sampling.SAMPLE_RUN)
 hits = sum(run_keys._cache_hits.values()) + sum(draw._cache_hits.values())
 misses = sum(run_keys._cache_misses.values()) + sum(draw._cache_misses.values())
+from luce.kernels.disk_cache import counts
+assert counts() == (hits, misses), counts()  # what luce bench reports
 # a loaded kernel is captured like a compiled one (luce reads its py_func while recording)
 from luce.backends.cuda_graph import Graph
 stream = cuda.stream()
