@@ -633,7 +633,7 @@ class CUDABackend:
 
     @property
     def pipelined_greedy(self) -> bool:
-        """Whether generate decodes greedily through forward_next_token (DeviceGreedyStepper):
+        """Whether generate decodes through forward_next_token (engine.generator.DeviceStepper):
         with graphs (eager launches keep the host busy anyway) unless LUCE_ASYNC_HOST=0."""
         from . import cuda_copy
         return self.use_graphs and cuda_copy.ASYNC_HOST

@@ -153,7 +153,8 @@ class DeviceStepper:
     (With the logits sampled on the host the GPU waits for all of that, plus the logits
     copy and the sampler, every token: Qwen3-8B shape on the H200, 10644a2: 276.7 tok/s
     sampled on the host against 320.9 greedy this way.) The queued step past the last kept
-    token is discarded by `close`. Same tokens as PlainStepper without penalties.
+    token is discarded by `close`. Same tokens as PlainStepper for the same seed, penalties
+    included (the device keeps the history's counts: set_penalty_history, once).
     """
 
     def __init__(self, session: Session, limit: int, sampler: Sampler | None = None):
