@@ -46,6 +46,11 @@ def cache_dir() -> Path | None:
     return base / "kernels"
 
 
+# settings no kernel's code depends on (where files go, the server's key, plugins, models)
+_NOT_CODE = frozenset({"LUCE_KERNEL_CACHE", "LUCE_CACHE", "LUCE_API_KEY", "LUCE_PLUGINS", "LUCE_DRAFT_DIR",
+                       "LUCE_MODEL_CACHE", "LUCE_COMMIT"})
+
+
 @functools.lru_cache(maxsize=None)
 def stamp() -> str:
     """What every cached kernel depends on beyond its own closure (see the module doc)."""
@@ -54,7 +59,7 @@ def stamp() -> str:
     for p in sorted(Path(__file__).parent.glob("*.py")):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     for k in sorted(os.environ):
-        if k.startswith(("LUCE_", "NUMBA_")) and k not in ("LUCE_KERNEL_CACHE", "LUCE_CACHE"):
+        if k.startswith(("LUCE_", "NUMBA_")) and k not in _NOT_CODE:
             h.update(f"{k}={os.environ[k]}\0".encode())
     return h.hexdigest()[:20]
 
@@ -188,9 +193,12 @@ def _writable(path: Path) -> bool:
 
 def enable(kernel):
     """Give a numba kernel dispatcher the disk cache, where there is one to give (a GPU
-    build, LUCE_KERNEL_CACHE not 0 and writable, a closure this module can describe).
-    Returns the kernel."""
-    if SIM or not isinstance(getattr(kernel, "py_func", None), types.FunctionType):
+    build, a kernel of luce.kernels, LUCE_KERNEL_CACHE not 0 and writable, a closure this
+    module can describe). Returns the kernel."""
+    py_func = getattr(kernel, "py_func", None)
+    # the stamp covers luce.kernels' sources only: a plugin's kernel, whose device
+    # functions may live anywhere, compiles as before
+    if SIM or not isinstance(py_func, types.FunctionType) or not py_func.__module__.startswith(__package__ + "."):
         return kernel
     where = cache_dir()
     if where is None or not _writable(where):

@@ -27,6 +27,12 @@ print("KEYS", " ".join(disk_cache.closure_key(k.py_func) for k in ks))
 ds = [o for o in gc.get_objects() if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device")]
 print("CACHED", sum(type(d._cache).__name__ == "KernelCache" for d in ds), len(ds))
 print("STAMP", disk_cache.stamp())
+from numba import cuda
+from luce.kernels import pdl
+@cuda.jit
+def elsewhere(x):  # a plugin's kernel: its device functions are not in the stamp
+    x[0] = 1
+print("PLUGIN", type(pdl.ready(elsewhere)._cache).__name__)
 '''
 
 
@@ -35,6 +41,7 @@ def _run(tmp_path, **env):
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:1].isupper())
+    assert out["PLUGIN"] != "KernelCache"
     return out["KEYS"].split(), [int(v) for v in out["CACHED"].split()], out["STAMP"]
 
 
@@ -46,6 +53,8 @@ def test_keys_agree_across_interpreters_and_every_kernel_is_cached(tmp_path):
     assert total >= 10 and cached == total
     _, _, stamp3 = _run(tmp_path, LUCE_PDL="0")  # a compile-time setting: another stamp
     assert stamp3 != stamp
+    _, _, stamp4 = _run(tmp_path, LUCE_API_KEY="k")  # the server's key: no kernel's code
+    assert stamp4 == stamp
 
 
 def test_describe_by_value():
