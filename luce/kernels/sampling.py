@@ -1,5 +1,7 @@
 """Sampling on the device: argmax, logit penalties, top-k (the draft's candidates in
-speculative decoding). Numpy references first, the CUDA kernels below.
+speculative decoding), and a sampled token drawn whole (sample_cuda: top-k, top-p, min-p,
+penalties and the draw with the host generator's uniform, inside the decode graph). Numpy
+references first, the CUDA kernels below.
 
 Order of candidates everywhere: larger logit first, equal logits by smaller token id
 (what a stable descending sort and np.argmax give). NaN logits are never selected.
