@@ -90,7 +90,7 @@ class Model:
         """Queue a one-token decode step whose next token (greedy, or drawn with `sample`)
         stays on the device (backends with `forward_next_token`): see
         CUDABackend.forward_next_token."""
-        if sample is None:
+        if sample is None:  # a plugin's backend may predate `sample`: greedy asks it nothing new
             return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position)
         return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
                                                sample=sample)

@@ -147,7 +147,6 @@ class CPUBackend:
         self._next_token[kv] = nxt
         return ReadyToken(nxt)
 
-
     def set_penalty_history(self, family, cfg, weights, kv: KVCache, history, repeat_last_n: int) -> None:
         """CUDABackend.set_penalty_history's contract: the history the next draws penalize."""
         self._history[kv] = (list(history), repeat_last_n)

@@ -258,10 +258,8 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int, sampler=None) -> 
     q = deque()
 
     def queue(tok):
-        if sampler is None:
-            q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past))
-        else:
-            q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past, sample=sampler.device_params()))
+        sample = None if sampler is None else sampler.device_params()
+        q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past, sample=sample))
         kv.commit()
     try:
         for _pass in range(2):  # the first compiles and records the graph; the second is timed

@@ -117,10 +117,7 @@ class Session:
         still on the device) and commit its row; returns its pending next token (greedy,
         or drawn with `sample`: Sampler.device_params). The caller appends the token to
         `tokens` once it knows it."""
-        if sample is not None:
-            pending = self.model.forward_next_token(self.cache, token, self.cache.n_past, sample=sample)
-        else:
-            pending = self.model.forward_next_token(self.cache, token, self.cache.n_past)
+        pending = self.model.forward_next_token(self.cache, token, self.cache.n_past, sample=sample)
         self.cache.commit()
         return pending
 
@@ -161,7 +158,7 @@ class DeviceStepper:
         self.session = session
         self.limit = limit  # tokens the generation may produce
         # plain greedy needs no draw; greedy with penalties is a top-1 draw
-        drawn = sampler is not None and (not sampler.params.greedy or sampler.penalized)
+        drawn = sampler is not None and (not sampler.params.greedy or sampler.params.penalized)
         self.sampler = sampler if drawn else None
         self.produced = 0
         self.queue: deque = deque()  # pending next tokens of queued forwards, in order
@@ -180,7 +177,7 @@ class DeviceStepper:
         s = self.session
         sample = None
         if self.sampler is not None:
-            if not self.queue and self.sampler.penalized:  # the device's history, once (then it adds its draws)
+            if not self.queue and self.sampler.params.penalized:  # the device's history, once (then it adds its draws)
                 s.model.set_penalty_history(s.cache, self.history, self.sampler.params.repeat_last_n)
             sample = self.sampler.device_params()
         self.queue.append(s.queue_decode(token, sample=sample))
@@ -209,14 +206,12 @@ def device_steps(session: Session, params: SamplingParams) -> bool:
     backend = getattr(session.model, "backend", None)
     if not (getattr(backend, "pipelined_greedy", False) and hasattr(session.model, "forward_next_token")):
         return False
-    penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-    if params.greedy and not penalties:
+    if params.greedy and not params.penalized:
         return True
     from ..kernels.sampling import sample_applies
     vocab = getattr(getattr(session.model, "config", None), "vocab_size", 0)
-    t, k = (1.0, 1) if params.greedy else (params.temperature, params.top_k)
     return (bool(getattr(backend, "device_sampling", False)) and hasattr(session.model, "set_penalty_history")
-            and sample_applies(t, k, vocab, params.repeat_last_n))
+            and sample_applies(*params.device_draw, vocab, params.repeat_last_n))
 
 
 def generate(session: Session, prompt: list[int], params: SamplingParams, stepper=None) -> Iterator[Delta]:

@@ -47,13 +47,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def device_draw(self) -> tuple[float, int]:
+        """(temperature, top_k) of the device draw: greedy with penalties is a top-1 draw."""
+        return (1.0, 1) if self.greedy else (self.temperature, self.top_k)
+
     def with_(self, **changes) -> "SamplingParams":
         names = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in changes.items() if k in names and v is not None})
 
 
 def apply_penalties(logits: np.ndarray, history: list[int] | np.ndarray, p: SamplingParams) -> np.ndarray:
-    if not len(history) or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+    if not len(history) or not p.penalized:
         return logits
     logits = logits.astype(np.float32, copy=True)
     hist = np.asarray(history, dtype=np.int64)
@@ -99,12 +108,11 @@ def top_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int64), x[ids].astype(np.float64) - log_z
 
 
-def draw(rng, probs: np.ndarray) -> int:
-    """A token drawn from probs (over the vocabulary) as rng.choice(len(probs), p=probs)
-    draws it, among the nonzero entries only: the same token for the same generator state
-    (zeros add nothing to the cumulative sums), without a cumulative sum of 152K entries."""
-    nz = np.flatnonzero(probs)
-    return int(nz[rng.choice(len(nz), p=probs[nz])])
+def draw(rng, ids: np.ndarray, probs: np.ndarray) -> int:
+    """A token from a distribution over its support (ascending ids, their probabilities):
+    the token rng.choice over the whole vocabulary's vector draws for the same generator
+    state (zeros add nothing to the cumulative sums), without a vector of 152K entries."""
+    return int(ids[rng.choice(len(ids), p=probs)])
 
 
 def kept(logits: np.ndarray, history, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -206,8 +214,7 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray, history) -> int:
-        if self.params.greedy and not (self.params.repeat_penalty != 1.0 or self.params.presence_penalty
-                                       or self.params.frequency_penalty):
+        if self.params.greedy and not self.params.penalized:
             return int(np.argmax(logits))
         # over the kept tokens in id order: the same draw as from `distribution`'s whole
         # vector for the same generator state (zeros add nothing to its cumulative sums)
@@ -217,17 +224,11 @@ class Sampler:
     def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))
 
-    @property
-    def penalized(self) -> bool:
-        p = self.params
-        return p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
     def device_params(self) -> np.ndarray:
         """The next draw's uniform (the one `draw` would take) with the parameters, as the
         device draw reads them (luce.kernels.sampling.sample_params); greedy (with
         penalties: without, nothing is drawn) as a top-1 draw."""
         from ..kernels.sampling import sample_params
         p = self.params
-        t, k = (1.0, 1) if p.greedy else (p.temperature, p.top_k)
-        return sample_params(t, k, p.top_p, p.min_p, self.rng.random(), p.repeat_penalty, p.presence_penalty,
-                             p.frequency_penalty)
+        return sample_params(*p.device_draw, p.top_p, p.min_p, self.rng.random(), p.repeat_penalty,
+                             p.presence_penalty, p.frequency_penalty)

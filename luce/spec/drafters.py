@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, kept, top_logprobs
+from ..engine.sampling import SamplingParams, draw, kept, top_logprobs
 
 
 @dataclass
@@ -68,11 +68,10 @@ class DraftModel:
         for i in range(n):
             top_i, top_l = top_logprobs(logits, k)
             if sample:
-                # over its support (no vocabulary-sized array a position); the draw is
-                # the one over the whole vector: zeros add nothing to its cumulative sums
+                # over its support: no vocabulary-sized array a position
                 q_ids, q_ps = kept(logits, context + toks, params)
                 q_ids, q_ps = q_ids[q_ps > 0], q_ps[q_ps > 0]
-                t = int(q_ids[rng.choice(len(q_ids), p=q_ps)])
+                t = draw(rng, q_ids, q_ps)
                 qs.append((q_ids, q_ps))
             else:
                 t = int(top_i[0])

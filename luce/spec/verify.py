@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.sampling import SamplingParams, kept
+from ..engine.sampling import SamplingParams, draw, kept
 from .ddtree import Tree
 
 
@@ -34,8 +34,7 @@ class Verdict:
 
 
 def plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and params.repeat_penalty == 1.0 and not params.presence_penalty \
-        and not params.frequency_penalty
+    return params.greedy and not params.penalized
 
 
 def verify(tree: Tree, logits: np.ndarray, history: list[int], params: SamplingParams, rng,
@@ -86,7 +85,8 @@ def _at(nz: np.ndarray, x: int) -> int:
 
 
 def _values_at(ids: np.ndarray, vals: np.ndarray, xs: np.ndarray) -> np.ndarray:
-    """vals at the tokens xs of a distribution over its support (ascending ids), 0 elsewhere."""
+    """vals at the tokens xs (one or an array) of a distribution over its support
+    (ascending ids), 0 elsewhere."""
     j = np.minimum(np.searchsorted(ids, xs), len(ids) - 1)
     return np.where(ids[j] == xs, vals[j], 0.0)
 
@@ -96,9 +96,7 @@ def _accept_sampled(children, tree: Tree, nz: np.ndarray, p: np.ndarray, q, rng)
     (ids, probabilities) over its own support."""
     c = children[0]
     x = int(tree.tokens[c])
-    j = _at(nz, x)
-    px = p[j] if j >= 0 else 0.0
-    qx = float(_values_at(q[0], q[1], np.array([x]))[0])
+    px, qx = float(_values_at(nz, p, x)), float(_values_at(*q, x))
     if qx > 0 and rng.random() < min(1.0, px / qx):
         return c, None
     # the residual lives where p does; its mass is 0 where p == q, where rejection has
@@ -124,4 +122,4 @@ def _draw_residual(rng, nz, r, p) -> int:
     """A token from the residual r over the ids nz (ascending: the draw is the one over the
     whole vocabulary), normalized; from p (over the same ids) where r has no mass left."""
     s = r.sum()
-    return int(nz[rng.choice(len(nz), p=r / s)]) if s > 1e-12 else int(nz[rng.choice(len(nz), p=p)])
+    return draw(rng, nz, r / s if s > 1e-12 else p)
