@@ -325,16 +325,29 @@ else:
         i = context.cast(builder, idx, idxty, types.intp)
         return builder.ptrtoint(builder.gep(data, [i]), ir.IntType(64))
 
+    def _smem_addr(context, builder, arrty, arr, idxty, idx):
+        """32-bit shared-window address of arr[idx] (a shared array), what ld.shared,
+        st.shared, ldmatrix and cp.async take in a register. Why not the generic address
+        and a cvta in the asm: that made every access a 64-bit address computation (two
+        instructions an add) and a conversion, ~20 of the decode attention kernel's ~46
+        instructions a key in its value pass (sm_90 SASS). Here the cast of numba's shared
+        array (itself a cast of the shared symbol) folds away and offsets stay 32-bit."""
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        elt = data.type.pointee
+        base = builder.ptrtoint(builder.addrspacecast(data, elt.as_pointer(3)), _I32)
+        i = builder.trunc(context.cast(builder, idx, idxty, types.intp), _I32)
+        return builder.add(base, builder.mul(i, ir.Constant(_I32, context.get_abi_sizeof(elt))))
+
     @intrinsic
     def sts4(typingctx, sh, idx, a, b, c, d):
         """sh[idx : idx + 4] = a, b, c, d in one 16-byte shared store (idx % 4 == 0)."""
         sig = types.void(sh, idx, a, b, c, d)
 
         def codegen(context, builder, sig, args):
-            addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            addr = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], sig.args[2:])]
-            _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; st.shared.v4.u32 [sa], {$1,$2,$3,$4}; }",
-                 "l,r,r,r,r", ir.VoidType(), [ir.IntType(64)] + [_I32] * 4, [addr] + vals, side_effect=True)
+            _asm(builder, "st.shared.v4.u32 [$0], {$1,$2,$3,$4};",
+                 "r,r,r,r,r", ir.VoidType(), [_I32] * 5, [addr] + vals, side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 
@@ -346,12 +359,11 @@ else:
             sig = types.UniTuple(sh.dtype, n)(sh, idx)
 
             def codegen(context, builder, sig, args):
-                addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                addr = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 regs = ",".join(f"${k}" for k in range(n))
-                s = _asm(builder, f"{{ .reg .u64 sa; cvta.to.shared.u64 sa, ${n}; "
-                                  f"ld.shared.v{n}.{'f32' if f32 else 'u32'} {{{regs}}}, [sa]; }}",
-                         ",".join(["=f" if f32 else "=r"] * n) + ",l", ir.LiteralStructType([_F32 if f32 else _I32] * n),
-                         [ir.IntType(64)], [addr], side_effect=True)
+                s = _asm(builder, f"ld.shared.v{n}.{'f32' if f32 else 'u32'} {{{regs}}}, [${n}];",
+                         ",".join(["=f" if f32 else "=r"] * n) + ",r", ir.LiteralStructType([_F32 if f32 else _I32] * n),
+                         [_I32], [addr], side_effect=True)
                 out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
                 for k in range(n):
                     out = builder.insert_value(out, builder.extract_value(s, k), k)
@@ -371,14 +383,11 @@ else:
             sig = types.UniTuple(types.uint32, 4)(sh, idx, scr, wid, lane)
 
             def codegen(context, builder, sig, args):
-                addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                addr = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 # Volatile: it reads shared memory that the barriers around it order; a pure
                 # asm would be hoisted out of the K loop (its address does not change).
-                s = _asm(builder,
-                         "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
-                         f"ldmatrix.sync.aligned.{shape}.shared.b16 {{$0,$1,$2,$3}}, [sa]; }}",
-                         "=r,=r,=r,=r,l", ir.LiteralStructType([_I32] * 4), [ir.IntType(64)], [addr],
-                         side_effect=True)
+                s = _asm(builder, f"ldmatrix.sync.aligned.{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                         "=r,=r,=r,=r,r", ir.LiteralStructType([_I32] * 4), [_I32], [addr], side_effect=True)
                 out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
                 for k in range(4):
                     out = builder.insert_value(out, builder.extract_value(s, k), k)
@@ -400,12 +409,11 @@ else:
         sig = types.void(sh, idx, src, i, nbytes)
 
         def codegen(context, builder, sig, args):
-            dst = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            dst = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             srcp = _shared_addr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
             n = context.cast(builder, args[4], sig.args[4], types.uint32)
-            _asm(builder, "{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-                          "cp.async.cg.shared.global [sa], [ga], 16, $2; }",
-                 "l,l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(64), _I32], [dst, srcp, n], side_effect=True)
+            _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }",
+                 "r,l,r", ir.VoidType(), [_I32, ir.IntType(64), _I32], [dst, srcp, n], side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 

@@ -161,6 +161,36 @@ def test_gated_writes_its_outputs_fragments():
         assert np.array_equal(got_s[:8], want_s[:8]) and got_s[2] > 1, qt
 
 
+def test_fixup_spreads_a_row_over_blocks():
+    """With a row's items spread over several fixup blocks (K = 1024: four a row here), the
+    flagged rows come out as the conversion of the row scaled by its power of two and the
+    others untouched, the scales are set, and the flags and the blocks' counts are left
+    zeroed for the next call (whose unflagged rows get scale 1 again)."""
+    from luce.kernels.dequant import T as QT
+    from luce.kernels.matvec_mma import FIXUP_ITEMS, fixup_shares
+    n_x, k = 5, 1024
+    assert fixup_shares(k, 32) == k // 4 // (32 * FIXUP_ITEMS) > 1
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    x[1] *= 4e4
+    x[3, 100] = -9e5
+    for qt in (QT.Q4_K, QT.Q6_K):
+        got, got_s = (a.copy_to_host() for a in x_frags(cuda.to_device(x), qt))
+        want_x = x.copy()
+        for t in (1, 3):
+            down = 1.0
+            while np.abs(x[t]).max() * down >= 2 ** 15:
+                down /= 2
+            want_x[t] *= np.float32(down)
+            assert got_s[t] == np.float32(1 / down) > 1, (qt, t)
+        want = x_frags(cuda.to_device(want_x), qt, guard=False)[0].copy_to_host()
+        np.testing.assert_array_equal(got, want)
+        assert np.all(got_s[[0, 2, 4]] == 1)
+        _, flags, _, counts = _scratch(8, k, qt, 0)
+        assert not flags.copy_to_host().any() and not counts.copy_to_host().any(), qt
+        again = x_frags(cuda.to_device(x[[0, 2, 4, 0, 2]]), qt)[1].copy_to_host()
+        assert np.all(again[:n_x] == 1), qt
+
+
 def test_matvec_mma_rejects():
     raw = random_tensor(rng, T.Q4_K, (16, 256)).reshape(16, -1)
     with pytest.raises(ValueError, match="Q4_K and Q6_K only"):
@@ -192,7 +222,8 @@ for qt, nt, tiles, warps, gated, pair, frags in [
     assert ".local" not in code and use["spill_bytes"] == 0, (qt, nt, tiles, warps, gated, pair, frags, use)
     print(qt.name, nt, tiles, warps, gated, pair, frags, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
-               (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
+               (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1], "
+                                 "int32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
                                       "float32[:, ::1], uint32[::1], uint32[::1])")]:
     code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
