@@ -17,6 +17,7 @@ from numba import cuda
 from .device import device
 from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div
 from .pdl import grid_dependency_sync, ready as pdl_ready
+from .split_merge import arrive
 from .vector_load import f32_to_u32_bits, u32_bits_to_f32
 
 MAX_TOP_K = 64
@@ -66,32 +67,70 @@ def _better(v, i, bv, bi):
     return v > bv or (v == bv and i < bi)
 
 
+# The argmax of a row is split over blocks of ARGMAX_CHUNK logits: one block walking a
+# whole 151,936-logit row took 43.1 us on the H200 (`luce bench --kernels`, 30706f5), more
+# than the draw (29.2). Each block leaves its best (value, id); the row's last block to
+# finish (luce.kernels.split_merge.arrive) reduces them.
+ARGMAX_THREADS = 256
+ARGMAX_CHUNK = 8 * ARGMAX_THREADS  # logits a block: 75 blocks a 151,936-logit row
+ARGMAX_MAX_BLOCKS = MAX_THREADS  # the last block reduces the partials one a thread
+
+
 @pdl_ready
 @cuda.jit
-def _argmax_kernel(logits, out):
+def _argmax_kernel(logits, out, part_v, part_i, counter):
     grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
-    row = cuda.blockIdx.x
+    b = cuda.blockIdx.x
+    row = cuda.blockIdx.y
     t = cuda.threadIdx.x
+    nb = cuda.gridDim.x
     vbuf = cuda.shared.array(MAX_THREADS, np.float32)
     ibuf = cuda.shared.array(MAX_THREADS, np.int32)
+    cbuf = cuda.shared.array(1, np.int32)
     bv = np.float32(-math.inf)
     bi = np.int32(BIG_INDEX)
-    for j in range(t, logits.shape[1], cuda.blockDim.x):
+    n = logits.shape[1]
+    per = (n + nb - 1) // nb
+    for j in range(b * per + t, min(n, (b + 1) * per), cuda.blockDim.x):
         v = np.float32(logits[row, j])
         if _better(v, j, bv, bi):
             bv = v
             bi = np.int32(j)
     bv, bi = block_argmax(bv, bi, vbuf, ibuf)
+    if nb == 1:
+        if t == 0:
+            out[row] = bi
+        return
     if t == 0:
-        out[row] = bi
+        part_v[row, b] = bv
+        part_i[row, b] = bi
+    if arrive(counter, row, nb, cbuf, t):
+        bv = np.float32(-math.inf)
+        bi = np.int32(BIG_INDEX)
+        for k in range(t, nb, cuda.blockDim.x):
+            if _better(part_v[row, k], part_i[row, k], bv, bi):
+                bv = part_v[row, k]
+                bi = part_i[row, k]
+        bv, bi = block_argmax(bv, bi, vbuf, ibuf)
+        if t == 0:
+            out[row] = bi
+
+
+_ARGMAX_SCRATCH: dict = {}  # (rows, blocks, stream) -> partials and counters: fixed addresses for graphs
 
 
 def argmax_cuda(logits, out=None, stream=0):
     """Row-wise argmax of device [R, V] (f32/f16) -> device int32 [R]."""
-    rows = logits.shape[0]
+    rows, n = logits.shape
     if out is None:
         out = cuda.device_array(rows, dtype=np.int32, stream=stream)
-    _argmax_kernel[rows, block_threads(1024), stream](logits, out)
+    nb = max(1, min(ARGMAX_MAX_BLOCKS, ceil_div(n, ARGMAX_CHUNK)))
+    key = (rows, nb, id(stream))
+    if key not in _ARGMAX_SCRATCH:
+        _ARGMAX_SCRATCH[key] = (cuda.device_array((rows, nb), np.float32), cuda.device_array((rows, nb), np.int32),
+                                cuda.to_device(np.zeros(rows, np.int32)))
+    pv, pi, counter = _ARGMAX_SCRATCH[key]
+    _argmax_kernel[(nb, rows), block_threads(ARGMAX_THREADS), stream](logits, out, pv, pi, counter)
     return out
 
 

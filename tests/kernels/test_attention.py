@@ -307,7 +307,8 @@ for d in (128, 4096, 5120, 8192, 16384):
     assert use["spill_bytes"] == 0 or d > 8192, (d, vpt, nt, use)
 # kernels launched with large blocks: warp shuffles, and registers that fit the block
 # (compiled without a launch bound, as the wrappers launch them), or every launch fails
-for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1})", 1024),
+for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1}, {F2}, int32[:, ::1], {I1})",
+                         sampling.ARGMAX_THREADS),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
                         *[(attention._combine(128, p), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, "

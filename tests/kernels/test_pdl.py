@@ -74,7 +74,7 @@ cases = [(quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[:
                                    "float32[:, :, ::1], uint8[::1], float32[::1])"),
          # verification and prefill forwards' kernels
          (embedding._gather_rows_u16_kernel, "void(uint16[:, ::1], int32[::1], uint16[:, ::1])"),
-         (sampling._argmax_kernel, "void(float32[:, ::1], int32[::1])"),
+         (sampling._argmax_kernel, "void(float32[:, ::1], int32[::1], float32[:, ::1], int32[:, ::1], int32[::1])"),
          (matvec_mma._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])")]
 for on in (False, True):
     pdl.ENABLED = on  # read at compile time

@@ -43,6 +43,24 @@ def test_argmax():
     assert out.copy_to_host()[1] == 5
 
 
+def test_argmax_over_several_blocks():
+    """A row longer than ARGMAX_CHUNK is split over blocks whose last reduces their partials:
+    a tie across blocks goes to the smaller id, a maximum in the last block is found, a NaN
+    is never picked, and a second launch (its counters left at zero) agrees again."""
+    from luce.kernels.sampling import ARGMAX_CHUNK
+    v = 2 * ARGMAX_CHUNK + 900
+    x = rng.standard_normal((3, v)).astype(np.float32)
+    x[0, 100] = x[0, v - 50] = 9.0
+    x[1, v - 1] = 8.0
+    x[2, ARGMAX_CHUNK + 1] = np.nan
+    x[2, ARGMAX_CHUNK + 2] = 7.0
+    d = cuda.to_device(x)
+    for _ in range(2):
+        out = argmax_cuda(d)
+        np.testing.assert_array_equal(out.copy_to_host(), argmax_ref(x))
+    assert list(out.copy_to_host()) == [100, v - 1, ARGMAX_CHUNK + 2]
+
+
 @pytest.mark.parametrize("vocab,k", [(1100, 6), (40, 5)])  # two-phase (several chunks), single chunk
 def test_topk(vocab, k):
     x = rng.standard_normal((2, vocab)).astype(np.float32)
