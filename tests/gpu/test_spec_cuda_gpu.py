@@ -76,3 +76,32 @@ def test_spec_lossless_on_cuda_q4_k_m(q4k_model, mode):
         if got != plain:
             diverged.append((p, next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)))
     assert not diverged, f"prompts (index, first differing token) that left plain greedy: {diverged}"
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_sampled_spec_on_cuda_q4_k_m(q4k_model, mode):
+    """Sampled speculative decoding on the GPU (verification rows fetched on demand, the
+    drafter and the accept/reject walk over the distribution's support): with the target as
+    its own draft, a chain's drafted tokens are drawn from (within the GPU's arithmetic) the
+    distributions verification accepts them by, so nearly all are accepted; a seed gives
+    the same tokens twice; every token is in the vocabulary."""
+    import numpy as np
+    import luce.spec as spec
+    from luce.spec import DraftModel, SpecOptions
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 4000, 24)]
+
+    def run():
+        out, stats = [], None
+        for d in spec.stream(q4k_model, prompt, SpecOptions(mode=mode, draft_max=6), DraftModel(q4k_model, n_ctx=N_CTX),
+                             session=q4k_model.new_session(N_CTX), temperature=0.8, top_k=40, seed=7, max_tokens=64,
+                             ignore_eos=True):
+            out += d.token_ids
+            stats = d.stats or stats
+        return out, stats
+    a, stats = run()
+    b, _ = run()
+    assert len(a) == 64 and a == b
+    assert all(0 <= t < 4096 for t in a)
+    assert stats.acceptance_length >= 1
+    if mode == "chain":
+        assert stats.acceptance_length > 5, stats.acceptance_length
