@@ -319,8 +319,9 @@ else:
             return out
         return sig, codegen
 
-    def _shared_addr(context, builder, arrty, arr, idxty, idx):
-        """Generic address of arr[idx], without numba's negative-index wraparound."""
+    def _generic_addr(context, builder, arrty, arr, idxty, idx):
+        """Generic (64-bit) address of arr[idx], without numba's negative-index wraparound:
+        what global accesses take (shared ones: _smem_addr)."""
         data = context.make_array(arrty)(context, builder, value=arr).data
         i = context.cast(builder, idx, idxty, types.intp)
         return builder.ptrtoint(builder.gep(data, [i]), ir.IntType(64))
@@ -410,7 +411,7 @@ else:
 
         def codegen(context, builder, sig, args):
             dst = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            srcp = _shared_addr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            srcp = _generic_addr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
             n = context.cast(builder, args[4], sig.args[4], types.uint32)
             _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }",
                  "r,l,r", ir.VoidType(), [_I32, ir.IntType(64), _I32], [dst, srcp, n], side_effect=True)

@@ -62,7 +62,7 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
-    from .mma import _asm, _shared_addr
+    from .mma import _asm, _generic_addr
 
     @intrinsic
     def grid_dependency_sync(typingctx):
@@ -86,7 +86,7 @@ else:
 
         def codegen(context, builder, sig, args):
             if PREFETCH:
-                addr = _shared_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 n = context.cast(builder, args[2], sig.args[2], types.uint32)
                 _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
                      "l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(32)], [addr, n], side_effect=True)

@@ -358,6 +358,8 @@ for dim, group, qt, mask, chunk, xq in [(128, 4, 1, I1, 32, 0), (128, 8, 1, I1, 
     # registers only; K and V rows by cp.async, K read back 16 bytes at a time
     assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
     assert "atom.global.add" in code and ".f64" not in code, (dim, group, qt)  # merges its splits, in float32
+    # shared memory by 32-bit shared-window addresses, none converted from a generic one
+    assert "cvta.to.shared" not in code, (dim, group, qt)
 from luce.kernels import attention_mma
 for dim, warps in [(128, 4), (128, 6), (64, 5), (32, 8)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, uint64[::1], int64, "
@@ -365,6 +367,7 @@ for dim, warps in [(128, 4), (128, 6), (64, 5), (32, 8)]:
     code = ptx(attention_mma.kernel(dim, warps), sig)
     # registers only, tensor cores, async copies, and no float64 (a float64 softmax once cost ~7x)
     assert ".local" not in code and "mma.sync" in code and "cp.async" in code and ".f64" not in code, (dim, warps)
+    assert "cvta.to.shared" not in code, (dim, warps)
 print("PTX OK")
 '''
 
