@@ -42,16 +42,6 @@ def row_scales(maxabs):
 
 
 @device(inline=True)
-def _row_maxabs(x, t, buf):
-    """Block-wide: the largest |value| of row t of x (columns a multiple of 4), four loads in
-    flight a thread."""
-    mx = np.float32(0.0)
-    for e in range(4 * cuda.threadIdx.x, x.shape[1], 4 * cuda.blockDim.x):
-        mx = max(mx, max(max(abs(x[t, e]), abs(x[t, e + 1])), max(abs(x[t, e + 2]), abs(x[t, e + 3]))))
-    return block_max(mx, buf)
-
-
-@device(inline=True)
 def row_fixup_scale(x, t, n_x, flags, scales, buf):
     """Block-wide, in a block per row t of a fixup kernel: the factor to convert row t with
     (0 when the row was not flagged: nothing to rewrite; its scale is set to 1). Every
@@ -61,35 +51,13 @@ def row_fixup_scale(x, t, n_x, flags, scales, buf):
         if tid == 0:
             scales[t] = np.float32(1.0)
         return np.float32(0.0)
-    down, up = row_scales(_row_maxabs(x, t, buf))
+    mx = np.float32(0.0)
+    for e in range(tid, x.shape[1], cuda.blockDim.x):
+        mx = max(mx, abs(x[t, e]))
+    down, up = row_scales(block_max(mx, buf))
     if tid == 0:
         scales[t] = up
         flags[t] = 0
-    return down
-
-
-@device(inline=True)
-def split_row_fixup_scale(x, t, n_x, flags, scales, counts, buf):
-    """row_fixup_scale for row t spread over the gridDim.y blocks (t, s) of a fixup kernel,
-    each rewriting its share of the row. Why: a block a row gave the 23-node verification
-    forward 24 blocks for the whole GPU (H200, random-weight 8B, every SwiGLU row flagged:
-    16 us a layer under Nsight Compute). Each block reads the flag and finds the row's
-    largest value itself (the row re-read from L2); the last to have read the flag clears
-    it (counts: zeroed int32 a row, left zeroed), block s = 0 sets the row's scale."""
-    tid = cuda.threadIdx.x
-    first = cuda.blockIdx.y == 0
-    flagged = flags[t] != 0 and t < n_x
-    cuda.syncthreads()  # every thread of the block has read the flag before the block counts
-    if tid == 0 and cuda.atomic.add(counts, t, 1) == cuda.gridDim.y - 1:
-        flags[t] = 0
-        counts[t] = 0
-    if not flagged:  # the same for the whole block
-        if first and tid == 0:
-            scales[t] = np.float32(1.0)
-        return np.float32(0.0)
-    down, up = row_scales(_row_maxabs(x, t, buf))
-    if first and tid == 0:
-        scales[t] = up
     return down
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import block_sum
-from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, split_row_fixup_scale, unit_flags, unit_scales
+from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_flags, unit_scales
 from .dequant import SIM, T, as_qtype, weight_u16
 from .device import device
 from .matvec import silu
@@ -195,15 +195,14 @@ def _frags_kernel(x, n_x, q4, out, flags):
 
 @pdl_ready
 @cuda.jit
-def _frags_fixup(x, n_x, q4, out, flags, scales, counts):
+def _frags_fixup(x, n_x, q4, out, flags, scales):
     grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
-    # blocks (row, share): the row's scale; a flagged row rewritten scaled into f16's range
+    # a block a row: its scale; a flagged row rewritten scaled into f16's range
     t = cuda.blockIdx.x
     buf = cuda.shared.array(FIXUP_THREADS, np.float32)
-    down = split_row_fixup_scale(x, t, n_x, flags, scales, counts, buf)
+    down = row_fixup_scale(x, t, n_x, flags, scales, buf)
     if down != 0:  # the same for the whole block
-        nt = cuda.gridDim.y * cuda.blockDim.x
-        for i in range(cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, (x.shape[1] // QK) * 64, nt):
+        for i in range(cuda.threadIdx.x, (x.shape[1] // QK) * 64, cuda.blockDim.x):
             _frag_item(x, t, n_x, q4, i, cuda.gridDim.x, down, out)
 
 
@@ -275,8 +274,7 @@ def rms_norm_frags(x_dev, w, eps: float, h, stream=0):
     return {qt: (b[0].view(np.uint16), unit_scales(rows8)) for qt, b in bufs.items()}
 
 
-# (rows8, K, layout, stream) -> (fragments, overflow flags, row scales, the fixup's per-row
-# counts): fixed addresses, so
+# (rows8, K, layout, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
 # captured graphs stay valid; one per stream, so that two backends (a draft's and a
 # target's) never share one in flight; one per layout, so that fragments made for one weight
 # type stay valid while the other type's are made (q and k, then v)
@@ -289,7 +287,7 @@ def _scratch(rows8: int, k: int, qtype, stream, gated_out: bool = False):
     key = (rows8, k, int(as_qtype(qtype) == T.Q4_K), id(stream), gated_out)
     if key not in _SCRATCH:
         _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
-                         cuda.device_array(rows8, np.float32), new_flags(rows8))
+                         cuda.device_array(rows8, np.float32))
     return _SCRATCH[key]
 
 
@@ -299,20 +297,10 @@ def frags_fixup(x_dev, qtype, stream=0, gated_out: bool = False):
     does. gated_out: the fragments matvec_mma's gated kernel wrote with frags_out."""
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
-    out, flags, scales, counts = _scratch(rows8, k, qtype, stream, gated_out)
-    threads = 32 if SIM else FIXUP_THREADS
-    shares = fixup_shares(k, threads)
-    _frags_fixup[(rows8, shares), threads, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out, flags, scales,
-                                                   counts)
+    out, flags, scales = _scratch(rows8, k, qtype, stream, gated_out)
+    _frags_fixup[rows8, 32 if SIM else FIXUP_THREADS, stream](x_dev, n_x, int(as_qtype(qtype) == T.Q4_K), out, flags,
+                                                              scales)
     return out.view(np.uint16), scales
-
-
-FIXUP_ITEMS = 2  # items a thread of a fixup block rewrites (a row's blocks: its items / this / threads)
-
-
-def fixup_shares(k: int, threads: int) -> int:
-    """Blocks a row of the fixup launch (a row of K columns has K / 4 items)."""
-    return max(1, min(16, -(-(k // 4) // (threads * FIXUP_ITEMS))))
 
 
 def x_frags(x_dev, qtype, stream=0, guard=True):
@@ -325,7 +313,7 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     n_x, k = x_dev.shape
     rows8 = -(-n_x // 8) * 8
     q4 = int(as_qtype(qtype) == T.Q4_K)
-    out, flags, scales, _ = _scratch(rows8, k, qtype, stream)
+    out, flags, scales = _scratch(rows8, k, qtype, stream)
     n = out.shape[0] // 2
     threads = 32 if SIM else 256
     _frags_kernel[-(-n // threads), threads, stream](x_dev, n_x, q4, out, flags)
@@ -599,7 +587,7 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
     bb = bias_b if bias_b is not None else b
     rows8 = -(-n_x // 8) * 8
     if frags_out:
-        (f4, fl4, _, _), (f6, fl6, _, _) = (_scratch(rows8, n_out, qt, stream, True) for qt in (T.Q4_K, T.Q6_K))
+        (f4, fl4, _), (f6, fl6, _) = (_scratch(rows8, n_out, qt, stream, True) for qt in (T.Q4_K, T.Q6_K))
         f4, f6 = f4.view(np.uint16), f6.view(np.uint16)
     else:
         f4 = f6 = w0
