@@ -500,6 +500,9 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     R = QT * G  # query rows of a block: row r is query r // G, q head r % G of the kv head
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
+    # head dims of an odd number of lane dims past one (96: Phi-3, 160): the value pass
+    # reads them a half at a time (word loads covered 2 of a lane's 3 dims: wrong outputs)
+    ODD_DL = DL > 1 and DL % 2 == 1
     NACC = R * DL  # array shapes must be plain constants, not expressions
     PIECES = dim // 8  # 16-byte pieces of a row
     PPL = PIECES // LPK  # pieces a lane of a key
@@ -682,14 +685,22 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                     else:
                         for r in range(R):
                             pk[r] = ps[pb + k * R + r]
+                    if ODD_DL:  # a lane's dims start mid-word on odd lanes: a half at a time
+                        for i in range(DL):
+                            dd = lane * DL + i
+                            vx = f16_bits_to_f32(U(vsh[vb + k * RW + (dd >> 1)] >> U(16 * (dd & 1))) & U(0xFFFF))
+                            for r in range(R):
+                                acc[r * DL + i] += pk[r] * vx
+                        continue
                     if DW == 4:
                         vw[0], vw[1], vw[2], vw[3] = lds4(vsh, vb + k * RW + lane * 4)
                     elif DW == 2:
                         vw[0], vw[1] = lds2(vsh, vb + k * RW + lane * 2)
-                    elif DL >= 2:
-                        vw[0] = vsh[vb + k * RW + lane]
-                    else:  # head dim 32: a lane owns one half of a word
+                    elif DL == 1:  # head dim 32: a lane owns one half of a word
                         vw[0] = vsh[vb + k * RW + (lane >> 1)] >> U(16 * (lane & 1))
+                    else:  # 1 or 3 words (head dim 64, 192)
+                        for wd in range(DW):
+                            vw[wd] = vsh[vb + k * RW + lane * DW + wd]
                     for wd in range(DW):
                         for hh in range(min(2, DL)):
                             vx = f16_bits_to_f32(U(vw[wd] >> U(16 * hh)) & U(0xFFFF))

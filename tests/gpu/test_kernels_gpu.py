@@ -320,7 +320,7 @@ def test_prefill_causal(window):
     _attention_case(0, 1500, None, window=window)
 
 
-@pytest.mark.parametrize("dim,hq,hkv", [(64, 16, 2), (256, 8, 4)])
+@pytest.mark.parametrize("dim,hq,hkv", [(64, 16, 2), (256, 8, 4), (96, 32, 32), (192, 8, 2)])
 def test_other_head_dims(dim, hq, hkv):
     _attention_case(3000, 5, causal_mask(5), hq=hq, hkv=hkv, dim=dim)
     _attention_case(200, 300, None, hq=hq, hkv=hkv, dim=dim, window=100)

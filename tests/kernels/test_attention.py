@@ -81,7 +81,10 @@ def test_decode(max_splits):
     (64, 4, 1, None, 2, (2, 1), 32, (2, 2), None), (32, 2, 2, 3, 1, (2, 1), 32, (1, 2), 2),
     (64, 2, 1, 1, 2, (1,), 32, (2, 1), None), (256, 2, 1, None, 4, (2, 1), 32, (1, 1), None),
     (32, 4, 2, None, 4, (1,), 8, (4, 1), None), (64, 4, 1, 2, 2, (2, 1), 16, (2, 2), None),
-    (32, 8, 1, None, 4, (1,), 16, (4, 1), None)])
+    (32, 8, 1, None, 4, (1,), 16, (4, 1), None),
+    # lanes of 3, 5 and 6 dims (Phi-3's head dim 96: its value pass once covered 2 of 3)
+    (96, 4, 2, None, 4, (1,), 16, (4, 1), None), (160, 2, 1, 2, 2, (1,), 16, (2, 1), None),
+    (192, 2, 2, None, 2, (1,), 16, (2, 1), None)])
 def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps, bufs, chunk, shape, per_trip):
     monkeypatch.setattr(A, "DECODE_MAX_WARPS", max_warps)
     monkeypatch.setattr(A, "DECODE_BUFS", bufs)
@@ -350,7 +353,8 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
 for dim, group, qt, mask, chunk, xq in [(128, 4, 1, I1, 32, 0), (128, 8, 1, I1, 16, 0), (64, 3, 1, I1, 32, 0),
                                         (256, 2, 1, I1, 32, 0), (128, 4, 2, "uint64[::1]", 32, 0),
                                         (128, 2, 4, "uint64[::1]", 32, 0), (128, 4, 2, I1, 32, 0),
-                                        (128, 4, 1, I1, 8, 0), (128, 4, 1, I1, 16, 2), (128, 4, 1, I1, 16, 1)]:
+                                        (128, 4, 1, I1, 8, 0), (128, 4, 1, I1, 16, 2), (128, 4, 1, I1, 16, 1),
+                                        (96, 4, 1, I1, 16, 0), (192, 2, 1, I1, 16, 0)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
            f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1}, uint8[::1], float32[::1])")
     attention.DECODE_CHUNK = chunk
