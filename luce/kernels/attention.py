@@ -529,7 +529,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     LANE_PIECES = 32 % PIECES == 0 and (CH * PIECES) % 32 == 0
     RSTEP = 32 // PIECES if LANE_PIECES else 1
     NCOPY = CH * PIECES // 32 if LANE_PIECES else 1
-    assert BLOCK & (BLOCK - 1) == 0 and PIECES & (PIECES - 1) == 0 or not LANE_PIECES
+    assert BLOCK & (BLOCK - 1) == 0  # a page and its row by shifts (j0 >= 0)
     BSH = BLOCK.bit_length() - 1
     PSH = PIECES.bit_length() - 1
 

@@ -73,7 +73,6 @@ def _better(v, i, bv, bi):
 # finish (luce.kernels.split_merge.arrive) reduces them.
 ARGMAX_THREADS = 256
 ARGMAX_CHUNK = 8 * ARGMAX_THREADS  # logits a block: 75 blocks a 151,936-logit row
-ARGMAX_MAX_BLOCKS = MAX_THREADS  # the last block reduces the partials one a thread
 
 
 @pdl_ready
@@ -124,7 +123,7 @@ def argmax_cuda(logits, out=None, stream=0):
     rows, n = logits.shape
     if out is None:
         out = cuda.device_array(rows, dtype=np.int32, stream=stream)
-    nb = max(1, min(ARGMAX_MAX_BLOCKS, ceil_div(n, ARGMAX_CHUNK)))
+    nb = max(1, ceil_div(n, ARGMAX_CHUNK))
     key = (rows, nb, id(stream))
     if key not in _ARGMAX_SCRATCH:
         _ARGMAX_SCRATCH[key] = (cuda.device_array((rows, nb), np.float32), cuda.device_array((rows, nb), np.int32),
