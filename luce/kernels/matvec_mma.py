@@ -322,6 +322,21 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     return frags_fixup(x_dev, qtype, stream)
 
 
+def _min_blocks(nt: int, warps: int, gated: bool, pair: bool) -> int:
+    """Blocks an SM that ptxas must fit (launch_bounds' second figure): registers traded for
+    resident warps where that was measured to pay, at up to 24 rows of x (nt <= 3). These
+    products are weight-load latency chains, so more warps in flight hide more of it. At 23
+    rows, Qwen3-8B shapes (H200, graph replay): the gated form 188 -> 168 registers, 2 -> 3
+    blocks of 4 warps, 40.9 -> 35.5 us; the q+k pair 196 -> 128 registers (300 spill bytes),
+    1 -> 2 blocks of 8 warps, 18.7 -> 16.3 us. The plain forms got slower at 2 blocks
+    (down 33.5 -> 38.8 us, 164 spill bytes; o 12.1 -> 12.6; v 10.3 -> 10.9): left at 1."""
+    if nt > 3:
+        return 1
+    if gated:
+        return max(1, 12 // warps)  # 12 warps an SM (168 registers) in whole blocks
+    return -(-16 // warps) if pair else 1
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
@@ -343,9 +358,9 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     NQ = 8 if Q4 else 12  # quant words a lane holds a row
     SCR = (W, 32, SCRATCH) if SIM else (1,)
     assert not gated or TL == 2
-    # (threads, 1 block an SM at least): with the thread count alone ptxas capped one form at
-    # 72 registers and spilled
-    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, 1))
+    # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
+    # registers and spilled
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair)))
 
     @device(inline=True)
     def step(x4, lo, tl, a0, a1, a2, a3, acc, scr, wid, lane):
