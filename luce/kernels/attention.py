@@ -565,16 +565,13 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
                out, part_o, part_ml, counter, xq_b, xq_f):
         grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
-        # kv heads along x: blocks are dispatched x first, so the splits that have keys (the
-        # low ones: a graph's grid is sized for the whole context) start before the empty ones
-        hkv = cuda.blockIdx.x
-        split = cuda.blockIdx.y
+        split = cuda.blockIdx.x
+        hkv = cuda.blockIdx.y
         q0 = cuda.blockIdx.z * QT
         tid = cuda.threadIdx.x
         wid = tid // 32
         lane = tid % 32
-        n_kvh = cuda.gridDim.x
-        n_split = cuda.gridDim.y
+        n_kvh = cuda.gridDim.y
         n_past = meta[0]
         n_q = meta[1]
         n_keys = n_past + n_q
@@ -587,20 +584,15 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         red = cuda.shared.array(RED, np.float32)
         ibuf = cuda.shared.array(1, np.int32)
         n_chunks = (n_keys + CH - 1) // CH
-        cps = (n_chunks + n_split * W - 1) // (n_split * W)
+        cps = (n_chunks + cuda.gridDim.x * W - 1) // (cuda.gridDim.x * W)
         c_lo = (split * W + wid) * cps
         # trips of every warp of the block: its first warp's live chunks (the most any of
         # its warps has)
         trips = max(0, min(cps, n_chunks - split * W * cps))
-        # the splits with a chunk: the first n_live
-        n_live = min(n_split, (n_chunks + W * cps - 1) // (W * cps))
         if trips == 0:
-            # past the last chunk (a graph's grid is sized for the whole context). Merging
-            # itself, the tile reads only the first n_live splits and counts only their
-            # blocks: nothing to do. For the combine kernel, which reads every split: l = 0.
-            # The same for the whole block, so no barrier is skipped alone.
-            if not SELF_MERGE:
-                attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
+            # past the last chunk (a graph's grid is sized for the whole context): only the
+            # merge's l = 0. The same for the whole block, so no barrier is skipped alone.
+            attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
         else:
             # the first chunk's copies run while the queries load
             _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
@@ -754,9 +746,8 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                     int8_block_store(o / ll, qi < n_q, ((qi * n_kvh * G + hq) * dim + d) >> 5, lane, wid, red, xq_b,
                                      xq_f, XQ)
         # the tile's last block to finish merges the splits (luce.kernels.split_merge)
-        if SELF_MERGE and not direct and trips > 0 and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, n_live, ibuf,
-                                                               tid):
-            merge(part_o, part_ml, n_live, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
+        if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
+            merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
 
     return pdl_ready(kernel)
 
@@ -974,7 +965,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         in_kernel = direct or plan["self_merge"]  # else the combine writes the output (and its int8 form)
         kernel = _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"],
                                 plan["per_trip"], plan["self_merge"], planes if in_kernel else 0)
-        kernel[(n_kvh, ns, plan["n_tiles"]), plan["nt"], stream](
+        kernel[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
             window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f)
         if not in_kernel:
