@@ -328,8 +328,10 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool) -> int:
     products are weight-load latency chains, so more warps in flight hide more of it. At 23
     rows, Qwen3-8B shapes (H200, graph replay): the gated form 188 -> 168 registers, 2 -> 3
     blocks of 4 warps, 40.9 -> 35.5 us; the q+k pair 196 -> 128 registers (300 spill bytes),
-    1 -> 2 blocks of 8 warps, 18.7 -> 16.3 us. The plain forms got slower at 2 blocks
-    (down 33.5 -> 38.8 us, 164 spill bytes; o 12.1 -> 12.6; v 10.3 -> 10.9): left at 1."""
+    1 -> 2 blocks of 8 warps, 18.7 -> 16.3 us (at 8 / 16 rows 15.0 -> 11.7 / 17.8 -> 14.6).
+    The plain forms got slower at 2 blocks (23 rows: down 33.5 -> 38.8 us, 164 spill bytes;
+    o 12.1 -> 12.6; v 10.3 -> 10.9; 8 / 16 rows: down 29.0 -> 31.0 / 32.6 -> 35.2, o and v
+    within 0.3): left at 1."""
     if nt > 3:
         return 1
     if gated:
