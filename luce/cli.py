@@ -231,7 +231,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--spec", "spec", is_flag=True,
               help="speculative decoding on the fixed prompt set: acceptance and tok/s per mode "
                    "(MODEL and --draft default to the Qwen2.5-Coder 1.5B/0.5B pair)")
-@click.option("--draft", default=None, help="draft model for --spec")
+@click.option("--draft", default=None, help="draft model for --spec (with --synthetic: synthetic:NAME, by default "
+                                            "the family's smallest shape)")
 @click.option("--categories", default=None, help="--spec: code,math,chat (default all)")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
@@ -245,6 +246,18 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
     if spec:
         from .bench.report import append_to_docs
         from .bench.spec import run as run_spec, summary
+        if synthetic:
+            # random weights: acceptance near one, but the real shapes' draft and
+            # verification costs a step (the summary's ms / forward columns)
+            from .bench.synthetic import DRAFTS, synthetic_gguf
+            if model:
+                raise click.UsageError("--spec takes MODEL or --synthetic, not both")
+            name = draft.removeprefix("synthetic:") if draft and draft.startswith("synthetic:") else None
+            if draft is None:
+                name = DRAFTS.get(synthetic)
+                if name is None:
+                    raise click.UsageError(f"--synthetic {synthetic}: no draft shape of its vocabulary; give --draft")
+            model, draft = synthetic_gguf(synthetic), synthetic_gguf(name) if name else draft
         results = run_spec(model, draft, categories=tuple(categories.split(",")) if categories else None,
                            max_tokens=gen_tokens, backend=backend)
         if not no_record:

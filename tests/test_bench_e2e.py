@@ -15,3 +15,38 @@ def test_bench_runs_on_cpu(tmp_path):
                 "first prefill + 4 decode steps s"):
         assert np.isfinite(row[key]) and row[key] > 0, (key, row[key])
     assert [r["nodes"] for r in verify] == [1, 4] and verify[0]["x decode step"] == 1.0
+
+
+def test_bench_spec_synthetic(tmp_path, monkeypatch):
+    """`luce bench --spec --synthetic NAME`: the shape written once as a GGUF into luce's
+    cache, its family's smallest shape as the draft, every speculative output checked
+    against the plain one (tiny stand-ins for the real shapes: the CPU backend)."""
+    from click.testing import CliRunner
+
+    from luce.bench import synthetic as S
+    from luce.bench.spec import load_prompts
+    from luce.cli import main
+    monkeypatch.setenv("LUCE_CACHE", str(tmp_path))
+    monkeypatch.setitem(S.SHAPES, "qwen3-8b", S.tiny("qwen3", 512, n_layers=2, n_embd=64, n_ff=128, n_heads=2,
+                                                      n_kv_heads=1, head_dim=32))
+    monkeypatch.setitem(S.SHAPES, "qwen3-0.6b", S.tiny("qwen3", 512, n_layers=1, n_embd=32, n_ff=64, n_heads=2,
+                                                        n_kv_heads=1, head_dim=16))
+    args = ["bench", "--spec", "--synthetic", "qwen3-8b", "--backend", "cpu", "--gen-tokens", "6", "--categories",
+            "code", "--no-record"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    target, draft = tmp_path / "synthetic" / "qwen3-8b.gguf", tmp_path / "synthetic" / "qwen3-0.6b.gguf"
+    assert target.is_file() and draft.is_file() and not list(tmp_path.glob("synthetic/*.part"))
+    rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
+            and line.split("|")[2].strip() == "all"}
+    assert set(rows) == {"off", "chain", "ddtree"}
+    n_code = len(load_prompts(categories=("code",)))
+    for mode in ("chain", "ddtree"):
+        assert rows[mode].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows[mode]  # lossless, every prompt
+    # written once: a second run reuses the files
+    mtime = target.stat().st_mtime_ns
+    r = CliRunner().invoke(main, args + ["--draft", "synthetic:qwen3-0.6b"])
+    assert r.exit_code == 0, r.output
+    assert target.stat().st_mtime_ns == mtime
+    r = CliRunner().invoke(main, ["bench", "--spec", "--synthetic", "llama-3-8b", "--backend", "cpu"])
+    assert r.exit_code != 0 and "give --draft" in r.output

@@ -150,3 +150,13 @@ def test_bench_run_on_the_prompt_set(smollm2, tmp_path):
     assert results[1].matches_plain is True and results[0].matches_plain is None
     assert len(out.read_text().splitlines()) == 2 and json.loads(out.read_text().splitlines()[1])["tokens"]
     assert "| lookup | code |" in summary(results)
+
+
+def test_bench_summary_per_forward_costs():
+    from luce.bench.spec import Result, summary
+    rs = [Result("ddtree", "a", "code", 10, 30, 6, 1.5, 0.012, 0.030, True),
+          Result("ddtree", "b", "code", 10, 10, 4, 0.5, 0.008, 0.020, False)]
+    row = next(line for line in summary(rs).splitlines() if line.startswith("| ddtree | code |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # 40 tokens over 10 forwards in 2 s; 20 ms of drafting and 50 of verifying over 10 forwards
+    assert cells[2:] == ["2", "40", "10", "4.00", "20.00", "0.0", "0.1", "2.00", "5.00", "1/2"]

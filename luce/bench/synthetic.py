@@ -191,6 +191,30 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
     return path
 
 
+# the smallest shape of the same family and vocabulary, as the draft of a --spec run
+DRAFTS = {"qwen3-8b": "qwen3-0.6b", "qwen3-32b": "qwen3-0.6b"}
+
+
+def synthetic_gguf(name: str, folder=None) -> Path:
+    """SHAPES[name] as a GGUF file (Q4_K_M types, byte-level tokenizer), written on first use
+    into `folder` (default: luce's cache, synthetic/) and reused after: what `luce bench
+    --spec --synthetic` runs, since speculative decoding drives a loaded model (tokenizer,
+    sessions) rather than bare weights. Qwen3-8B takes ~5 GB of disk, the 32B ~19 GB."""
+    from ..errors import LuceError
+    if name not in SHAPES:
+        raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
+    if folder is None:
+        from ..models.bundled import cache_dir
+        folder = cache_dir().parent / "synthetic"
+    path = Path(folder) / f"{name}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".gguf.part")  # an interrupted write is never taken for the model
+        write_gguf(part, SHAPES[name])
+        part.replace(path)
+    return path
+
+
 def _byte_tokenizer(w, n_vocab: int) -> None:
     """A byte-level BPE tokenizer (gpt2 model, no merges) of n_vocab >= 257 tokens: the 256
     bytes, filler tokens, and an end-of-text token last, so that a random-weight model
