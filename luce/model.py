@@ -95,6 +95,11 @@ class Model:
         return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
                                                sample=sample)
 
+    def forward_topk(self, cache, token, position, k: int):
+        """A greedy one-token step whose k best candidates and log-probabilities come back
+        without the logits (backends with `forward_topk`: see CUDABackend.forward_topk)."""
+        return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k)
+
     def set_penalty_history(self, cache, history, repeat_last_n: int) -> None:
         """The history that forward_next_token's draws with penalties penalize (backends
         with device sampling): see CUDABackend.set_penalty_history."""

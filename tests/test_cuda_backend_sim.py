@@ -535,3 +535,39 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
         assert len(writes) == (0 if fused else 2 * cfg.n_layers)
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch):
+    """A greedy draft on the CUDA backend queues its steps with the candidates taken on the
+    device (forward_topk: top-k and log-sum-exp in the step, the next step's token left
+    there): the same tokens, candidates and, to float rounding, log-probabilities as the
+    host loop over full logits rows; more steps than the readback slots, and a second
+    call that reuses the committed prefix."""
+    import gguf
+
+    import luce
+    from luce.backends import cuda as cuda_backend
+    from luce.backends.cuda import CUDABackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.spec import DraftModel
+    Q = gguf.GGMLQuantizationType
+    # 300 tokens: a vocabulary the byte-level tokenizer fits (luce.load wants one)
+    path = write_gguf(tmp_path / "draft.gguf", tiny("llama", 300, n_layers=1, n_embd=64, n_ff=64, n_heads=2,
+                                                    n_kv_heads=1, head_dim=32),
+                      types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=3)
+    # load's warm-up compiles every width up to a prefill chunk: minutes in the simulator
+    monkeypatch.setattr(CUDABackend, "warmup", lambda *a, **k: None)
+    # two readback slots: four steps already read them in two rounds (a forward is ~4 s here)
+    monkeypatch.setattr(cuda_backend, "TOKEN_SLOTS", 2)
+    model = luce.load(path, backend=CUDABackend(use_graphs=False), n_ctx=64)
+    host = DraftModel(model, n_ctx=64, top_k=4, on_device=False)
+    dev = DraftModel(model, n_ctx=64, top_k=4)
+    assert dev.on_device and not host.on_device
+    ctx = [3, 9, 4, 1, 7]
+    for n in (4, 2):
+        a, b = host.propose(ctx, n), dev.propose(ctx, n)
+        assert b.tokens == a.tokens and len(b.tokens) == n
+        np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
+        np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-5)
+        assert dev.session.tokens == host.session.tokens == ctx + a.tokens[:-1]
+        ctx = ctx + a.tokens[:2] + [11]  # the target took two and chose its own third

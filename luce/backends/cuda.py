@@ -774,11 +774,7 @@ class CUDABackend:
         cache, taken on the device, so a caller can queue a step before it has read the
         token it consumes. Nothing here waits for the GPU."""
         st = self._model_state(family, cfg, weights, kv)
-        cuda = self.cuda
-        if "next_token" not in st:
-            st["next_token"] = cuda.device_array(1, np.int32)  # the last token, at a fixed address
-            st["token_slots"] = [[cuda.pinned_array(1, np.int32), cuda.event(), -1] for _ in range(TOKEN_SLOTS)]
-            st["token_turn"] = 0
+        self._next_token_buffers(st)
         if token is None and not st.get("next_token_set"):
             raise RuntimeError("forward_next_token(None) needs a queued forward_next_token before it")
         draw = None
@@ -797,6 +793,52 @@ class CUDABackend:
         d2h_async(slot[0], st["next_token"], self.stream)
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
+
+    def forward_topk(self, family, cfg, weights, kv: PagedKVCache, token, position, k: int) -> "PendingTopK":
+        """forward_next_token's greedy step (token None: the previous step's argmax, still on
+        the device) that also brings back the k best candidates of its logits and their
+        log-probabilities, taken inside the graph (top-k and the log-sum-exp): a draft
+        model's step. About 12 bytes a candidate come back instead of the logits row (600
+        KB at a 152K vocabulary, then a host top-k and normalizer of ~0.5 ms a position),
+        and the draft's steps queue one after another without waiting for the host."""
+        from ..kernels.sampling import MAX_TOP_K, topk_scratch_shape
+        if not 1 <= k <= MAX_TOP_K:
+            raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
+        st = self._model_state(family, cfg, weights, kv)
+        cuda = self.cuda
+        self._next_token_buffers(st)
+        if token is None and not st.get("next_token_set"):
+            raise RuntimeError("forward_topk(None) needs a queued forward_topk or forward_next_token before it")
+        tk = st.setdefault("topk", {})
+        if k not in tk:  # fixed addresses: graphs write into them
+            shape = topk_scratch_shape(1, cfg.vocab_size, k)
+            tk[k] = {"v": cuda.device_array((1, k), np.float32), "i": cuda.device_array((1, k), np.int32),
+                     "lz": cuda.device_array(1, np.float64),
+                     "scratch": (cuda.device_array(shape, np.float32), cuda.device_array(shape, np.int32)),
+                     "slots": [[cuda.pinned_array((1, k), np.int32), cuda.pinned_array((1, k), np.float32),
+                                cuda.pinned_array(1, np.float64), cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
+                     "turn": 0}
+        b = tk[k]
+        self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
+                     argmax=st["next_token"], topk=b)
+        st["next_token_set"] = True
+        turn = b["turn"]
+        b["turn"] += 1
+        slot = b["slots"][turn % TOKEN_SLOTS]
+        slot[3].synchronize()  # the slot's previous copies have landed
+        slot[4] = turn
+        d2h_async(slot[0], b["i"], self.stream)
+        d2h_async(slot[1], b["v"], self.stream)
+        d2h_async(slot[2], b["lz"], self.stream)
+        slot[3].record(self.stream)
+        return PendingTopK(slot, turn)
+
+    def _next_token_buffers(self, st) -> None:
+        if "next_token" not in st:
+            cuda = self.cuda
+            st["next_token"] = cuda.device_array(1, np.int32)  # the last token, at a fixed address
+            st["token_slots"] = [[cuda.pinned_array(1, np.int32), cuda.event(), -1] for _ in range(TOKEN_SLOTS)]
+            st["token_turn"] = 0
 
     def _sampling_buffers(self, st, cfg) -> None:
         """The draw's parameters, scratch and penalty state: fixed addresses, graphs read them."""
@@ -820,11 +862,13 @@ class CUDABackend:
         h2d(st["sample_state"][1], ring, self.stream)
 
     def _launch(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask, logits_rows, argmax=None,
-                draw=None):
+                draw=None, topk=None):
         """Queue one forward (a captured graph where it can); returns (model state, device
         logits). tokens None: one token, the model state's device-side next token. argmax:
         a device int32 array (fixed per width) that gets each logits row's argmax, or with
-        draw (device sample parameters and scratch, fixed) the last row's drawn token."""
+        draw (device sample parameters and scratch, fixed) the last row's drawn token.
+        topk (forward_topk's buffers, one-token forwards): the row's top-k and log-sum-exp
+        too."""
         from ..kernels.attention import tree_mask_bits
         n = 1 if tokens is None else len(tokens)
         st = self._model_state(family, cfg, weights, kv)
@@ -858,11 +902,17 @@ class CUDABackend:
             elif argmax is not None:
                 from ..kernels.sampling import argmax_cuda
                 argmax_cuda(st["logits"], out=argmax, stream=self.stream)
+                if topk is not None:
+                    from ..kernels.sampling import logsumexp_cuda, topk_cuda
+                    k = topk["v"].shape[1]
+                    topk_cuda(st["logits"], k, topk["v"], topk["i"], scratch=topk["scratch"], stream=self.stream)
+                    logsumexp_cuda(st["logits"], topk["v"], topk["lz"], stream=self.stream)
 
         st["forward_turn"] = st.get("forward_turn", 0) + 1
         # the argmax's destination is part of what a graph captured (next token, verify rows)
-        key = (n, tree, tuple(rows), None if argmax is None else id(argmax), draw is not None)
-        form = (n, tree, len(rows), argmax is not None, draw is not None)
+        key = (n, tree, tuple(rows), None if argmax is None else id(argmax), draw is not None,
+               None if topk is None else id(topk))
+        form = (n, tree, len(rows), argmax is not None, draw is not None, topk is not None)
         g = st["graphs"].get(key) if self.use_graphs else None
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's
@@ -901,6 +951,25 @@ class PendingToken:
             raise RuntimeError(f"a pending token read after {TOKEN_SLOTS} more were queued: its slot is reused")
         event.synchronize()
         return int(host[0])
+
+
+class PendingTopK:
+    """A draft step's candidates on their way back from the GPU (forward_topk), readable
+    until TOKEN_SLOTS later steps with the same k have been queued."""
+
+    def __init__(self, slot, turn: int):
+        self._slot, self._turn = slot, turn
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64 [k], log-probabilities float64 [k]), most likely first: what
+        luce.engine.sampling.top_logprobs gives for the same logits (ids past the
+        row's non-NaN logits are dropped)."""
+        ids, vals, lz, event, turn = self._slot
+        if turn != self._turn:
+            raise RuntimeError(f"pending candidates read after {TOKEN_SLOTS} more were queued: their slot is reused")
+        event.synchronize()
+        keep = ids[0] >= 0
+        return ids[0][keep].astype(np.int64), vals[0][keep].astype(np.float64) - float(lz[0])
 
 
 def _is_pow2(n: int) -> bool:

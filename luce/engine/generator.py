@@ -122,6 +122,15 @@ class Session:
         return pending
 
 
+    def queue_topk(self, token: int | None, k: int):
+        """queue_decode for a draft: the pending result is the step's k best candidates
+        and their log-probabilities (Model.forward_topk); its greedy token (the first
+        candidate) is what a following queue_topk(None) consumes on the device."""
+        pending = self.model.forward_topk(self.cache, token, self.cache.n_past, k)
+        self.cache.commit()
+        return pending
+
+
 class PlainStepper:
     """One target forward per token: the baseline every speculative stepper must match."""
 

@@ -60,6 +60,15 @@ def topk_ref(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, idx, axis=-1), idx.astype(np.int32)
 
 
+def logsumexp_ref(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log(sum(exp(x))) of [R, V] logits (float64 [R]): the normalizer of a
+    log-softmax, as luce.engine.sampling.top_logprobs takes it (float32 exp of x - max,
+    summed in float64)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max(axis=1, keepdims=True)
+    return m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
+
+
 # ------------------------------------------------------------------------------ CUDA
 
 @device
@@ -235,6 +244,43 @@ def topk_cuda(logits, k: int, out_values=None, out_ids=None, scratch=None, strea
     _topk_kernel[(n_chunks, rows), nt, stream](logits, cand_i, 0, k, chunk, cand_v, cand_i)
     _topk_kernel[(1, rows), nt, stream](cand_v, cand_i, 1, k, n_chunks * k, out_values, out_ids)
     return out_values, out_ids
+
+
+@pdl_ready
+@cuda.jit
+def _logsumexp_kernel(logits, maxima, out):
+    """out[row] = log(sum(exp(logits[row]))), one block a row; maxima[row, 0] is the row's
+    largest logit (topk_cuda's first value: no pass of its own for the max)."""
+    grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
+    row = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(MAX_THREADS, np.float64)
+    m = np.float32(maxima[row, 0])
+    s = np.float64(0.0)
+    for j in range(t, logits.shape[1], nt):
+        s += np.float64(math.exp(np.float32(logits[row, j]) - m))
+    buf[t] = s
+    cuda.syncthreads()
+    h = nt // 2  # a power of two (block_threads)
+    while h > 0:
+        if t < h:
+            buf[t] += buf[t + h]
+        cuda.syncthreads()
+        h //= 2
+    if t == 0:
+        out[row] = np.float64(m) + math.log(buf[0])
+
+
+def logsumexp_cuda(logits, maxima, out=None, stream=0):
+    """Row-wise log(sum(exp(logits))) of device [R, V] -> device float64 [R], given each
+    row's maximum in maxima[:, 0] (topk_cuda's values): with the top-k, a draft position's
+    candidates and their log-probabilities without the row leaving the device."""
+    rows = logits.shape[0]
+    if out is None:
+        out = cuda.device_array(rows, dtype=np.float64, stream=stream)
+    _logsumexp_kernel[rows, block_threads(1024), stream](logits, maxima, out)
+    return out
 
 
 # ------------------------------------------------------------------------------ a drawn token

@@ -41,10 +41,13 @@ class DraftModel:
 
     name = "draft-model"
 
-    def __init__(self, model, n_ctx: int | None = None, top_k: int = 8):
+    def __init__(self, model, n_ctx: int | None = None, top_k: int = 8, on_device: bool | None = None):
         self.model = model
         self.session = model.new_session(n_ctx)
         self.top_k = top_k
+        # greedy drafts on a backend that takes each step's candidates on the device
+        # (forward_topk): the steps queue back to back and only the candidates come back
+        self.on_device = hasattr(getattr(model, "backend", None), "forward_topk") if on_device is None else on_device
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8) -> "DraftModel":
@@ -64,6 +67,8 @@ class DraftModel:
         # draft's own chain, the rows past the divergence are dropped and recomputed
         logits, _ = self.session.prefill(context)
         k = min(self.top_k, len(logits))
+        if self.on_device and not sample:
+            return self._propose_on_device(logits, n, k)
         toks, ids, lps, qs = [], [], [], []
         for i in range(n):
             top_i, top_l = top_logprobs(logits, k)
@@ -81,6 +86,33 @@ class DraftModel:
             if i < n - 1:
                 logits = self.session.decode(t)
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
+
+
+    def _propose_on_device(self, logits, n: int, k: int) -> Draft:
+        """The greedy chain with each step queued on the device as soon as the one before:
+        the first token from the prefill's logits (on the host already), each later one the
+        argmax a step leaves on the device. The same Draft as the host loop, up to the
+        log-probabilities' float rounding."""
+        from ..backends.cuda import TOKEN_SLOTS
+        top_i, top_l = top_logprobs(logits, k)
+        toks, ids, lps = [int(top_i[0])], [top_i], [top_l]
+        pending = []
+        for i in range(1, n):
+            pending.append(self.session.queue_topk(toks[0] if i == 1 else None, k))
+            if len(pending) == TOKEN_SLOTS or i == n - 1:  # read before their slots come round again
+                for p in pending:
+                    ti, tl = p.result()
+                    toks.append(int(ti[0]))
+                    ids.append(ti)
+                    lps.append(tl)
+                pending = []
+        self.session.tokens.extend(toks[:-1])  # the rows the steps committed
+        width = max(len(r) for r in ids)
+        ids_a = np.zeros((len(ids), width), dtype=np.int64)
+        lps_a = np.full((len(ids), width), -np.inf)
+        for r, (a, b) in enumerate(zip(ids, lps)):
+            ids_a[r, :len(a)], lps_a[r, :len(b)] = a, b
+        return Draft(toks, ids_a, lps_a)
 
 
 class PromptLookup:

@@ -105,3 +105,21 @@ def test_sampled_spec_on_cuda_q4_k_m(q4k_model, mode):
     assert stats.acceptance_length >= 1
     if mode == "chain":
         assert stats.acceptance_length > 5, stats.acceptance_length
+
+
+def test_draft_on_device_matches_the_host_draft(q4k_model):
+    """forward_topk on the GPU (top-k and log-sum-exp inside the graph, steps queued back to
+    back) proposes what the host loop over full logits rows proposes, for more steps than
+    its readback slots."""
+    import numpy as np
+    from luce.spec import DraftModel
+    ids = q4k_model.tokenize(PROMPT)
+    host = DraftModel(q4k_model, n_ctx=N_CTX, on_device=False)
+    dev = DraftModel(q4k_model, n_ctx=N_CTX)
+    assert dev.on_device
+    for n in (12, 5):
+        a, b = host.propose(ids, n), dev.propose(ids, n)
+        assert b.tokens == a.tokens
+        np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
+        np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-4)
+        ids = ids + a.tokens[:3] + [7]

@@ -7,7 +7,8 @@ from numba import cuda
 
 from luce.engine.sampling import SamplingParams, apply_penalties
 from luce.kernels.sampling import (MAX_REPEAT_WINDOW, MAX_TOP_K, apply_penalties_cuda, apply_penalties_ref,
-                                   argmax_cuda, argmax_ref, penalty_state, sample_applies, sample_cuda, sample_params,
+                                   argmax_cuda, argmax_ref, logsumexp_cuda, logsumexp_ref, penalty_state,
+                                   sample_applies, sample_cuda, sample_params,
                                    sample_ref, token_counts, topk_cuda, topk_ref, topk_scratch_shape)
 
 rng = np.random.default_rng()
@@ -74,6 +75,22 @@ def test_topk(vocab, k):
     rv, ri = topk_ref(x, k)
     np.testing.assert_array_equal(oi.copy_to_host(), ri)
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
+
+
+def test_logsumexp_after_topk():
+    from luce.engine.sampling import top_logprobs
+    x = (4 * rng.standard_normal((3, 1300))).astype(np.float32)
+    x[1] -= 80.0  # far below 0: exp(x) alone would underflow to a zero sum
+    ov, oi = topk_cuda(cuda.to_device(x), 4)
+    out = cuda.to_device(np.full(3, np.nan, np.float64))
+    logsumexp_cuda(cuda.to_device(x), ov, out)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, logsumexp_ref(x), rtol=0, atol=1e-6)  # float32 exps
+    # what the draft's host path takes: the same log-probabilities of the same candidates
+    for r in range(3):
+        ids, lp = top_logprobs(x[r], 4)
+        np.testing.assert_array_equal(oi.copy_to_host()[r], ids)
+        np.testing.assert_allclose(ov.copy_to_host()[r] - got[r], lp, rtol=0, atol=1e-6)
 
 
 DRAW_CASES = [(0.8, 40, 0.95, 0.05), (1.5, 64, 1.0, 0.0), (0.3, 5, 0.5, 0.0), (1.0, 1, 1.0, 0.0),
