@@ -787,9 +787,7 @@ class CUDABackend:
         st["next_token_set"] = True
         turn = st["token_turn"]
         st["token_turn"] += 1
-        slot = st["token_slots"][turn % TOKEN_SLOTS]
-        slot[1].synchronize()  # the slot's previous copy has landed (TOKEN_SLOTS steps ago: at once)
-        slot[2] = turn
+        slot = _take_slot(st["token_slots"], turn)
         d2h_async(slot[0], st["next_token"], self.stream)
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
@@ -824,9 +822,7 @@ class CUDABackend:
         st["next_token_set"] = True
         turn = b["turn"]
         b["turn"] += 1
-        slot = b["slots"][turn % TOKEN_SLOTS]
-        slot[3].synchronize()  # the slot's previous copies have landed
-        slot[4] = turn
+        slot = _take_slot(b["slots"], turn)
         d2h_async(slot[0], b["i"], self.stream)
         d2h_async(slot[1], b["v"], self.stream)
         d2h_async(slot[2], b["lz"], self.stream)
@@ -936,6 +932,15 @@ class CUDABackend:
 
 
 TOKEN_SLOTS = 8  # pinned readback slots of queued next tokens a model state cycles through
+
+
+def _take_slot(slots, turn: int) -> list:
+    """The pinned readback slot of step `turn` ([buffers..., event, turn]), once its copies
+    of TOKEN_SLOTS steps ago have landed (at once, unless nobody read them)."""
+    slot = slots[turn % TOKEN_SLOTS]
+    slot[-2].synchronize()
+    slot[-1] = turn
+    return slot
 
 
 class PendingToken:

@@ -46,8 +46,13 @@ class DraftModel:
         self.session = model.new_session(n_ctx)
         self.top_k = top_k
         # greedy drafts on a backend that takes each step's candidates on the device
-        # (forward_topk): the steps queue back to back and only the candidates come back
-        self.on_device = hasattr(getattr(model, "backend", None), "forward_topk") if on_device is None else on_device
+        # (forward_topk): the steps queue back to back and only the candidates come back.
+        # LUCE_DRAFT_ON_DEVICE=0: the host loop over whole logits rows (to compare)
+        if on_device is None:
+            import os
+            on_device = os.environ.get("LUCE_DRAFT_ON_DEVICE", "1") != "0" and \
+                hasattr(getattr(model, "backend", None), "forward_topk")
+        self.on_device = on_device
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8) -> "DraftModel":
