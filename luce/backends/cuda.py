@@ -829,6 +829,12 @@ class CUDABackend:
         slot[3].record(self.stream)
         return PendingTopK(slot, turn)
 
+    @property
+    def readback_slots(self) -> int:
+        """Queued steps whose pending results (forward_next_token, forward_topk) stay
+        readable: a caller reads them before queueing more."""
+        return TOKEN_SLOTS
+
     def _next_token_buffers(self, st) -> None:
         if "next_token" not in st:
             cuda = self.cuda

@@ -121,7 +121,6 @@ class Session:
         self.cache.commit()
         return pending
 
-
     def queue_topk(self, token: int | None, k: int):
         """queue_decode for a draft: the pending result is the step's k best candidates
         and their log-probabilities (Model.forward_topk); its greedy token (the first

@@ -92,19 +92,18 @@ class DraftModel:
                 logits = self.session.decode(t)
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
 
-
     def _propose_on_device(self, logits, n: int, k: int) -> Draft:
         """The greedy chain with each step queued on the device as soon as the one before:
         the first token from the prefill's logits (on the host already), each later one the
         argmax a step leaves on the device. The same Draft as the host loop, up to the
         log-probabilities' float rounding."""
-        from ..backends.cuda import TOKEN_SLOTS
+        slots = self.model.backend.readback_slots
         top_i, top_l = top_logprobs(logits, k)
         toks, ids, lps = [int(top_i[0])], [top_i], [top_l]
         pending = []
         for i in range(1, n):
             pending.append(self.session.queue_topk(toks[0] if i == 1 else None, k))
-            if len(pending) == TOKEN_SLOTS or i == n - 1:  # read before their slots come round again
+            if len(pending) == slots or i == n - 1:  # read before their slots come round again
                 for p in pending:
                     ti, tl = p.result()
                     toks.append(int(ti[0]))
