@@ -234,18 +234,28 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--draft", default=None, help="draft model for --spec (with --synthetic: synthetic:NAME, by default "
                                             "the family's smallest shape)")
 @click.option("--categories", default=None, help="--spec: code,math,chat (default all)")
+@click.option("--spec-modes", default="off,chain,ddtree", show_default=True,
+              help="--spec: the modes run on every prompt (off, chain, ddtree, lookup)")
+@click.option("--ddtree-budget", type=int, default=None, help="--spec: DDTree node budget per target forward [22]")
+@click.option("--draft-max", type=int, default=None, help="--spec: longest draft, the tree's depth [8]")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
               help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          no_record, no_breakdown, verify_widths):
+          spec_modes, ddtree_budget, draft_max, no_record, no_breakdown, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if spec:
         from .bench.report import append_to_docs
         from .bench.spec import run as run_spec, summary
+        from .spec import SPEC_MODES, SpecOptions
+        modes = tuple(m.strip() for m in spec_modes.split(",") if m.strip())
+        if not modes or any(m not in SPEC_MODES for m in modes):
+            raise click.BadParameter(f"{spec_modes!r}: comma-separated modes of {', '.join(SPEC_MODES)}",
+                                     param_hint="--spec-modes")
+        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, draft_max)  # checks the numbers
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
             # verification costs a step (the summary's ms / forward columns)
@@ -258,11 +268,14 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                 if name is None:
                     raise click.UsageError(f"--synthetic {synthetic}: no draft shape of its vocabulary; give --draft")
             model, draft = synthetic_gguf(synthetic), synthetic_gguf(name) if name else draft
-        results = run_spec(model, draft, categories=tuple(categories.split(",")) if categories else None,
-                           max_tokens=gen_tokens, backend=backend)
+        results = run_spec(model, draft, modes=modes,
+                           categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
+                           ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max, backend=backend)
         if not no_record:
             append_to_docs("luce bench --spec", [("acceptance length (tokens per target forward) and tok/s",
-                                                  summary(results), None)])
+                                                  summary(results), None)],
+                           notes=f"greedy, {gen_tokens} tokens a prompt, DDTree budget {opts.ddtree_budget}, "
+                                 f"draft max {opts.draft_max}")
         return
     if kernels:
         from .bench.kernels import run as run_kernels

@@ -50,3 +50,15 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     assert target.stat().st_mtime_ns == mtime
     r = CliRunner().invoke(main, ["bench", "--spec", "--synthetic", "llama-3-8b", "--backend", "cpu"])
     assert r.exit_code != 0 and "give --draft" in r.output
+    # the modes, budget and depth reach the run: a one-node tree commits at most two
+    # tokens a forward, so a perfect draft (the target itself) accepts exactly 2
+    r = CliRunner().invoke(main, ["bench", "--spec", "--synthetic", "qwen3-8b", "--draft", "synthetic:qwen3-8b",
+                                  "--backend", "cpu", "--gen-tokens", "6", "--categories", "code", "--no-record",
+                                  "--spec-modes", "off,ddtree", "--ddtree-budget", "1", "--draft-max", "3"])
+    assert r.exit_code == 0, r.output
+    rows = {line.split("|")[1].strip(): line.split("|") for line in r.output.splitlines() if line.endswith("|")
+            and line.split("|")[2].strip() == "all"}
+    assert set(rows) == {"off", "ddtree"}
+    assert float(rows["ddtree"][6]) == 2.0, rows["ddtree"]
+    r = CliRunner().invoke(main, args + ["--spec-modes", "off,tree"])
+    assert r.exit_code != 0 and "--spec-modes" in r.output
