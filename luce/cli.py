@@ -74,7 +74,7 @@ def backend_option(f):
 @sampling_options
 @_spec_options
 def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, ddtree_budget, draft_max,
-             **sampling):
+             draft_p_min, **sampling):
     """Generate text: luce generate [MODEL] PROMPT"""
     from .model import load
     from .spec import SpecOptions, make_drafter
@@ -85,7 +85,7 @@ def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, 
     model_arg, prompt = (None, args[0]) if len(args) == 1 else args
     model = load(model_arg, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty())
     params = {k: v for k, v in sampling.items() if v is not None}
-    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)
+    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)
     drafter = make_drafter(model, spec_opts) if spec_opts.enabled else None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -178,7 +178,7 @@ def families(as_json):
 @backend_option
 @_spec_options
 def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
-          request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max):
+          request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max, draft_p_min):
     """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
     import logging
 
@@ -196,7 +196,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
     if chat_template_file:
         with open(chat_template_file, encoding="utf-8") as fh:
             template = fh.read()
-    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)
+    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)
     # the model loads before the port opens: a client never meets a half-started server
     m = load(model, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty(), chat_template=template)
     stepper_factory, draft_label = None, None
@@ -204,7 +204,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
         drafter = make_drafter(m, opts)
         stepper_factory = lambda session, params: make_stepper(session, params, opts, drafter)  # noqa: E731
         draft_label = {"mode": opts.mode, "draft": opts.draft, "drafter": type(drafter).__name__,
-                       "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max}
+                       "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max,
+                       "draft_p_min": opts.draft_p_min}
     app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
                      accept_any_model=accept_any_model, kv_slots=kv_slots,
@@ -238,13 +239,15 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
               help="--spec: the modes run on every prompt (off, chain, ddtree, lookup)")
 @click.option("--ddtree-budget", type=int, default=None, help="--spec: DDTree node budget per target forward [22]")
 @click.option("--draft-max", type=int, default=None, help="--spec: longest draft, the tree's depth [8]")
+@click.option("--draft-p-min", type=float, default=None,
+              help="--spec: stop a draft where its chain's probability falls below this [0: never]")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
               help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, no_record, no_breakdown, verify_widths):
+          spec_modes, ddtree_budget, draft_max, draft_p_min, no_record, no_breakdown, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if spec:
@@ -255,7 +258,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if not modes or any(m not in SPEC_MODES for m in modes):
             raise click.BadParameter(f"{spec_modes!r}: comma-separated modes of {', '.join(SPEC_MODES)}",
                                      param_hint="--spec-modes")
-        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, draft_max)  # checks the numbers
+        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, draft_max, draft_p_min)  # checks the numbers
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
             # verification costs a step (the summary's ms / forward columns)
@@ -270,12 +273,13 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
             model, draft = synthetic_gguf(synthetic), synthetic_gguf(name) if name else draft
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
-                           ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max, backend=backend)
+                           ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max,
+                           draft_p_min=opts.draft_p_min, backend=backend)
         if not no_record:
             append_to_docs("luce bench --spec", [("acceptance length (tokens per target forward) and tok/s",
                                                   summary(results), None)],
                            notes=f"greedy, {gen_tokens} tokens a prompt, DDTree budget {opts.ddtree_budget}, "
-                                 f"draft max {opts.draft_max}")
+                                 f"draft max {opts.draft_max}, draft p-min {opts.draft_p_min}")
         return
     if kernels:
         from .bench.kernels import run as run_kernels

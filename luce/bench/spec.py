@@ -50,8 +50,8 @@ def default_pair() -> tuple[Path, Path]:
 
 
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
-        limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max: int = 8, backend: str = "cpu",
-        n_ctx: int = 1024, out=None, echo=print) -> list[Result]:
+        limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max: int = 8, draft_p_min: float = 0.0,
+        backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
     (JSONL) as they come, since a CPU run takes long."""
@@ -80,7 +80,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 if mode == "lookup" or (mode != "off" and draft_model is None):
                     drafter = PromptLookup()
                 elif mode != "off":
-                    drafter = DraftModel(draft_model, n_ctx=n_ctx)
+                    drafter = DraftModel(draft_model, n_ctx=n_ctx, p_min=draft_p_min)
                 toks, stats = [], None
                 for d in stream(model, ids, opts, drafter, session=model.new_session(n_ctx), temperature=0,
                                 max_tokens=max_tokens):
@@ -98,7 +98,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 if sink:
                     sink.write(json.dumps({**asdict(r), "acceptance_length": r.acceptance_length,
                                            "max_tokens": max_tokens, "ddtree_budget": ddtree_budget,
-                                           "draft_max": draft_max, "target": Path(model.path).name,
+                                           "draft_max": draft_max, "draft_p_min": draft_p_min,
+                                           "target": Path(model.path).name,
                                            "draft": Path(draft_model.path).name if draft_model else None,
                                            "tokens": toks}) + "\n")
                     sink.flush()
@@ -165,13 +166,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ddtree-budget", type=int, default=22)
     ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     run(a.target, a.draft, modes=tuple(a.modes.split(",")),
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
-        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=a.draft_max, backend=a.backend,
+        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=a.draft_max,
+        draft_p_min=a.draft_p_min, backend=a.backend,
         n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout))
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 from numba import cuda
@@ -69,6 +70,10 @@ M64 = U(0x54005400)  # f16x2 (64, 64)
 FULL = U(0xFFFFFFFF)
 LOW2 = U(0x00030003)
 GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is chosen from it
+# experiment switches (in the kernel cache's stamp): one tile a warp for the plain forms up
+# to 24 rows (LUCE_MMA_TILES=1), and the blocks an SM ptxas must fit for plain one-tile forms
+PLAIN_TILES = int(os.environ.get("LUCE_MMA_TILES", "0") or 0)
+PLAIN_BLOCKS = int(os.environ.get("LUCE_MMA_PLAIN_BLOCKS", "1") or 1)
 
 
 @device(inline=True)
@@ -322,7 +327,7 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     return frags_fixup(x_dev, qtype, stream)
 
 
-def _min_blocks(nt: int, warps: int, gated: bool, pair: bool) -> int:
+def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) -> int:
     """Blocks an SM that ptxas must fit (launch_bounds' second figure): registers traded for
     resident warps where that was measured to pay, at up to 24 rows of x (nt <= 3). These
     products are weight-load latency chains, so more warps in flight hide more of it. At 23
@@ -336,7 +341,9 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool) -> int:
         return 1
     if gated:
         return max(1, 12 // warps)  # 12 warps an SM (168 registers) in whole blocks
-    return -(-16 // warps) if pair else 1
+    if pair:
+        return -(-16 // warps)
+    return PLAIN_BLOCKS if tiles == 1 else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,7 +369,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     assert not gated or TL == 2
     # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
     # registers and spilled
-    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair)))
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair, TL)))
 
     @device(inline=True)
     def step(x4, lo, tl, a0, a1, a2, a3, acc, scr, wid, lane):
@@ -555,7 +562,7 @@ def plan(n_x: int, n_out: int, k: int, gated: bool = False) -> tuple[int, int]:
     if gated:
         return 2, warps
     tiles = 2 if n_x <= 24 and -(-n_out // 32) * warps >= 1024 else 1
-    return tiles, warps
+    return (PLAIN_TILES or tiles), warps
 
 
 def _check(qtype, x_dev, what):

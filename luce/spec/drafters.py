@@ -8,6 +8,8 @@ next token, so a drafter can bring its state in line by itself.
 """
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,14 +39,24 @@ class DraftModel:
     Drafting n tokens costs n forwards: one that catches the cache up with the context
     (the tokens the target accepted since the last call, usually one to three; the whole
     prompt the first time) and n - 1 single-token decodes.
+
+    p_min > 0 stops a draft early: at the first position where the chain's probability
+    under the draft (the product of its tokens' probabilities so far) falls below p_min.
+    That position is still proposed, with its candidates (a tree branches where the draft
+    is unsure); the forwards past it, whose tokens the target would rarely accept, are
+    not run.
     """
 
     name = "draft-model"
 
-    def __init__(self, model, n_ctx: int | None = None, top_k: int = 8, on_device: bool | None = None):
+    def __init__(self, model, n_ctx: int | None = None, top_k: int = 8, on_device: bool | None = None,
+                 p_min: float = 0.0):
+        if not 0.0 <= p_min < 1.0:
+            raise ValueError(f"p_min must be in [0, 1), not {p_min}")
         self.model = model
         self.session = model.new_session(n_ctx)
         self.top_k = top_k
+        self.log_p_min = math.log(p_min) if p_min > 0 else -math.inf
         # greedy drafts on a backend that takes each step's candidates on the device
         # (forward_topk): the steps queue back to back and only the candidates come back.
         # LUCE_DRAFT_ON_DEVICE=0: the host loop over whole logits rows (to compare)
@@ -55,9 +67,9 @@ class DraftModel:
         self.on_device = on_device
 
     @classmethod
-    def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8) -> "DraftModel":
+    def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8, p_min: float = 0.0) -> "DraftModel":
         from ..model import load
-        return cls(load(path, backend=backend, n_ctx=n_ctx), n_ctx=n_ctx, top_k=top_k)
+        return cls(load(path, backend=backend, n_ctx=n_ctx), n_ctx=n_ctx, top_k=top_k, p_min=p_min)
 
     def propose(self, context, n: int, params: SamplingParams | None = None, rng=None,
                 sample: bool = False) -> Draft:
@@ -75,6 +87,7 @@ class DraftModel:
         if self.on_device and not sample:
             return self._propose_on_device(logits, n, k)
         toks, ids, lps, qs = [], [], [], []
+        logp = 0.0  # the chain's log-probability under the draft
         for i in range(n):
             top_i, top_l = top_logprobs(logits, k)
             if sample:
@@ -83,11 +96,15 @@ class DraftModel:
                 q_ids, q_ps = q_ids[q_ps > 0], q_ps[q_ps > 0]
                 t = draw(rng, q_ids, q_ps)
                 qs.append((q_ids, q_ps))
+                logp += math.log(float(q_ps[np.searchsorted(q_ids, t)]))
             else:
                 t = int(top_i[0])
+                logp += float(top_l[0])
             toks.append(t)
             ids.append(top_i)
             lps.append(top_l)
+            if logp < self.log_p_min:
+                break
             if i < n - 1:
                 logits = self.session.decode(t)
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
@@ -100,17 +117,30 @@ class DraftModel:
         slots = self.model.backend.readback_slots
         top_i, top_l = top_logprobs(logits, k)
         toks, ids, lps = [int(top_i[0])], [top_i], [top_l]
-        pending = []
-        for i in range(1, n):
-            pending.append(self.session.queue_topk(toks[0] if i == 1 else None, k))
-            if len(pending) == slots or i == n - 1:  # read before their slots come round again
-                for p in pending:
-                    ti, tl = p.result()
-                    toks.append(int(ti[0]))
-                    ids.append(ti)
-                    lps.append(tl)
-                pending = []
-        self.session.tokens.extend(toks[:-1])  # the rows the steps committed
+        logp = float(top_l[0])
+        stop = logp < self.log_p_min
+        # read before their slots come round again; with a cut-off, each step as soon as
+        # the one after it is queued (the device never waits on the host, and at most
+        # that one step runs past the stop)
+        cap = min(2, slots) if self.log_p_min > -math.inf else slots  # steps in flight at most
+        pending: deque = deque()
+        queued = 0
+        while not stop and queued < n - 1:
+            pending.append(self.session.queue_topk(toks[0] if queued == 0 else None, k))
+            queued += 1
+            while pending and (len(pending) >= cap or queued == n - 1):
+                ti, tl = pending.popleft().result()
+                toks.append(int(ti[0]))
+                ids.append(ti)
+                lps.append(tl)
+                logp += float(tl[0])
+                if logp < self.log_p_min:
+                    stop = True
+                    break
+        # the rows the queued steps committed: each step's input token (a step past the
+        # stop ran on the last token read, so these are all known)
+        assert len(toks) >= queued
+        self.session.tokens.extend(toks[:queued])
         width = max(len(r) for r in ids)
         ids_a = np.zeros((len(ids), width), dtype=np.int64)
         lps_a = np.full((len(ids), width), -np.inf)

@@ -24,12 +24,15 @@ class SpecOptions:
     ddtree_budget: int = DEFAULT_BUDGET
     draft_max: int = DEFAULT_DRAFT_MAX
     top_k: int = DEFAULT_TOP_K
+    draft_p_min: float = 0.0  # DraftModel's p_min: stop drafting where the chain gets this unlikely
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
             raise LuceError(f"--spec must be one of {', '.join(SPEC_MODES)}, not {self.mode!r}")
         if self.ddtree_budget < 1 or self.draft_max < 1 or self.top_k < 1:
             raise LuceError("--ddtree-budget, --draft-max and the draft top-k must be >= 1")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise LuceError(f"--draft-p-min must be in [0, 1), not {self.draft_p_min}")
 
     @property
     def enabled(self) -> bool:
@@ -41,16 +44,17 @@ class SpecOptions:
 
     @classmethod
     def from_cli(cls, spec: str | None, draft: str | None, ddtree_budget: int | None = None,
-                 draft_max: int | None = None) -> "SpecOptions":
+                 draft_max: int | None = None, draft_p_min: float | None = None) -> "SpecOptions":
         # naming a draft is asking for speculation: DDTree unless said otherwise
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
-                   draft_max=draft_max or DEFAULT_DRAFT_MAX)
+                   draft_max=draft_max or DEFAULT_DRAFT_MAX, draft_p_min=draft_p_min or 0.0)
 
 
 def spec_options(f):
-    """click decorator: adds spec, draft, ddtree_budget, draft_max keyword arguments;
-    `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max)` turns them into options."""
+    """click decorator: adds spec, draft, ddtree_budget, draft_max, draft_p_min keyword
+    arguments; `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)`
+    turns them into options."""
     import click
     opts = [
         click.option("--spec", type=click.Choice(SPEC_MODES), default=None,
@@ -62,6 +66,9 @@ def spec_options(f):
                      help=f"DDTree node budget per target forward [{DEFAULT_BUDGET}]"),
         click.option("--draft-max", type=int, default=None,
                      help=f"longest draft (tokens drafted per step, the tree's depth) [{DEFAULT_DRAFT_MAX}]"),
+        click.option("--draft-p-min", type=float, default=None,
+                     help="stop a draft where its chain's probability under the draft model falls below this "
+                          "(0: always draft --draft-max tokens) [0]"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -112,4 +119,4 @@ def make_drafter(target, opts: SpecOptions, backend=None, n_ctx: int | None = No
         raise LuceError(f"draft {path} does not share the target's tokenizer")
     from ..model import load
     draft = load(path, backend=backend or target.backend, n_ctx=n_ctx or target.n_ctx)
-    return DraftModel(draft, n_ctx=n_ctx or target.n_ctx, top_k=opts.top_k)
+    return DraftModel(draft, n_ctx=n_ctx or target.n_ctx, top_k=opts.top_k, p_min=opts.draft_p_min)
