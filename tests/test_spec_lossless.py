@@ -57,6 +57,24 @@ def test_perfect_draft(smollm2, prompt_ids, plain, mode):
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_draft_p_min(smollm2, prompt_ids, plain, mode):
+    """--draft-p-min: drafts end where the draft's chain gets unlikely (the position that
+    crosses the line still proposed), and the output is still the plain one."""
+    import math
+    d = DraftModel(smollm2, n_ctx=N_CTX, p_min=0.5)
+    full = DraftModel(smollm2, n_ctx=N_CTX).propose(prompt_ids, 8)
+    cut = d.propose(prompt_ids, 8)
+    chain = np.cumsum(full.topk_logp[:, 0])
+    stop = next((i for i, c in enumerate(chain) if c < math.log(0.5)), len(chain) - 1)
+    assert cut.tokens == full.tokens[:stop + 1]
+    assert stop < 7, "the prompt should hold an unsure position within 8 tokens"
+    out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=6), DraftModel(smollm2, n_ctx=N_CTX,
+                                                                                           p_min=0.5))
+    assert out == plain
+    assert stats.acceptance_length > 1
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_random_draft(smollm2, prompt_ids, plain, random_draft_path, mode):
     import luce
     draft = luce.load(random_draft_path, backend="cpu", n_ctx=N_CTX)
