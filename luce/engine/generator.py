@@ -106,6 +106,11 @@ class Session:
             self.tokens.extend(chunk)
         return logits[-1], common
 
+    def reset(self) -> None:
+        """Forget every row; the cache itself (and on the GPU the graphs captured for it) stays."""
+        self.cache.truncate(0)
+        self.tokens = []
+
     def decode(self, token: int) -> np.ndarray:
         logits = self.forward([token])
         self.cache.commit()

@@ -71,6 +71,10 @@ class DraftModel:
         from ..model import load
         return cls(load(path, backend=backend, n_ctx=n_ctx), n_ctx=n_ctx, top_k=top_k, p_min=p_min)
 
+    def reset(self) -> None:
+        """Drop the draft's cached context (the next propose prefills from the start)."""
+        self.session.reset()
+
     def propose(self, context, n: int, params: SamplingParams | None = None, rng=None,
                 sample: bool = False) -> Draft:
         if n <= 0:
