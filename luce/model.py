@@ -96,8 +96,9 @@ class Model:
                                                sample=sample)
 
     def forward_topk(self, cache, token, position, k: int):
-        """A greedy one-token step whose k best candidates and log-probabilities come back
-        without the logits (backends with `forward_topk`: see CUDABackend.forward_topk)."""
+        """A greedy step (token: one, None, or a list at positions position..) whose last
+        row's k best candidates and log-probabilities come back without the logits
+        (backends with `forward_topk`: see CUDABackend.forward_topk)."""
         return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k)
 
     def set_penalty_history(self, cache, history, repeat_last_n: int) -> None:

@@ -798,7 +798,9 @@ class CUDABackend:
         log-probabilities, taken inside the graph (top-k and the log-sum-exp): a draft
         model's step. About 12 bytes a candidate come back instead of the logits row (600
         KB at a 152K vocabulary, then a host top-k and normalizer of ~0.5 ms a position),
-        and the draft's steps queue one after another without waiting for the host."""
+        and the draft's steps queue one after another without waiting for the host.
+        token may be a list (a draft catching up with the tokens the target accepted,
+        at positions position..): one forward, the candidates after its last token."""
         from ..kernels.sampling import MAX_TOP_K, topk_scratch_shape
         if not 1 <= k <= MAX_TOP_K:
             raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
@@ -817,7 +819,9 @@ class CUDABackend:
                                 cuda.pinned_array(1, np.float64), cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
                      "turn": 0}
         b = tk[k]
-        self._launch(family, cfg, weights, kv, None if token is None else [token], [position], None, None,
+        tokens = None if token is None else [int(t) for t in np.atleast_1d(token)]
+        n = 1 if tokens is None else len(tokens)
+        self._launch(family, cfg, weights, kv, tokens, list(range(position, position + n)), None, [n - 1],
                      argmax=st["next_token"], topk=b)
         st["next_token_set"] = True
         turn = b["turn"]

@@ -87,13 +87,7 @@ class Session:
     def prefill(self, prompt: list[int]) -> tuple[np.ndarray, int]:
         """Bring the cache to `prompt`; returns the logits after its last token and how many
         tokens came from the cache."""
-        common = 0
-        for a, b in zip(self.tokens, prompt[:-1]):  # always recompute the last token for its logits
-            if a != b:
-                break
-            common += 1
-        self.cache.truncate(common)
-        self.tokens = self.tokens[:common]
+        common = self.rewind(prompt)
         rest = prompt[common:]
         logits = None
         pow2 = getattr(getattr(self.model, "backend", None), "graph_prefill", False)
@@ -105,6 +99,19 @@ class Session:
             self.cache.commit()
             self.tokens.extend(chunk)
         return logits[-1], common
+
+    def rewind(self, prompt: list[int]) -> int:
+        """Drop the rows past the longest common prefix of the cache and `prompt` minus
+        its last token (always recomputed: its logits are what a caller wants); returns
+        that prefix's length."""
+        common = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            common += 1
+        self.cache.truncate(common)
+        self.tokens = self.tokens[:common]
+        return common
 
     def reset(self) -> None:
         """Forget every row; the cache itself (and on the GPU the graphs captured for it) stays."""
@@ -126,10 +133,12 @@ class Session:
         self.cache.commit()
         return pending
 
-    def queue_topk(self, token: int | None, k: int):
+    def queue_topk(self, token, k: int):
         """queue_decode for a draft: the pending result is the step's k best candidates
         and their log-probabilities (Model.forward_topk); its greedy token (the first
-        candidate) is what a following queue_topk(None) consumes on the device."""
+        candidate) is what a following queue_topk(None) consumes on the device. token: an
+        int, None, or a list of tokens (one forward over them all, the candidates those
+        after the last)."""
         pending = self.model.forward_topk(self.cache, token, self.cache.n_past, k)
         self.cache.commit()
         return pending

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine.generator import prefill_pieces
 from ..engine.sampling import SamplingParams, draw, kept, top_logprobs
 
 
@@ -84,12 +85,12 @@ class DraftModel:
         n = min(n, room + 1)
         if n <= 0:
             return Draft.empty()
+        if self.on_device and not sample:
+            return self._propose_on_device(context, n, min(self.top_k, self.model.config.vocab_size))
         # prefill reuses the longest common prefix: after an accepted path that left the
         # draft's own chain, the rows past the divergence are dropped and recomputed
         logits, _ = self.session.prefill(context)
         k = min(self.top_k, len(logits))
-        if self.on_device and not sample:
-            return self._propose_on_device(logits, n, k)
         toks, ids, lps, qs = [], [], [], []
         logp = 0.0  # the chain's log-probability under the draft
         for i in range(n):
@@ -113,38 +114,47 @@ class DraftModel:
                 logits = self.session.decode(t)
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
 
-    def _propose_on_device(self, logits, n: int, k: int) -> Draft:
-        """The greedy chain with each step queued on the device as soon as the one before:
-        the first token from the prefill's logits (on the host already), each later one the
-        argmax a step leaves on the device. The same Draft as the host loop, up to the
+    def _propose_on_device(self, context: list[int], n: int, k: int) -> Draft:
+        """The greedy chain with every forward queued on the device as soon as the one
+        before: the first ones catch the cache up with the context (the tokens the target
+        accepted since the last call, in the pieces a prefill takes, so that their rows
+        are the host loop's), each later one takes the argmax the one before left on the
+        device. Only the candidates come back, and the host waits for nothing before the
+        whole draft is queued. The same Draft as the host loop, up to the
         log-probabilities' float rounding."""
+        common = self.session.rewind(context)
+        rest = context[common:]
+        pieces = prefill_pieces(len(rest), pow2=getattr(self.model.backend, "graph_prefill", False))
+        s = 0
+        for size in pieces[:-1]:  # only their rows count: their candidates are never read
+            self.session.queue_topk(rest[s:s + size], k)
+            s += size
+        self.session.tokens.extend(rest[:s])
+        rest = rest[s:]
         slots = self.model.backend.readback_slots
-        top_i, top_l = top_logprobs(logits, k)
-        toks, ids, lps = [int(top_i[0])], [top_i], [top_l]
-        logp = float(top_l[0])
-        stop = logp < self.log_p_min
-        # read before their slots come round again; with a cut-off, each step as soon as
-        # the one after it is queued (the device never waits on the host, and at most
-        # that one step runs past the stop)
-        cap = min(2, slots) if self.log_p_min > -math.inf else slots  # steps in flight at most
-        pending: deque = deque()
-        queued = 0
-        while not stop and queued < n - 1:
-            pending.append(self.session.queue_topk(toks[0] if queued == 0 else None, k))
-            queued += 1
-            while pending and (len(pending) >= cap or queued == n - 1):
-                ti, tl = pending.popleft().result()
-                toks.append(int(ti[0]))
-                ids.append(ti)
-                lps.append(tl)
-                logp += float(tl[0])
-                if logp < self.log_p_min:
-                    stop = True
-                    break
-        # the rows the queued steps committed: each step's input token (a step past the
-        # stop ran on the last token read, so these are all known)
-        assert len(toks) >= queued
-        self.session.tokens.extend(toks[:queued])
+        # read before their slots come round again; with a cut-off, each forward as soon
+        # as the one after it is queued (at most that one runs past the stop)
+        cap = min(2, slots) if self.log_p_min > -math.inf else slots  # forwards in flight at most
+        toks, ids, lps = [], [], []
+        logp = 0.0
+        pending: deque = deque([self.session.queue_topk(rest, k)])
+        queued = 1  # forwards: the catch-up, then one a drafted token
+        self.session.tokens.extend(rest)
+        while pending:
+            while queued < n and len(pending) < cap:
+                pending.append(self.session.queue_topk(None, k))
+                queued += 1
+            ti, tl = pending.popleft().result()
+            toks.append(int(ti[0]))
+            ids.append(ti)
+            lps.append(tl)
+            logp += float(tl[0])
+            if logp < self.log_p_min:
+                break
+        # the rows the later forwards committed: each one's input token (a forward past
+        # the stop ran on the last token read, so these are all known)
+        assert len(toks) >= queued - 1
+        self.session.tokens.extend(toks[:queued - 1])
         width = max(len(r) for r in ids)
         ids_a = np.zeros((len(ids), width), dtype=np.int64)
         lps_a = np.full((len(ids), width), -np.inf)

@@ -117,9 +117,12 @@ def test_draft_on_device_matches_the_host_draft(q4k_model):
     host = DraftModel(q4k_model, n_ctx=N_CTX, on_device=False)
     dev = DraftModel(q4k_model, n_ctx=N_CTX)
     assert dev.on_device
-    for n in (12, 5):
+    # the prompt (prefilled, then its last token), one new token after an accepted path,
+    # then three the draft never saw (one catch-up forward over them)
+    for n, more in ((12, None), (5, [11, 12, 13]), (6, None)):
         a, b = host.propose(ids, n), dev.propose(ids, n)
         assert b.tokens == a.tokens
         np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
         np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-4)
-        ids = ids + a.tokens[:3] + [7]
+        assert dev.session.tokens == host.session.tokens == ids + a.tokens[:-1]
+        ids = ids + (more or a.tokens[:3] + [7])
