@@ -147,9 +147,17 @@ def test_anthropic_messages(ant):
     assert m.usage.output_tokens == N
     with ant.messages.stream(model=MODEL, max_tokens=N, messages=HI, system="Be brief.",
                              extra_body={"temperature": 0}) as s:
-        kinds = [e.type for e in s]
+        events = list(s)
         final = s.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    # the same prompt again: message_start already says how much of it the cache held, as
+    # message_delta's final usage does
+    start = events[0].message.usage
+    assert start.cache_read_input_tokens > 0
+    assert start.input_tokens + start.cache_read_input_tokens == m.usage.input_tokens + \
+        (m.usage.cache_read_input_tokens or 0)
+    assert start.cache_read_input_tokens == final.usage.cache_read_input_tokens
     assert "content_block_start" in kinds and "message_delta" in kinds
     assert final.content[0].text == m.content[0].text
     cut = m.content[0].text.split()[1]

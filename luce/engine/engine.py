@@ -15,7 +15,7 @@ import time
 from typing import AsyncIterator
 
 from ..text.output_parser import InvalidToolCall, OutputParser, ReasoningDelta, TextDelta, ToolCall
-from .request import Done, Error, Request, Timings, Usage
+from .request import Done, Error, Request, Started, Timings, Usage
 
 log = logging.getLogger("luce.engine")
 
@@ -179,6 +179,7 @@ class Engine:
         stop_sequence = None
         prompt = list(req.prompt_ids)
         session = self._session_for(prompt)
+        job.emit(Started(_common_prefix(session.tokens, prompt[:-1])))
 
         def forward_events(events):
             nonlocal in_reasoning, n_calls, reasoning_open

@@ -77,6 +77,13 @@ class Timings:
 
 
 @dataclass
+class Started:
+    """The request got the model: how many prompt tokens its prefill takes from the KV
+    cache (emitted once, before the prefill), for an API that reports them up front."""
+    cached_tokens: int
+
+
+@dataclass
 class Done:
     finish_reason: str  # "stop" | "length" | "tool_calls" | "cancelled" | "timeout"
     usage: Usage

@@ -6,7 +6,7 @@ import json
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
-from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
+from ..engine.request import Done, Error, ReasoningDelta, Request, Started, TextDelta, ToolCall
 from . import schema
 from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
 from .errors import APIError, anthropic_body, sse
@@ -182,10 +182,14 @@ def _tool_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
+def _usage_json(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
 def _usage(done: Done, req: Request) -> dict:
     u = done.usage
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+    return _usage_json(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
 
 
 async def count_tokens(request, state):
@@ -228,10 +232,13 @@ async def messages(request, state):
 
 
 async def _stream(job, req: Request, mid: str, model_name: str):
-    yield sse({"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}}}, "message_start")
+    def message_start(cached: int) -> str:
+        return sse({"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": _usage_json(len(req.prompt_ids), cached, 0)}}, "message_start")
+
+    begun = False
     index = -1
     open_kind = None
 
@@ -256,6 +263,14 @@ async def _stream(job, req: Request, mid: str, model_name: str):
         return sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
 
     async for ev in job.events(KEEPALIVE_S):
+        if not begun:
+            # message_start waits for the scheduler's Started, which says how much of the
+            # prompt the cache holds; anything else first (a keep-alive while queued, an
+            # error) starts the message without that split (message_delta's usage has it)
+            begun = True
+            yield message_start(ev.cached_tokens if isinstance(ev, Started) else 0)
+        if isinstance(ev, Started):
+            continue
         if ev is None:
             yield sse({"type": "ping"}, "ping")
         elif isinstance(ev, ReasoningDelta):
