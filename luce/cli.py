@@ -275,9 +275,20 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max,
                            draft_p_min=opts.draft_p_min, backend=backend)
+        tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
+        if synthetic:
+            from .bench.spec import PAIR_SETTINGS, projection
+            if PAIR_SETTINGS == {"ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max,
+                                 "draft_p_min": opts.draft_p_min}:
+                title = "projected with the Qwen2.5-Coder 0.5B -> 1.5B pair's acceptance (measured on the CPU)"
+                table = projection(results)
+                click.echo(f"\n{title}\n{table}")
+                tables.append((title, table, None))
+            else:
+                click.echo("no projection: the pair's acceptance was measured at "
+                           + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in PAIR_SETTINGS.items()))
         if not no_record:
-            append_to_docs("luce bench --spec", [("acceptance length (tokens per target forward) and tok/s",
-                                                  summary(results), None)],
+            append_to_docs("luce bench --spec", tables,
                            notes=f"greedy, {gen_tokens} tokens a prompt, DDTree budget {opts.ddtree_budget}, "
                                  f"draft max {opts.draft_max}, draft p-min {opts.draft_p_min}")
         return

@@ -43,6 +43,15 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     n_code = len(load_prompts(categories=("code",)))
     for mode in ("chain", "ddtree"):
         assert rows[mode].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows[mode]  # lossless, every prompt
+    # the projection: the pair's acceptance over this run's cost of a target forward
+    from luce.bench.spec import PAIR_ACCEPTANCE
+    proj = {c[1].strip(): c for c in (line.split("|") for line in r.output.splitlines())
+            if len(c) == 9 and c[2].strip() == "code" and c[1].strip() in ("chain", "ddtree")}
+    assert set(proj) == {"chain", "ddtree"}, r.output
+    for mode, c in proj.items():
+        ms, acc, tps, plain, x = float(c[3]), float(c[4]), float(c[5]), float(c[6]), float(c[7].strip(" x"))
+        assert acc == PAIR_ACCEPTANCE[(mode, "code")]
+        assert abs(tps - acc * 1e3 / ms) <= 0.05 * tps + 0.1 and abs(x - tps / plain) <= 0.01 + 0.01 * x
     # written once: a second run reuses the files
     mtime = target.stat().st_mtime_ns
     # on a backend with graphs the first prompt runs once in every mode before the timed runs
@@ -67,5 +76,6 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
             and line.split("|")[2].strip() == "all"}
     assert set(rows) == {"off", "ddtree"}
     assert float(rows["ddtree"][6]) == 2.0, rows["ddtree"]
+    assert "no projection" in r.output  # the pair's acceptance was measured at budget 22, depth 8
     r = CliRunner().invoke(main, args + ["--spec-modes", "off,tree"])
     assert r.exit_code != 0 and "--spec-modes" in r.output

@@ -174,6 +174,40 @@ def summary(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+# Acceptance lengths of the Qwen2.5-Coder 0.5B -> 1.5B pair on this prompt set (greedy,
+# DDTree budget 22, draft max 8, no p-min; CPU backend at 68aafc2, 48 tokens a code prompt
+# and 32 a math or chat one; docs/benchmarks.md). Acceptance does not depend on the machine:
+# random-weight shapes, which accept about one token a step, are projected with these.
+PAIR_ACCEPTANCE = {("chain", "code"): 5.19, ("ddtree", "code"): 6.19, ("chain", "math"): 4.36,
+                   ("ddtree", "math"): 5.05, ("chain", "chat"): 4.36, ("ddtree", "chat"): 5.05}
+PAIR_SETTINGS = {"ddtree_budget": 22, "draft_max": 8, "draft_p_min": 0.0}
+
+
+def projection(results: list[Result], acceptance=None) -> str:
+    """A markdown table: per mode and category, what speculative decoding would reach at
+    this run's cost of a target forward (draft, verification and host time, whatever it
+    committed) with the pair's acceptance length: acceptance / (ms a forward), against the
+    same run's plain decode. Meant for random-weight runs, whose own acceptance is ~1 but
+    whose drafts (no p-min) cost what a real draft's of the same shape would."""
+    acceptance = PAIR_ACCEPTANCE if acceptance is None else acceptance
+    lines = ["| mode | category | ms a target forward | pair acceptance | projected tok/s | plain tok/s | "
+             "projected speedup |", "|---|---|---|---|---|---|---|"]
+    by: dict = {}
+    for r in results:
+        by.setdefault((r.mode, r.category), []).append(r)
+    for (mode, cat), rs in by.items():
+        acc = acceptance.get((mode, cat))
+        off = by.get(("off", cat))
+        if acc is None:
+            continue
+        ms = 1e3 * sum(r.decode_s for r in rs) / max(1, sum(r.target_forwards for r in rs))
+        tps = acc * 1e3 / ms if ms else 0.0
+        plain = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
+        lines.append(f"| {mode} | {cat} | {ms:.2f} | {acc:.2f} | {tps:.1f} | "
+                     + (f"{plain:.1f} | {tps / plain:.2f}x |" if plain else "- | - |"))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m luce.bench.spec", description=__doc__.splitlines()[0])
