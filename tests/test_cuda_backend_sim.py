@@ -521,6 +521,7 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
     write = paging.write_kv_cuda
     monkeypatch.setattr(paging, "write_kv_cuda", lambda *a, **k: writes.append(1) or write(*a, **k))
     runs = {}
+    monkeypatch.setattr(C, "FUSED_ROPE", False)  # decode's rotation in attention: the test below
     for fused in (True, False):
         monkeypatch.setattr(C, "FUSED_KV_WRITE", fused)
         gpu = C.CUDABackend(use_graphs=False)
@@ -535,6 +536,41 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
         assert len(writes) == (0 if fused else 2 * cfg.n_layers)
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # q/k norms, or none
+def test_fused_rope_in_decode_attention(tmp_path, monkeypatch, arch):
+    """FUSED_ROPE: in a decode step qk_rope launches nothing and the attention kernel norms
+    and rotates q and k and stores the new K/V rows; prefill (two tokens) keeps qk_rope's
+    launch. Logits and pools as without it, to float32 rounding (the norm's sum is taken
+    in another order) and the pool's f16 step; two layers, two decode steps."""
+    import gguf
+    from luce.backends import cuda as C
+    from luce.kernels import qk_rope as QR
+    from luce.models.transformer import build_weights
+    f, fam, cfg = model_file(tmp_path / "t.gguf", arch, gguf.GGMLQuantizationType.Q8_0, seed=7, n_layers=2)
+    launches = []
+    real = QR.qk_rope_cuda
+    monkeypatch.setattr(QR, "qk_rope_cuda", lambda *a, **k: launches.append(a[0].shape[0]) or real(*a, **k))
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(C, "FUSED_ROPE", fused)
+        gpu = C.CUDABackend(use_graphs=False)
+        wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
+        del launches[:]
+        out = [gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])]
+        kg.commit()
+        for tok, pos in ((9, 2), (4, 3)):
+            out.append(gpu.forward(fam, cfg, wg, kg, [tok], [pos]))
+            kg.commit()
+        out += [kg.k_pool.copy_to_host()[:, :, :, :4].astype(np.float32),
+                kg.v_pool.copy_to_host()[:, :, :, :4].astype(np.float32), kg.pos_d.copy_to_host()[:4]]
+        runs[fused] = out
+        # the prefill's launches only (one a layer), or the decode steps' too
+        assert launches == [2] * cfg.n_layers + ([] if fused else [1] * 2 * cfg.n_layers), launches
+    np.testing.assert_array_equal(runs[True][-1], [0, 1, 2, 3])
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-5)
 
 
 def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch):

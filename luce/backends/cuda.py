@@ -118,6 +118,13 @@ GATED_FRAGS = os.environ.get("LUCE_GATED_FRAGS", "1") != "0"
 # these). H200, Qwen3-8B shape (a377fae, one call): decode 282.1 tok/s host-sampled, 286.8
 # with the next token on the device, against 278.0 / 280.9; LUCE_FUSED_KV_WRITE=0 turns it off.
 FUSED_KV_WRITE = os.environ.get("LUCE_FUSED_KV_WRITE", "1") != "0"
+# Decode's qk_rope (per-head norms and rotation of q and k) done by the attention kernel
+# itself, which also writes the new K/V row (luce.kernels.attention, paged_attention_cuda's
+# rope): one launch a layer fewer in the decode step, where qk_rope was ~3.1 us a layer
+# plus its gap (H200, Qwen3-8B shape). Where the fused K/V write runs, on the one-query
+# kernel over an f16 pool, and without an attention scale of the family's own;
+# LUCE_FUSED_ROPE=0 turns it off.
+FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "1") != "0"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -236,6 +243,10 @@ class CudaOps:
         self._layer = -1
         self._v_for = None
         self._kv_written = None
+        # decode's rope left to attention (FUSED_ROPE): whether it may be, and the pending
+        # one (q's and k's device addresses, their RopeArgs)
+        self.fuse_rope = False
+        self._rope_for = None
 
     # -- memory -------------------------------------------------------------------
     def _out(self, shape):
@@ -248,20 +259,21 @@ class CudaOps:
         self._xq = None
         self._in_range = []
         self.mask_bits = mask_bits
-        self._layer, self._v_for, self._kv_written = -1, None, None
+        self._layer, self._v_for, self._kv_written, self._rope_for = -1, None, None, None
 
     def layer_state(self):
         """What an op's fusion decisions read besides its arguments (see set_layer_state)."""
-        return self._layer, self._v_for, self._kv_written
+        return self._layer, self._v_for, self._kv_written, self._rope_for
 
     def set_layer_state(self, state):
         """Put back a layer_state: a profiler replaying one recorded op alone runs it as
         it ran inside the forward."""
-        self._layer, self._v_for, self._kv_written = state
+        self._layer, self._v_for, self._kv_written, self._rope_for = state
 
     def new_layer(self):
         self._layer += 1
         self._v_for = None
+        self._rope_for = None
         self.arena.release()
         carried = [c[0] for c in self._carry]
         if self._xq is not None and not any(self._xq[0] is h for h in carried):
@@ -577,9 +589,18 @@ class CudaOps:
         return rope_cuda(x, positions, rope_dim, base, style, stream=self.stream, freq_scale=freq_scale)
 
     def qk_rope(self, q, k, positions, q_norm, k_norm, eps, rope_dim, base, style, freq_scale=1.0):
+        from ..kernels.attention import rope_args, rope_fuses
         from ..kernels.qk_rope import qk_rope_cuda
         write = None
         kv = self.kv_ref() if self.kv_ref is not None else None
+        if (self.fuse_rope and kv is not None and kv.k_scale is None and self._v_for is not None
+                and self._v_for[0] == _addr(k) and rope_fuses(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                              self.n_keys)):
+            # decode: attention norms and rotates q and k itself (and stores k and v)
+            v = self._v_for[1].reshape(tuple(k.shape))
+            self._rope_for = (_addr(q), _addr(k), rope_args(k, v, q_norm, k_norm, eps, rope_dim, base, style,
+                                                            freq_scale))
+            return q, k
         if (self.fuse_kv_write and kv is not None and kv.k_scale is None and self._v_for is not None
                 and self._v_for[0] == _addr(k)):
             write = (self._v_for[1].reshape(tuple(k.shape)), kv.k_pool, kv.v_pool, kv.table_d, self._layer, kv.meta,
@@ -592,7 +613,12 @@ class CudaOps:
         from ..kernels.attention import attention_plan, paged_attention_cuda
         from ..kernels.paging import write_kv_cuda
         written, self._kv_written = self._kv_written, None
-        if written is None:
+        rope, self._rope_for = self._rope_for, None
+        if rope is not None:
+            if (rope[0], rope[1]) != (_addr(q), _addr(k)) or kv is not self.kv_ref():
+                raise RuntimeError("qk_rope left its rotation to attention, which got other q/k or another cache: "
+                                   "set LUCE_FUSED_ROPE=0")
+        elif written is None:
             write_kv_cuda(kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, k, v, positions, kv.pos_d, self.stream)
         elif written != layer or kv is not self.kv_ref():  # rows stored under another layer: say so, loudly
             raise RuntimeError(f"qk_rope wrote the K/V rows of layer {written} into the cache, attention is at layer "
@@ -605,7 +631,8 @@ class CudaOps:
         xq = self._xq_out(out.reshape((n, hq * d)), "attn")
         out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
                                    self.mask_bits, window=window or 0, n_keys=self.n_keys, out=out, scratch=scratch,
-                                   xq_out=xq, xq_planes=MATVEC_X8, stream=self.stream)
+                                   xq_out=xq, xq_planes=MATVEC_X8, rope=None if rope is None else rope[2],
+                                   stream=self.stream)
         if xq is not None:
             self._xq = (out, xq)  # merge_heads passes it on to its view
         if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
@@ -699,6 +726,7 @@ class CUDABackend:
             # the pool write rides in qk_rope only where linears, qk_rope and attention are ours;
             # a weak reference: the state must not keep its cache alive (see below)
             ops.fuse_kv_write = FUSED_KV_WRITE and st["run_ops"] is ops
+            ops.fuse_rope = FUSED_ROPE and ops.fuse_kv_write and cfg.attn_scale is None
             ops.kv_ref = weakref.ref(kv)
             # The state (its graphs point at this cache's pools) dies with the cache: a later
             # cache may get the same id(), and replaying these graphs would read freed memory.

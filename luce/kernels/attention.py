@@ -78,6 +78,7 @@ def tree_mask_bits(mask: np.ndarray) -> np.ndarray:
 # A query tile is QT rows of (query, head in the GQA group): all q heads sharing a kv
 # head are served by one read of each K/V tile.
 import functools  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 import math  # noqa: E402
 
 from numba import cuda  # noqa: E402
@@ -438,7 +439,8 @@ def _decode_smem(dim: int, rows: int, warps: int, bufs: int, ch: int) -> int:
     """Shared bytes of the decode kernel: the queries, and per warp `bufs` buffers of K rows
     (padded) and V rows, the chunk's probabilities and the merge's accumulators and (m, l)."""
     per_warp = bufs * (ch * (dim + 8 * (32 // ch)) * 2 + ch * dim * 2) + ch * rows * 4 + rows * dim * 4 + rows * 8
-    return rows * dim * 4 + warps * (per_warp + 4 * WARP_RED_SLOTS)
+    # (rows + 2) query rows: the fused variant (rope=True) keeps the new k and v rows there too
+    return (rows + 2) * dim * 4 + warps * (per_warp + 4 * WARP_RED_SLOTS)
 
 
 def decode_chunk(dim: int, rows: int = 1) -> int:
@@ -476,7 +478,7 @@ def decode_plan(n_kv_heads: int, n_keys: int, warps: int, chunk: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: int, per_trip: int | None = None,
-                   self_merge: bool = True, xq_planes: int = 0):
+                   self_merge: bool = True, xq_planes: int = 0, rope: bool = False):
     """The kernel for `qt` queries a block (decode: 1; tree or chain verification: a tile of
     the new tokens, each with its own mask over the new keys and its own window), `warps`
     warps a block, `bufs` (1 or 2) K/V buffers a warp, `chunk` keys a warp's step,
@@ -484,12 +486,19 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     splits' partials are left for the combine kernel (decode_self_merges); xq_planes > 0:
     where it writes the output (one split, or its merge) it also writes the output's
     quantize_x form in that many planes (xq_b / xq_f: the next product's int8 x, so that
-    it needs no launch of its own)."""
+    it needs no launch of its own). rope (one query: decode): q and the new token's k
+    arrive as the projections left them; the kernel does qk_rope's work (per-head RMSNorm,
+    rotation) on them itself and stores the new k and v rows into the pool, so decode has
+    no qk_rope launch (see paged_attention_cuda's `rope`)."""
     from ._reduce import warp_barrier, warp_groupsum
     from .quantize_x import int8_block_store
     from .mma import SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, lds2, lds4
     from .split_merge import arrive, merge_rows
+    from .mma import f32x2_to_f16x2
+    from .rope import rotate
     merge = merge_rows(dim, per_trip or decode_per_trip(dim, qt * group), xq_planes)
+    ROPE = rope
+    assert not ROPE or qt == 1, qt
     SELF_MERGE = self_merge
     XQ = xq_planes
     CH = chunk
@@ -498,6 +507,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     QT = qt
     W = warps
     R = QT * G  # query rows of a block: row r is query r // G, q head r % G of the kv head
+    R2 = R + 2  # rows of qs: with ROPE, row R holds the new k (normed and rotated), R + 1 its v
     DL = dim // 32  # output dims a lane owns in the value pass
     DW = max(1, DL // 2)  # their uint32 words (dim 32: a lane owns one half of a word)
     # head dims of an odd number of lane dims past one (96: Phi-3, 160): the value pass
@@ -561,9 +571,78 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                 cp_async16(ksh, kb + row * KROW + 4 * (e % PIECES), kf, cbase + 8 * e, nb)
                 cp_async16(vsh, vb + 4 * e, vf, cbase + 8 * e, nb)
 
+    @device(inline=True)
+    def _rope_rows(qs, q, k_new, v_new, hkv, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style, pos, scale, red,
+                   tid, wid, lane, r1):
+        """qs = the block's G query rows, (row R) the kv head's new k and (R + 1) its v: q
+        and k as qk_rope leaves them (RMSNorm over the head where has_norm, then the
+        rotation of the first rope_dim dims at position pos), the query rows also times
+        scale. A warp a row. r1: R + 1, read at run time so that the loops stay loops."""
+        for e in range(tid, (r1 + 1) * dim, W * 32):
+            r = e // dim
+            d = e % dim
+            if r < R:
+                qs[r, d] = q[0, hkv * G + r, d]
+            elif r == R:
+                qs[r, d] = k_new[0, hkv, d]
+            else:
+                qs[r, d] = v_new[0, hkv, d]
+        cuda.syncthreads()
+        half = rope_dim // 2
+        for rb in range(0, r1, W):  # the same trips in every warp (the simulator's barriers)
+            rr = rb + wid
+            row = min(rr, R)
+            live = rr < r1
+            if has_norm:
+                ss = np.float32(0.0)
+                for d in range(lane, dim, 32):
+                    x = qs[row, d]
+                    ss += x * x
+                inv = np.float32(1.0) / math.sqrt(warp_allsum(ss, red, wid, lane) / np.float32(dim) + eps)
+                if live:
+                    if row < R:
+                        for d in range(lane, dim, 32):
+                            qs[row, d] *= inv * q_w[d]
+                    else:
+                        for d in range(lane, dim, 32):
+                            qs[row, d] *= inv * k_w[d]
+            warp_barrier()
+            sc = scale if row < R else np.float32(1.0)
+            if live:
+                for t in range(lane, half, 32):
+                    ia = 2 * t if style == 0 else t
+                    ib = ia + 1 if style == 0 else t + half
+                    a, b = rotate(qs[row, ia], qs[row, ib], pos, inv_freq[t])
+                    qs[row, ia] = a * sc
+                    qs[row, ib] = b * sc
+                for d in range(rope_dim + lane, dim, 32):  # past the rotary dims: only the scale
+                    qs[row, d] *= sc
+            warp_barrier()
+
+    @device(inline=True)
+    def _store_new_row(kf, vf, qs, table, layer, n_layers, n_kvh, hkv, j, kv_pos, pos, tid):
+        """Block-wide: the new token's k and v rows (qs rows R, R + 1) into pool row j as
+        f16, and its position into kv_pos."""
+        base = (((table[j >> BSH] * n_layers + layer) * n_kvh + hkv) * BLOCK + (j & (BLOCK - 1))) * dim
+        for i in range(tid, RW, W * 32):
+            kw = f32x2_to_f16x2(qs[R, 2 * i], qs[R, 2 * i + 1])
+            vw = f32x2_to_f16x2(qs[R + 1, 2 * i], qs[R + 1, 2 * i + 1])
+            kf[base + 2 * i] = np.uint16(kw & U(0xFFFF))
+            kf[base + 2 * i + 1] = np.uint16(kw >> U(16))
+            vf[base + 2 * i] = np.uint16(vw & U(0xFFFF))
+            vf[base + 2 * i + 1] = np.uint16(vw >> U(16))
+        if tid == 0:
+            kv_pos[j] = pos
+
+    @device(inline=True)
+    def _f16(x):
+        """x rounded to f16, as the pool holds it."""
+        return f16_bits_to_f32(f32x2_to_f16x2(x, np.float32(0.0)) & U(0xFFFF))
+
     @cuda.jit
     def kernel(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
-               out, part_o, part_ml, counter, xq_b, xq_f):
+               out, part_o, part_ml, counter, xq_b, xq_f, k_new, v_new, q_w, k_w, has_norm, eps, inv_freq, rope_dim,
+               style):
         grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         split = cuda.blockIdx.x
         hkv = cuda.blockIdx.y
@@ -574,8 +653,10 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         n_kvh = cuda.gridDim.y
         n_past = meta[0]
         n_q = meta[1]
-        n_keys = n_past + n_q
-        qs = cuda.shared.array((R, dim), np.float32)
+        # the keys the chunks walk: with ROPE the new one is not in the pool yet (split 0
+        # writes it) and is folded in after them from qs instead
+        n_keys = n_past if ROPE else n_past + n_q
+        qs = cuda.shared.array((R2, dim), np.float32)
         ksh = cuda.shared.array(KSH, np.uint32, alignment=SHARED16)
         vsh = cuda.shared.array(VSH, np.uint32, alignment=SHARED16)
         ps = cuda.shared.array(PSN, np.float32, alignment=SHARED16)
@@ -589,7 +670,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         # trips of every warp of the block: its first warp's live chunks (the most any of
         # its warps has)
         trips = max(0, min(cps, n_chunks - split * W * cps))
-        if trips == 0:
+        if trips == 0 and not (ROPE and split == 0):
             # past the last chunk (a graph's grid is sized for the whole context): only the
             # merge's l = 0. The same for the whole block, so no barrier is skipped alone.
             attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
@@ -604,10 +685,17 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
             vw = cuda.local.array(DW, np.uint32)
             # a row at a time (r // G and r % G are constants): rows past the last query are
             # computed, never stored
-            for r in range(R):
-                qi = min(q0 + r // G, n_q - 1)
-                for d in range(tid, dim, W * 32):
-                    qs[r, d] = q[qi, hkv * G + r % G, d] * scale
+            if ROPE:
+                pos = q_pos[0]
+                _rope_rows(qs, q, k_new, v_new, hkv, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style, pos, scale,
+                           red, tid, wid, lane, n_q * G + 1)
+                if split == 0:  # the pool's row: one block writes it, the one reading it takes qs's
+                    _store_new_row(kf, vf, qs, table, layer, n_layers, n_kvh, hkv, n_past, kv_pos, pos, tid)
+            else:
+                for r in range(R):
+                    qi = min(q0 + r // G, n_q - 1)
+                    for d in range(tid, dim, W * 32):
+                        qs[r, d] = q[qi, hkv * G + r % G, d] * scale
             rbits = cuda.local.array(R, np.uint64)  # each row's tree-mask word and query position
             rpos = cuda.local.array(R, np.int32)
             for r in range(R):
@@ -707,6 +795,23 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                             for r in range(R):
                                 acc[r * DL + wd * 2 + hh] += pk[r] * vx
                 warp_barrier()  # later copies overwrite these buffers
+            if ROPE:
+                # the new key, from qs (f16-rounded, as the pool holds it), into the state of
+                # warp 0 of split 0; every warp reduces (the simulator's barriers)
+                mine = split == 0 and wid == 0
+                for r in range(R):
+                    sp = np.float32(0.0)
+                    for i in range(DL):
+                        sp += qs[r, lane * DL + i] * _f16(qs[R, lane * DL + i])
+                    sv = warp_allsum(sp, red, wid, lane)
+                    if mine:
+                        cm = max(m[r], sv)
+                        p = math.exp(sv - cm)
+                        al = math.exp(m[r] - cm)  # 0 where the warp saw no key (m = -inf)
+                        m[r] = cm
+                        lsum[r] = lsum[r] * al + p
+                        for i in range(DL):
+                            acc[r * DL + i] = acc[r * DL + i] * al + p * _f16(qs[R + 1, lane * DL + i])
             # merge the block's warps: each leaves (m, l, acc) in shared memory
             for r in range(R):
                 for d in range(DL):
@@ -887,6 +992,56 @@ def _xq_views(out, xq_out, planes: int):
     return flat.view(np.uint8), flat.view(np.float32), planes
 
 
+class RopeArgs(NamedTuple):
+    """What the decode kernel needs to do qk_rope's work itself (paged_attention_cuda's
+    rope): the new token's k and v [1, Hkv, D] as the projections left them (float32), the
+    norm weights (float32 [D]; has_norm 0: none, never read), eps, the device inv_freq
+    table (luce.kernels.rope.inv_freq_table), rope_dim and the style id (0 adjacent pairs,
+    1 halves)."""
+    k: object
+    v: object
+    q_norm: object
+    k_norm: object
+    has_norm: int
+    eps: float
+    inv_freq: object
+    rope_dim: int
+    style: int
+
+
+def rope_args(k, v, q_norm, k_norm, eps: float, rope_dim: int, base: float, style: str,
+              freq_scale: float = 1.0) -> RopeArgs:
+    """RopeArgs from qk_rope_cuda's arguments (norm weights both or neither)."""
+    from .qk_rope import _no_norm
+    from .rope import _STYLE_ID, inv_freq_table
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("attention rope: give both q_norm and k_norm or neither")
+    has = q_norm is not None
+    w = _no_norm()
+    return RopeArgs(k, v, q_norm if has else w, k_norm if has else w, int(has), float(eps),
+                    inv_freq_table(rope_dim, base, freq_scale), int(rope_dim), _STYLE_ID[style])
+
+
+def rope_fuses(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int, q8: bool = False) -> bool:
+    """Whether paged_attention_cuda takes `rope` for this launch: one query (decode) on the
+    one-query kernel over an f16 pool."""
+    return n_q == 1 and not q8 and attention_plan(n_q, n_heads, n_kv_heads, head_dim, n_keys).get("kind") == "row"
+
+
+_NO_ROPE: dict = {}
+
+
+def _no_rope(q) -> RopeArgs:
+    """RopeArgs of the right types that the kernel without rope never reads."""
+    r = _NO_ROPE.get("r")
+    if r is None:
+        from .qk_rope import _no_norm
+        from .rope import inv_freq_table
+        w = _no_norm()
+        r = _NO_ROPE["r"] = (w, inv_freq_table(2, 1e4))
+    return RopeArgs(q, q, r[0], r[0], 0, 1e-6, r[1], 0, 0)
+
+
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
                    max_splits: int | None = None, q8: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
@@ -926,7 +1081,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
 
 def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
                          window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
-                         k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, stream=0):
+                         k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, rope=None, stream=0):
     """Attention of N new queries over the paged pool (luce.kernels.paging layout).
 
     q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
@@ -938,11 +1093,17 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     (luce.kernels.paging), dequantized to f16 as each tile is loaded. xq_out: device
     uint16, where out's quantize_x form (rows of Hq x D, xq_planes planes) goes as well:
     from the decode kernel's or its combine's epilogue, else by a quantize_x launch.
+    rope (decode over an f16 pool, where attention_plan gives the one-query kernel: see
+    rope_fuses): a RopeArgs; q and its k are then as the projections left them, and the
+    kernel does qk_rope's work and write_kv_cuda's (k, v rows and position into the pool).
     """
     n_q, n_heads, dim = q.shape
     n_kvh = k_pool.shape[2]
     q8 = k_scale is not None
     plan = attention_plan(n_q, n_heads, n_kvh, dim, n_keys, max_splits, q8=q8)
+    if rope is not None and not (n_q == 1 and not q8 and plan.get("kind") == "row"):
+        raise ValueError(f"attention: rope fuses into one-query decode over an f16 pool only (queries {n_q}, "
+                         f"q8_0 pool {q8}, kernel {plan.get('kind', 'tile')})")
     if out is None:
         out = cuda.device_array((n_q, n_heads, dim), dtype=np.float32, stream=stream)
     ns = plan["n_splits"]
@@ -964,10 +1125,12 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
         xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
         in_kernel = direct or plan["self_merge"]  # else the combine writes the output (and its int8 form)
         kernel = _decode_kernel(dim, n_heads // n_kvh, plan["qt"], plan["warps"], plan["bufs"], plan["chunk"],
-                                plan["per_trip"], plan["self_merge"], planes if in_kernel else 0)
+                                plan["per_trip"], plan["self_merge"], planes if in_kernel else 0, rope is not None)
+        ra = rope if rope is not None else _no_rope(q)
         kernel[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f)
+            window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f,
+            ra.k, ra.v, ra.q_norm, ra.k_norm, ra.has_norm, np.float32(ra.eps), ra.inv_freq, ra.rope_dim, ra.style)
         if not in_kernel:
             combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
         return out

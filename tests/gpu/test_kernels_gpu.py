@@ -395,3 +395,12 @@ def test_tree23_8k_row_kernel(monkeypatch):
     test_tree23_8k()
 
 
+
+
+# Decode with qk_rope's work in the attention kernel (the CUDA backend's decode step) at the
+# Qwen3-8B and Qwen3-32B shapes (4 and 8 q heads a kv head: the last block's merge, the
+# combine kernel), in a grid sized for 8K, over 8K and over a short context.
+@pytest.mark.parametrize("hq,hkv,n_ctx", [(32, 8, 8190), (32, 8, 600), (64, 8, 8190), (64, 8, 37)])
+def test_decode_with_rope_in_the_kernel(hq, hkv, n_ctx):
+    from tests.kernels.test_attention import check_decode_with_rope
+    check_decode_with_rope("halves", 128, True, n_ctx, None, None, hq, hkv, 128, capacity=8192)

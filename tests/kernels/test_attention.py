@@ -17,10 +17,10 @@ rng = np.random.default_rng()
 D = 16
 
 
-def setup(n_ctx_rows, n_new, hq=4, hkv=2, ctx_pos=None, new_pos=None, d=D):
+def setup(n_ctx_rows, n_new, hq=4, hkv=2, ctx_pos=None, new_pos=None, d=D, capacity=256):
     """A device paged cache with n_ctx_rows committed rows and n_new pending ones written
     (layer 1 of 2); returns the cache, the queries and what attention_ref needs."""
-    cache = PagedKVCache(2, 256, hkv, d, device=True)
+    cache = PagedKVCache(2, capacity, hkv, d, device=True)
     nan = np.full(cache.k_pool.shape, np.nan, np.float16)  # unwritten rows must never reach the output
     cache.k_pool.copy_to_device(nan)
     cache.v_pool.copy_to_device(nan)
@@ -350,18 +350,22 @@ for dim, qt, q8 in [(128, 4, False), (128, 32, False), (64, 64, False), (256, 8,
            f"uint64[::1], int64, int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
     code = ptx(attention._attn_kernel(dim, qt, 128, q8), sig)
     assert ".local" not in code or qt == 64, (dim, qt, q8)  # accumulators stay in registers
-for dim, group, qt, mask, chunk, xq in [(128, 4, 1, I1, 32, 0), (128, 8, 1, I1, 16, 0), (64, 3, 1, I1, 32, 0),
-                                        (256, 2, 1, I1, 32, 0), (128, 4, 2, "uint64[::1]", 32, 0),
-                                        (128, 2, 4, "uint64[::1]", 32, 0), (128, 4, 2, I1, 32, 0),
-                                        (128, 4, 1, I1, 8, 0), (128, 4, 1, I1, 16, 2), (128, 4, 1, I1, 16, 1),
-                                        (96, 4, 1, I1, 16, 0), (192, 2, 1, I1, 16, 0)]:
+for dim, group, qt, mask, chunk, xq, rope in [
+        (128, 4, 1, I1, 32, 0, False), (128, 8, 1, I1, 16, 0, False), (64, 3, 1, I1, 32, 0, False),
+        (256, 2, 1, I1, 32, 0, False), (128, 4, 2, "uint64[::1]", 32, 0, False),
+        (128, 2, 4, "uint64[::1]", 32, 0, False), (128, 4, 2, I1, 32, 0, False), (128, 4, 1, I1, 8, 0, False),
+        (128, 4, 1, I1, 16, 2, False), (128, 4, 1, I1, 16, 1, False), (96, 4, 1, I1, 16, 0, False),
+        (192, 2, 1, I1, 16, 0, False), (128, 4, 1, I1, 16, 2, True), (128, 8, 1, I1, 16, 2, True)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, {mask}, int64, int64, "
-           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1}, uint8[::1], float32[::1])")
+           f"float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1], {I1}, uint8[::1], float32[::1], "
+           f"{F3}, {F3}, float32[::1], float32[::1], int64, float32, float64[::1], int64, int64)")
     attention.DECODE_CHUNK = chunk
-    code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group), xq_planes=xq), sig)
+    code = ptx(attention._decode_kernel(dim, group, qt, *attention.decode_shape(dim, qt * group), xq_planes=xq,
+                                        rope=rope), sig)
     # registers only; K and V rows by cp.async, K read back 16 bytes at a time
     assert "cp.async" in code and "ld.shared.v4.u32" in code and ".local" not in code, (dim, group, qt)
-    assert "atom.global.add" in code and ".f64" not in code, (dim, group, qt)  # merges its splits, in float32
+    # merges its splits, in float32 (the rope variant's angles alone in float64, as qk_rope's)
+    assert "atom.global.add" in code and (".f64" not in code or rope), (dim, group, qt)
     # shared memory by 32-bit shared-window addresses, none converted from a generic one
     assert "cvta.to.shared" not in code, (dim, group, qt)
 from luce.kernels import attention_mma
@@ -404,3 +408,57 @@ def test_combine_splits_skips_empty_splits(d):
     A.combine_splits(cuda.to_device(part_o), cuda.to_device(part_ml), n_splits,
                      cuda.to_device(np.array([5, n_q], np.int32)), out)
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-5, atol=2e-6)
+
+
+# Decode with qk_rope's work inside the kernel (paged_attention_cuda's rope, what the CUDA
+# backend's decode runs): q and the new k as the projections leave them, the new token's
+# K/V row never written before the launch (its pool row NaN). The output against the
+# reference over qk_rope_ref's q and k; the pool row, its position and every other row
+# as write_kv_cuda would leave them. Both rotation styles, a partial rotary dim, with and
+# without the norm, a sliding window, the new key in a chunk of its own or mid-chunk, no
+# context at all (a one-token prompt), split (the last block merges; with 8 q heads a kv
+# head the combine kernel) or direct.
+@pytest.mark.parametrize("style,rope_dim,norm,n_ctx,window,max_splits,hq,hkv", [
+    ("halves", 32, True, 150, None, None, 4, 2), ("adjacent", 32, False, 64, None, 1, 4, 2),
+    ("halves", 16, True, 95, 40, None, 4, 2), ("adjacent", 16, True, 31, None, 2, 4, 2),
+    ("halves", 32, True, 0, None, None, 4, 2), ("halves", 32, True, 70, None, None, 8, 1)])
+def test_decode_with_rope_in_the_kernel(style, rope_dim, norm, n_ctx, window, max_splits, hq, hkv):
+    check_decode_with_rope(style, rope_dim, norm, n_ctx, window, max_splits, hq, hkv, 32)
+
+
+def check_decode_with_rope(style, rope_dim, norm, n_ctx, window, max_splits, hq, hkv, d, capacity=256):
+    """The test above for any shape (tests/gpu/test_kernels_gpu.py: the Qwen3 shapes at 8K)."""
+    from luce.kernels.paging import BLOCK
+    from luce.kernels.qk_rope import qk_rope_ref
+    cache, _, (kc, vc, _, _), cpos, _ = setup(n_ctx, 0, hq=hq, hkv=hkv, d=d, capacity=capacity)
+    cache.reserve(1)  # the new row: NaN in the pool until the kernel writes it
+    npos = np.array([n_ctx + 7], np.int32)  # positions need not be row numbers
+    q = (2 * rng.standard_normal((1, hq, d))).astype(np.float32)
+    k = rng.standard_normal((1, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((1, hkv, d)).astype(np.float32)
+    qw = rng.uniform(0.5, 1.5, d).astype(np.float32) if norm else None
+    kw = rng.uniform(0.5, 1.5, d).astype(np.float32) if norm else None
+    dev = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+    assert A.rope_fuses(1, hq, hkv, d, capacity)
+    ra = A.rope_args(dev(k), dev(v), dev(qw), dev(kw), 1e-6, rope_dim, 1e6, style)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    A.paged_attention_cuda(dev(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           dev(npos), window=window or 0, n_keys=capacity, out=out, max_splits=max_splits, rope=ra)
+    rq, rk = qk_rope_ref(q, k, npos, qw, kw, 1e-6, rope_dim, 1e6, style)
+    kn, vn = rk.astype(np.float16), v.astype(np.float16)
+    want = ref(rq, (kc, vc, kn, vn), cpos, npos, np.ones((1, 1), bool), window)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-4, atol=2e-5)
+    # the pool: the new row as write_kv_cuda stores it (k rounded from within float32
+    # rounding of the reference: compare in f16 steps), the context rows untouched
+    table = cache.table_d.copy_to_host()
+    kp, vp = cache.k_pool.copy_to_host(), cache.v_pool.copy_to_host()
+    slot, off = table[n_ctx // BLOCK], n_ctx % BLOCK
+    np.testing.assert_allclose(kp[slot, 1, :, off].astype(np.float32), kn.astype(np.float32)[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(vp[slot, 1, :, off], vn[0])
+    assert cache.pos_d.copy_to_host()[n_ctx] == npos[0]
+    rows = np.arange(n_ctx)
+    np.testing.assert_array_equal(kp[table[rows // BLOCK], 1, :, rows % BLOCK], kc)
+    np.testing.assert_array_equal(vp[table[rows // BLOCK], 1, :, rows % BLOCK], vc)
+    with pytest.raises(ValueError, match="rope"):  # verification's queries take qk_rope's launch
+        A.paged_attention_cuda(dev(np.zeros((2, hq, d), np.float32)), cache.k_pool, cache.v_pool, cache.table_d, 1,
+                               cache.meta, cache.pos_d, dev(np.zeros(2, np.int32)), n_keys=n_ctx + 2, rope=ra)
