@@ -618,6 +618,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                 for d in range(rope_dim + lane, dim, 32):  # past the rotary dims: only the scale
                     qs[row, d] *= sc
             warp_barrier()
+        cuda.syncthreads()  # the pool's store reads row R across the block's warps
 
     @device(inline=True)
     def _store_new_row(kf, vf, qs, table, layer, n_layers, n_kvh, hkv, j, kv_pos, pos, tid):
