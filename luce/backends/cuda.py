@@ -120,11 +120,17 @@ GATED_FRAGS = os.environ.get("LUCE_GATED_FRAGS", "1") != "0"
 FUSED_KV_WRITE = os.environ.get("LUCE_FUSED_KV_WRITE", "1") != "0"
 # Decode's qk_rope (per-head norms and rotation of q and k) done by the attention kernel
 # itself, which also writes the new K/V row (luce.kernels.attention, paged_attention_cuda's
-# rope): one launch a layer fewer in the decode step, where qk_rope was ~3.1 us a layer
-# plus its gap (H200, Qwen3-8B shape). Where the fused K/V write runs, on the one-query
-# kernel over an f16 pool, and without an attention scale of the family's own;
-# LUCE_FUSED_ROPE=0 turns it off.
-FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "1") != "0"
+# rope): one launch a layer fewer in the decode step. Off by default, because it measured
+# slower (H200, Qwen3-8B shape, d86eae9, runs alternating in one call): decode with the
+# next token on the device 305.5 / 305.7 tok/s against 334.5 / 334.6 without. By op, the
+# fused attention took 15.4 us a layer against 11.0 + 3.1 for attention and qk_rope, but
+# the decode graph grew 2,943 -> 3,216 us: launched early (PDL) behind the q/k/v product,
+# the attention grid's blocks (47 KB of shared memory each) wait on the SMs that product
+# still needs, where qk_rope's 40 small blocks did not. At 8K it was ahead (250.1 against
+# 245.0 tok/s, single runs). LUCE_FUSED_ROPE=1 turns it on (where the fused K/V write
+# runs, on the one-query kernel over an f16 pool, without an attention scale of the
+# family's own).
+FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
