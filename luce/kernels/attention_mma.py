@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 from numba import cuda
@@ -45,7 +46,9 @@ from .pdl import grid_dependency_sync, ready as pdl_ready
 
 KEYS = BLOCK  # keys a tile: one page of the pool
 MAX_WARPS = 8
-TILE_WARPS = 4  # warps (x16 query rows) a block when the rows need several tiles
+# warps (x16 query rows) a block when the rows need several tiles (a prefill);
+# LUCE_ATTN_TILE_WARPS (up to MAX_WARPS) for measuring others
+TILE_WARPS = min(MAX_WARPS, max(1, int(os.environ.get("LUCE_ATTN_TILE_WARPS", "4"))))
 # Blocks a grid aims at: one wave on the H200's 132 SMs, which hold one block each (255
 # registers a thread). A 23-node tree of the Qwen3-8B shape (8 kv heads: 17 splits, against
 # 33 for two waves) took 22.0 us against 25.0 over 640 keys in an 8K-sized grid, and
