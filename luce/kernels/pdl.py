@@ -16,10 +16,7 @@ launches while it captures a graph and turns the edges into programmatic ones af
 capture (`programmatic_edges`), only into kernels marked here, whose first instruction is
 the wait: an unmarked kernel keeps a full dependency. Every kernel of luce.kernels that a
 forward launches is marked (decode, tree verification, prefill): a kernel's first
-statement is the wait, so nothing it reads or writes can race the one before. One
-exception, qk_rope, reads the positions and the frequency table before its wait: a kernel
-launches only once the one before it has passed its own wait, so every kernel two back is
-done, and the one right before qk_rope (the q/k/v product) writes neither.
+statement is the wait, so nothing it reads or writes can race the one before.
 
 On by default on a device of compute capability 9.0+ (H200, Qwen3-8B shape: graph 3,145
 -> 3,022 us a step, decode 304.3 -> 314.8 tok/s in one call); LUCE_PDL=0, the simulator

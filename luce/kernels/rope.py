@@ -65,29 +65,22 @@ else:
 
 
 @device(inline=True)
-def sincos_at(pos, inv_freq):
-    """(sin, cos) of the angle pos * inv_freq: the product, in units of pi, and its
-    reduction to [-1, 1] in float64, then sin(pi t) and cos(pi t) in float32. Why
-    sincospif: sinf/cosf carry a slow path for huge arguments whose scratch is local
-    memory (28 bytes in every kernel that rotated), where sinpi's reduction is exact and
-    needs none; the accuracy is the same (float32 t: ~2e-7 rad, as a float32 angle on
-    [-pi, pi])."""
+def rotate(a, b, pos, inv_freq):
+    """(a, b) rotated by pos * inv_freq: the product, in units of pi, and its reduction to
+    [-1, 1] in float64, then sin(pi t) and cos(pi t) in float32. Why sincospif: sinf/cosf
+    carry a slow path for huge arguments whose scratch is local memory (28 bytes in every
+    kernel that rotates; in the decode attention kernel, 32 bytes of spills and 128 -> 168
+    registers), where sinpi's reduction is exact and needs none; the accuracy is the same
+    (float32 t: ~2e-7 rad, as a float32 angle on [-pi, pi])."""
     t = float(pos) * inv_freq * _INV_PI
     t -= 2.0 * math.floor(t * 0.5 + 0.5)
-    return _sincospi(np.float32(t))
+    return _rot(a, b, _sincospi(np.float32(t)))
 
 
 @device(inline=True)
-def turn(a, b, s, c):
-    """(a, b) rotated by the angle of (sin, cos) = (s, c)."""
+def _rot(a, b, sc):
+    s, c = sc
     return a * c - b * s, a * s + b * c
-
-
-@device(inline=True)
-def rotate(a, b, pos, inv_freq):
-    """(a, b) rotated by pos * inv_freq (sincos_at)."""
-    s, c = sincos_at(pos, inv_freq)
-    return turn(a, b, s, c)
 
 
 def inv_freq_table(rope_dim: int, base: float, freq_scale: float = 1.0):

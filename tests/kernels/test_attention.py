@@ -329,9 +329,9 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1}, {F2}, int32
     assert "shfl.sync" in code or k is sampling._sample_kernels(sampling.SAMPLE_RUN)[1], k
 for k, sig in [(rope._rope_kernel, f"void({F3}, {I1}, float64[::1], int64, int64)"),
                (elementwise._axpby_kernel, "void(float32[::1], float32[::1], float32, float32, float32[::1])"),
-               *[(qk_rope._kernel(w, d), f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
-                                         f"float64[::1], int64, int64, {F3}, {P5('float16')}, {P5('float16')}, {I1}, "
-                                         f"int64, {I1}, {I1}, int64)") for w in (False, True) for d in (64, 128, 96)],
+               *[(qk_rope._kernel(w), f"void({F3}, {F3}, {I1}, float32[::1], float32[::1], int64, float32, "
+                                      f"float64[::1], int64, int64, {F3}, {P5('float16')}, {P5('float16')}, {I1}, "
+                                      f"int64, {I1}, {I1})") for w in (False, True)],
                (activation._glu_kernel, "void(float32[::1], float32[::1], float32[::1], int64)"),
                (embedding._embed_kernel, f"void(float16[:, ::1], {I1}, {F2})"),
                (embedding._gather_rows_u16_kernel, f"void(uint16[:, ::1], {I1}, uint16[:, ::1])"),

@@ -91,23 +91,3 @@ def test_qk_rope_writes_the_pool_as_write_kv_does():
     for a, b in zip(got[True], got[False]):
         np.testing.assert_array_equal(a, b)
     assert np.isfinite(got[True][2]).any() and (got[True][4][62:65] == pos).all()
-
-
-@pytest.mark.parametrize("d,rope_dim,style", [(32, 32, "halves"), (96, 64, "adjacent")])
-def test_heads_in_turn_per_warp(monkeypatch, d, rope_dim, style):
-    """Prefill-sized launches give each warp several heads of its token in turn (here 2 of
-    7 heads: the last warp's second is past the end and must write nothing); a head dim
-    of 96 leaves a lane's second pair past the head's 48 and rotates only 64 dims."""
-    from luce.kernels import qk_rope as QR
-    monkeypatch.setattr(QR, "TARGET_WARPS", 8)
-    n, hq, hkv = 5, 6, 1
-    assert QR.heads_a_warp(n, hq + hkv) == 2
-    q = rng.standard_normal((n, hq, d)).astype(np.float32)
-    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
-    pos = rng.integers(0, 20000, n).astype(np.int32)
-    qw, kw = (rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2))
-    dq, dk = cuda.to_device(q), cuda.to_device(k)
-    qk_rope_cuda(dq, dk, cuda.to_device(pos), cuda.to_device(qw), cuda.to_device(kw), 1e-6, rope_dim, 1e6, style)
-    wq, wk = qk_rope_ref(q, k, pos, qw, kw, 1e-6, rope_dim, 1e6, style)
-    np.testing.assert_allclose(dq.copy_to_host(), wq, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dk.copy_to_host(), wk, rtol=1e-5, atol=1e-5)
