@@ -538,8 +538,7 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # q/k norms, or none
-def test_fused_rope_in_decode_attention(tmp_path, monkeypatch, arch):
+def test_fused_rope_in_decode_attention(tmp_path, monkeypatch):
     """FUSED_ROPE: in a decode step qk_rope launches nothing and the attention kernel norms
     and rotates q and k and stores the new K/V rows; prefill (two tokens) keeps qk_rope's
     launch. Logits and pools as without it, to float32 rounding (the norm's sum is taken
@@ -548,7 +547,8 @@ def test_fused_rope_in_decode_attention(tmp_path, monkeypatch, arch):
     from luce.backends import cuda as C
     from luce.kernels import qk_rope as QR
     from luce.models.transformer import build_weights
-    f, fam, cfg = model_file(tmp_path / "t.gguf", arch, gguf.GGMLQuantizationType.Q8_0, seed=7, n_layers=2)
+    # Qwen3 (q/k norms); without norms: tests/kernels/test_attention.py's rope cases
+    f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=7, n_layers=2)
     launches = []
     real = QR.qk_rope_cuda
     monkeypatch.setattr(QR, "qk_rope_cuda", lambda *a, **k: launches.append(a[0].shape[0]) or real(*a, **k))
