@@ -508,6 +508,23 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         assert calls == want, (on, calls)
 
 
+def _prefill_then_decode(fam, cfg, f, steps, n_rows):
+    """On a fresh CUDA backend (no graphs): a prefill of two tokens, then one decode step a
+    (token, position) of steps; the logits of each, then the pools' and positions' first
+    n_rows rows."""
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    gpu = CUDABackend(use_graphs=False)
+    wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
+    out = [gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])]
+    kg.commit()
+    for tok, pos in steps:
+        out.append(gpu.forward(fam, cfg, wg, kg, [tok], [pos]))
+        kg.commit()
+    return out + [kg.k_pool.copy_to_host()[:, :, :, :n_rows], kg.v_pool.copy_to_host()[:, :, :, :n_rows],
+                  kg.pos_d.copy_to_host()[:n_rows]]
+
+
 def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
     """FUSED_KV_WRITE: qk_rope stores each layer's new K and V rows, so no write_kv launch
     runs, in a prefill and a decode step; the logits and the pool are the unfused run's,
@@ -515,7 +532,6 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
     import gguf
     from luce.backends import cuda as C
     from luce.kernels import paging
-    from luce.models.transformer import build_weights
     f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=6, n_layers=2)
     writes = []
     write = paging.write_kv_cuda
@@ -524,15 +540,8 @@ def test_fused_kv_write_same_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(C, "FUSED_ROPE", False)  # decode's rotation in attention: the test below
     for fused in (True, False):
         monkeypatch.setattr(C, "FUSED_KV_WRITE", fused)
-        gpu = C.CUDABackend(use_graphs=False)
-        wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
         del writes[:]
-        out = [gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])]
-        kg.commit()
-        out.append(gpu.forward(fam, cfg, wg, kg, [9], [2]))
-        kg.commit()
-        out += [kg.k_pool.copy_to_host()[:, :, :, :3], kg.v_pool.copy_to_host()[:, :, :, :3]]
-        runs[fused] = out
+        runs[fused] = _prefill_then_decode(fam, cfg, f, [(9, 2)], 3)
         assert len(writes) == (0 if fused else 2 * cfg.n_layers)
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(a, b)
@@ -546,7 +555,6 @@ def test_fused_rope_in_decode_attention(tmp_path, monkeypatch):
     import gguf
     from luce.backends import cuda as C
     from luce.kernels import qk_rope as QR
-    from luce.models.transformer import build_weights
     # Qwen3 (q/k norms); without norms: tests/kernels/test_attention.py's rope cases
     f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=7, n_layers=2)
     launches = []
@@ -555,17 +563,8 @@ def test_fused_rope_in_decode_attention(tmp_path, monkeypatch):
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(C, "FUSED_ROPE", fused)
-        gpu = C.CUDABackend(use_graphs=False)
-        wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
         del launches[:]
-        out = [gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])]
-        kg.commit()
-        for tok, pos in ((9, 2), (4, 3)):
-            out.append(gpu.forward(fam, cfg, wg, kg, [tok], [pos]))
-            kg.commit()
-        out += [kg.k_pool.copy_to_host()[:, :, :, :4].astype(np.float32),
-                kg.v_pool.copy_to_host()[:, :, :, :4].astype(np.float32), kg.pos_d.copy_to_host()[:4]]
-        runs[fused] = out
+        runs[fused] = _prefill_then_decode(fam, cfg, f, [(9, 2), (4, 3)], 4)
         # the prefill's launches only (one a layer), or the decode steps' too
         assert launches == [2] * cfg.n_layers + ([] if fused else [1] * 2 * cfg.n_layers), launches
     np.testing.assert_array_equal(runs[True][-1], [0, 1, 2, 3])
