@@ -1,0 +1,53 @@
+"""The CUDA backend's draft loop in the CUDA simulator: a greedy draft's steps queued on the
+device (luce.spec.DraftModel on the CUDA backend) against the host loop over whole logits
+rows. Its own file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so
+that CI's workers (pytest-xdist, by file) share it with tests/test_cuda_backend_sim.py."""
+import numpy as np
+
+
+def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch):
+    """A greedy draft on the CUDA backend queues its steps with the candidates taken on the
+    device (forward_topk: top-k and log-sum-exp in the step, the next step's token left
+    there): the same tokens, candidates and, to float rounding, log-probabilities as the
+    host loop over full logits rows; more steps than the readback slots, and a second
+    call that reuses the committed prefix."""
+    import gguf
+
+    import luce
+    from luce.backends import cuda as cuda_backend
+    from luce.backends.cuda import CUDABackend
+    from luce.bench.synthetic import tiny, write_gguf
+    from luce.spec import DraftModel
+    Q = gguf.GGMLQuantizationType
+    # 300 tokens: a vocabulary the byte-level tokenizer fits (luce.load wants one)
+    path = write_gguf(tmp_path / "draft.gguf", tiny("llama", 300, n_layers=1, n_embd=64, n_ff=64, n_heads=2,
+                                                    n_kv_heads=1, head_dim=32),
+                      types=lambda n: Q.F32 if "norm" in n else Q.Q8_0, seed=3)
+    # load's warm-up compiles every width up to a prefill chunk: minutes in the simulator
+    monkeypatch.setattr(CUDABackend, "warmup", lambda *a, **k: None)
+    # two readback slots: four steps already read them in two rounds (a forward is ~4 s here)
+    monkeypatch.setattr(cuda_backend, "TOKEN_SLOTS", 2)
+    model = luce.load(path, backend=CUDABackend(use_graphs=False), n_ctx=64)
+    host = DraftModel(model, n_ctx=64, top_k=4, on_device=False)
+    dev = DraftModel(model, n_ctx=64, top_k=4)
+    assert dev.on_device and not host.on_device
+    ctx = [3, 9, 4, 1, 7]
+    for n in (4, 2):
+        a, b = host.propose(ctx, n), dev.propose(ctx, n)
+        assert b.tokens == a.tokens and len(b.tokens) == n
+        np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
+        np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-5)
+        assert dev.session.tokens == host.session.tokens == ctx + a.tokens[:-1]
+        ctx = ctx + a.tokens[:2] + [11]  # the target took two and chose its own third
+    # p_min: both loops stop at the first position where the chain's probability falls
+    # below it (here the second); the device's reads run one step behind its queue, so its
+    # session holds one row more than the host's, each row a token of the draft
+    full = host.propose(ctx, 4)
+    chain = np.cumsum(full.topk_logp[:, 0])
+    p_min = float(np.exp((chain[0] + chain[1]) / 2))
+    host_p = DraftModel(model, n_ctx=64, top_k=4, on_device=False, p_min=p_min)
+    dev_p = DraftModel(model, n_ctx=64, top_k=4, p_min=p_min)
+    a, b = host_p.propose(ctx, 4), dev_p.propose(ctx, 4)
+    assert a.tokens == b.tokens == full.tokens[:2]
+    np.testing.assert_array_equal(b.topk_ids, full.topk_ids[:2])
+    assert host_p.session.tokens == ctx + a.tokens[:1] and dev_p.session.tokens == ctx + b.tokens
