@@ -690,7 +690,7 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                 pos = q_pos[0]
                 _rope_rows(qs, q, k_new, v_new, hkv, q_w, k_w, has_norm, eps, inv_freq, rope_dim, style, pos, scale,
                            red, tid, wid, lane, n_q * G + 1)
-                if split == 0:  # the pool's row: one block writes it, the one reading it takes qs's
+                if split == 0:  # the pool's row, for later steps (this launch's chunks never read it)
                     _store_new_row(kf, vf, qs, table, layer, n_layers, n_kvh, hkv, n_past, kv_pos, pos, tid)
             else:
                 for r in range(R):
