@@ -2,6 +2,8 @@
 device (luce.spec.DraftModel on the CUDA backend) against the host loop over whole logits
 rows. Its own file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so
 that CI's workers (pytest-xdist, by file) share it with tests/test_cuda_backend_sim.py."""
+import math
+
 import numpy as np
 
 
@@ -39,15 +41,16 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
         np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-5)
         assert dev.session.tokens == host.session.tokens == ctx + a.tokens[:-1]
         ctx = ctx + a.tokens[:2] + [11]  # the target took two and chose its own third
-    # p_min: both loops stop at the first position where the chain's probability falls
-    # below it (here the second); the device's reads run one step behind its queue, so its
-    # session holds one row more than the host's, each row a token of the draft
+    # p_min (set on the same drafts: no second prefill in the simulator): both loops stop at
+    # the first position where the chain's probability falls below it (here the second);
+    # the device's reads run one step behind its queue, so its session holds one row more
+    # than the host's, each row a token of the draft. The device draft catches up on the
+    # three tokens it has not seen (on the device too), the host one rewinds.
     full = host.propose(ctx, 4)
     chain = np.cumsum(full.topk_logp[:, 0])
     p_min = float(np.exp((chain[0] + chain[1]) / 2))
-    host_p = DraftModel(model, n_ctx=64, top_k=4, on_device=False, p_min=p_min)
-    dev_p = DraftModel(model, n_ctx=64, top_k=4, p_min=p_min)
-    a, b = host_p.propose(ctx, 4), dev_p.propose(ctx, 4)
+    host.log_p_min = dev.log_p_min = math.log(p_min)
+    a, b = host.propose(ctx, 4), dev.propose(ctx, 4)
     assert a.tokens == b.tokens == full.tokens[:2]
     np.testing.assert_array_equal(b.topk_ids, full.topk_ids[:2])
-    assert host_p.session.tokens == ctx + a.tokens[:1] and dev_p.session.tokens == ctx + b.tokens
+    assert host.session.tokens == ctx + a.tokens[:1] and dev.session.tokens == ctx + b.tokens
