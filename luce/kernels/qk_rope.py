@@ -7,9 +7,9 @@ RMSNorm 3.5 us and RoPE 2.6 us a call; 4 x 36 launches a token). A block is one 
 one token; each thread owns one rotated pair (or a pair of unrotated dims past rope_dim).
 
 The rotation angle is position x inv_freq, formed in float64 (a float32 product is off by
-~1e-3 rad at 8K positions) from a float64 inv_freq table made on the host, reduced to
-[-pi, pi] in float64, and then only the sine and cosine are float32 (accurate to ~1e-7 on
-that range). The standalone rope kernel (luce.kernels.rope) rotates the same way.
+~1e-3 rad at 8K positions) from a float64 inv_freq table made on the host, reduced in
+float64 (in units of pi, to [-1, 1]), and then only the sine and cosine are float32
+(luce.kernels.rope.rotate, sincospif). The standalone rope kernel rotates the same way.
 """
 from __future__ import annotations
 

@@ -74,12 +74,7 @@ def rotate(a, b, pos, inv_freq):
     (float32 t: ~2e-7 rad, as a float32 angle on [-pi, pi])."""
     t = float(pos) * inv_freq * _INV_PI
     t -= 2.0 * math.floor(t * 0.5 + 0.5)
-    return _rot(a, b, _sincospi(np.float32(t)))
-
-
-@device(inline=True)
-def _rot(a, b, sc):
-    s, c = sc
+    s, c = _sincospi(np.float32(t))
     return a * c - b * s, a * s + b * c
 
 
