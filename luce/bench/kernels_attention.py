@@ -80,6 +80,7 @@ def _time_eager(launch, stream, reps: int) -> float:
 CHUNKS = (8, 16, 32)  # keys a warp's step of the decode kernel, timed against each other
 PER_TRIP = (2, 4, 8)  # splits a trip of the decode kernel's merge, timed against each other
 TARGET_WARPS = (1024, 2048)  # the decode grid's warps, against attention.DECODE_TARGET_WARPS
+DECODE_MMA_BLOCKS = (264, 528, 792, 1056)  # blocks of decode on the tensor-core kernel (LUCE_DECODE_ATTN=mma)
 TREE_TILE_WARPS = (2, 3, 4)  # warps a query tile of the tensor-core kernel, against its plan
 SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step sees ~640)
 
@@ -140,6 +141,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
               for s in ("", f"{SHORT}_in_grid")]
     cases += [(f"decode{s}_warps{w}", 1, one, None, False, f"warps{w}") for w in TARGET_WARPS
               if w != A.DECODE_TARGET_WARPS for s in ("", f"{SHORT}_in_grid")]
+    cases += [(f"decode{s}_mma{b}", 1, one, None, False, f"mma{b}") for b in DECODE_MMA_BLOCKS
+              for s in ("", f"{SHORT}_in_grid")]
     cases += [
              (f"tree{tree_nodes}", tree_nodes, tree, None, False, None),
              (f"tree{tree_nodes}_{SHORT}_in_grid", tree_nodes, tree, None, False, None),
@@ -161,6 +164,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
     default_tile = M.MAX_WARPS, M.TILE_WARPS
     default_chunks, default_warps = (A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE), A.DECODE_TARGET_WARPS
+    default_mma = M.DECODE, M.DECODE_TARGET_BLOCKS
 
     def number(prefix):  # of a variant named prefix + N, or None
         return int(variant[len(prefix):]) if variant and variant.startswith(prefix) else None
@@ -173,6 +177,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             A.DECODE_MERGE_PER_TRIP = number("trip")
             A.DECODE_TARGET_WARPS = number("warps") or default_warps
             M.MAX_WARPS, M.TILE_WARPS = (number("tilewarps"),) * 2 if number("tilewarps") else default_tile
+            M.DECODE, M.DECODE_TARGET_BLOCKS = (True, number("mma")) if number("mma") else default_mma
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -209,6 +214,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE = default_chunks
         A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
         M.MAX_WARPS, M.TILE_WARPS = default_tile
+        M.DECODE, M.DECODE_TARGET_BLOCKS = default_mma
     return rows
 
 

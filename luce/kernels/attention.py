@@ -876,7 +876,7 @@ def row_tile(n_q: int, group: int) -> int:
 
 
 def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1) -> bool:
-    return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
+    return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0 and not (n_q == 1 and attention_mma.DECODE)
             and decode_shape(dim, row_tile(n_q, group) * group)[0] > 0)
 
 

@@ -54,12 +54,20 @@ TILE_WARPS = min(MAX_WARPS, max(1, int(os.environ.get("LUCE_ATTN_TILE_WARPS", "4
 # 33 for two waves) took 22.0 us against 25.0 over 640 keys in an 8K-sized grid, and
 # 78.3 against 79.2 over 8K keys (8 splits: 111 us).
 TARGET_BLOCKS = 132
+# Decode (one query) through this kernel (LUCE_DECODE_ATTN=mma; attention.py's one-query
+# kernel otherwise): its score and value passes are ~30 mma a 16-key step where the FMA
+# kernel spends ~1,700 instructions (sm_90 SASS), so that a long context is bound by its
+# K/V bytes rather than by issue. A decode block is one warp (one 16-row tile: the GQA
+# group's rows, the rest zeros), so it aims at many more blocks than a tree's tiles.
+DECODE = os.environ.get("LUCE_DECODE_ATTN", "row") == "mma"
+DECODE_TARGET_BLOCKS = int(os.environ.get("LUCE_DECODE_MMA_BLOCKS", "792") or 792)
 
 
 def applies(n_q: int, dim: int, q8: bool) -> bool:
-    """Several queries over an f16 pool with head dims of 32, 64 or 128 (mma's k of 16, two
-    k steps an ldmatrix; larger dims would not keep Q, S and O in registers)."""
-    return n_q > 1 and not q8 and dim % 32 == 0 and dim <= 128
+    """Several queries (or one, under DECODE) over an f16 pool with head dims of 32, 64 or
+    128 (mma's k of 16, two k steps an ldmatrix; larger dims would not keep Q, S and O in
+    registers)."""
+    return (n_q > 1 or DECODE) and not q8 and dim % 32 == 0 and dim <= 128
 
 
 def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None) -> dict:
@@ -72,7 +80,7 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
         warps = min(warps, 2)  # every simulated thread is an OS thread
     n_tiles = ceil_div(rows, 16 * warps)
     n_pages = max(1, ceil_div(n_keys, KEYS))
-    target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else TARGET_BLOCKS)
     ns = max(1, min(n_pages, ceil_div(target, n_kv_heads * n_tiles), 512))
     if max_splits is not None:
         ns = max(1, min(ns, max_splits))

@@ -104,6 +104,24 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
+# Decode on the tensor-core kernel (LUCE_DECODE_ATTN=mma): one query's GQA rows in a
+# 16-row tile, the rest zeros; one split (direct) or split over pages + the combine kernel,
+# with its block target small enough that splits hold several pages and a sliding window.
+@pytest.mark.parametrize("hq,hkv,max_splits,blocks,window", [(4, 2, 1, 792, None), (4, 2, None, 4, None),
+                                                             (8, 1, None, 792, None), (4, 2, None, 4, 70)])
+def test_decode_on_tensor_cores(monkeypatch, hq, hkv, max_splits, blocks, window):
+    from luce.kernels import attention_mma as M
+    monkeypatch.setattr(M, "DECODE", True)
+    monkeypatch.setattr(M, "DECODE_TARGET_BLOCKS", blocks)
+    cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=32)
+    plan = A.attention_plan(1, hq, hkv, 32, 151, max_splits)
+    assert plan["kind"] == "mma" and (plan["n_splits"] == 1) == (max_splits == 1)
+    assert max_splits == 1 or plan["n_splits"] == (3 if blocks == 792 else 2)
+    one = np.ones((1, 1), bool)
+    got = run(cache, q, npos, one, max_splits=max_splits, window=window)
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, one, window=window), rtol=2e-4, atol=2e-5)
+
+
 # The decode output's int8 form (LUCE_X8_OUT's "attn": the o projection's x) from the
 # kernel's epilogue: one split (direct), the last block's merge, the combine kernel (8 q
 # heads a kv head), and a tree (the tile kernel's, by a quantize_x launch after it); the
