@@ -884,10 +884,22 @@ COMBINE_MAX_SPLITS = 512  # splits any plan makes (the combine reads them all fo
 
 
 COMBINE_WARPS = 4  # warps a combine block (one block per query and q head), each over every 4th split
+# ... and up to this many where there are more splits than 8 a warp: a warp's splits are a
+# chain of L2 round trips, two a trip (decode on the tensor-core kernel: ~100 splits)
+COMBINE_MAX_WARPS = 16
+
+
+def combine_warps(n_splits: int) -> int:
+    """Warps of a combine block over n_splits splits: COMBINE_WARPS, doubled while a warp
+    would have more than 8 splits, up to COMBINE_MAX_WARPS."""
+    w = COMBINE_WARPS
+    while w < COMBINE_MAX_WARPS and n_splits > 8 * w:
+        w *= 2
+    return w
 
 
 @functools.lru_cache(maxsize=None)
-def _combine(dim: int, xq_planes: int = 0):
+def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     """The split combine for head dim `dim`: one block of up to COMBINE_WARPS warps per
     (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
     no barrier) for the common max and the last split that saw a key, then adds up every
@@ -904,7 +916,7 @@ def _combine(dim: int, xq_planes: int = 0):
     from .quantize_x import int8_block_store
     XQ = xq_planes
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
-    W = COMBINE_WARPS
+    W = warps
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions
 
@@ -963,9 +975,9 @@ def _combine(dim: int, xq_planes: int = 0):
     return pdl_ready(combine)
 
 
-def combine_threads(dim: int) -> int:
-    """Threads of a combine block: COMBINE_WARPS warps (the simulator: one)."""
-    return block_threads(32 * COMBINE_WARPS)
+def combine_threads(dim: int, n_splits: int = 0) -> int:
+    """Threads of a combine block: combine_warps warps (the simulator: one)."""
+    return block_threads(32 * combine_warps(n_splits))
 
 
 def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=None, xq_planes: int = 1):
@@ -973,8 +985,9 @@ def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=N
     and into xq_out (uint16) out's quantize_x form in xq_planes planes, when given."""
     n_q, n_heads, dim = out.shape
     xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
-    _combine(dim, planes)[(n_q, n_heads), combine_threads(dim), stream](part_o, part_ml, n_splits, meta, out, xq_b,
-                                                                        xq_f)
+    w = combine_warps(n_splits)
+    _combine(dim, planes, w)[(n_q, n_heads), combine_threads(dim, n_splits), stream](part_o, part_ml, n_splits, meta,
+                                                                                     out, xq_b, xq_f)
 
 
 def _xq_views(out, xq_out, planes: int):
