@@ -185,7 +185,12 @@ def _write_row(o, c0, row, n_rows, G, hkv, split, c4, m, ll, direct, out, part_o
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(dim: int, warps: int):
+def kernel(dim: int, warps: int, half: bool = False):
+    """half: a tile's rows are at most 8 (one warp; decode of a GQA group of up to 8), so
+    every lane's second row (g + 8) is padding: its Q fragments are constant zeros and its
+    accumulators are neither kept nor written, ~60 registers fewer."""
+    assert not half or warps == 1, warps
+    HALF = half
     NT = 32 * warps
     ROWS = 16 * warps
     RS = dim // 2 + 4  # shared row stride in words: 16-byte padding against bank conflicts
@@ -195,6 +200,8 @@ def kernel(dim: int, warps: int):
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each page
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
     KV_WORDS = 2 * KEYS * RS  # array shapes must be plain constants, not expressions
+    U0 = np.uint32(0)
+    F0 = np.float32(0.0)
     NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
     U64 = np.uint64
 
@@ -256,9 +263,12 @@ def kernel(dim: int, warps: int):
         for ks in range(DK):
             col = ks * 16 + 2 * c4
             qh[ks, 0], ql[ks, 0] = _q_pair(q, row_a, n_rows, qa, ha, col, scale)
-            qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, qb, hb, col, scale)
             qh[ks, 2], ql[ks, 2] = _q_pair(q, row_a, n_rows, qa, ha, col + 8, scale)
-            qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, qb, hb, col + 8, scale)
+            if HALF:
+                qh[ks, 1] = ql[ks, 1] = qh[ks, 3] = ql[ks, 3] = np.uint32(0)
+            else:
+                qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, qb, hb, col, scale)
+                qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, qb, hb, col + 8, scale)
         m_a = NEG
         m_b = NEG
         l_a = np.float32(0.0)
@@ -326,7 +336,7 @@ def kernel(dim: int, warps: int):
 
                 # online softmax: row maxima over the row's four lanes
                 mx_a = quad_max(max(max(m_a, max(sa0, sa1)), max(sb0, sb1)), scr, wid, lane)
-                mx_b = quad_max(max(max(m_b, max(sa2, sa3)), max(sb2, sb3)), scr, wid, lane)
+                mx_b = NEG if HALF else quad_max(max(max(m_b, max(sa2, sa3)), max(sb2, sb3)), scr, wid, lane)
                 al_a = np.float32(1.0) if mx_a == NEG else math.exp(m_a - mx_a)
                 al_b = np.float32(1.0) if mx_b == NEG else math.exp(m_b - mx_b)
                 m_a = mx_a
@@ -334,16 +344,20 @@ def kernel(dim: int, warps: int):
                 for d in range(DN):
                     o[d, 0] *= al_a
                     o[d, 1] *= al_a
-                    o[d, 2] *= al_b
-                    o[d, 3] *= al_b
+                    if not HALF:
+                        o[d, 2] *= al_b
+                        o[d, 3] *= al_b
                 sa0 = _p(sa0, m_a)
                 sa1 = _p(sa1, m_a)
                 sb0 = _p(sb0, m_a)
                 sb1 = _p(sb1, m_a)
-                sa2 = _p(sa2, m_b)
-                sa3 = _p(sa3, m_b)
-                sb2 = _p(sb2, m_b)
-                sb3 = _p(sb3, m_b)
+                if HALF:  # padding rows: zeros, not exp(0 - -inf)
+                    sa2 = sa3 = sb2 = sb3 = F0
+                else:
+                    sa2 = _p(sa2, m_b)
+                    sa3 = _p(sa3, m_b)
+                    sb2 = _p(sb2, m_b)
+                    sb3 = _p(sb3, m_b)
                 l_a = l_a * al_a + (sa0 + sa1 + sb0 + sb1)
                 l_b = l_b * al_b + (sa2 + sa3 + sb2 + sb3)
 
@@ -359,15 +373,23 @@ def kernel(dim: int, warps: int):
                         d = 2 * d2 + h
                         bl = b0 if h == 0 else b2
                         bh = b1 if h == 0 else b3
-                        o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, ph0, ph1, ph2, ph3, bl, bh,
-                                                                     o[d, 0], o[d, 1], o[d, 2], o[d, 3])
-                        o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, pl0, pl1, pl2, pl3, bl, bh,
-                                                                     o[d, 0], o[d, 1], o[d, 2], o[d, 3])
+                        if HALF:  # the second row's outputs are dropped: only the first row's kept
+                            o[d, 0], o[d, 1], _, _ = mma_f16(scr, wid, lane, ph0, U0, ph2, U0, bl, bh, o[d, 0], o[d, 1],
+                                                             F0, F0)
+                            o[d, 0], o[d, 1], _, _ = mma_f16(scr, wid, lane, pl0, U0, pl2, U0, bl, bh, o[d, 0], o[d, 1],
+                                                             F0, F0)
+                        else:
+                            o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, ph0, ph1, ph2, ph3, bl, bh,
+                                                                         o[d, 0], o[d, 1], o[d, 2], o[d, 3])
+                            o[d, 0], o[d, 1], o[d, 2], o[d, 3] = mma_f16(scr, wid, lane, pl0, pl1, pl2, pl3, bl, bh,
+                                                                         o[d, 0], o[d, 1], o[d, 2], o[d, 3])
             cuda.syncthreads()
 
         l_a = quad_sum(l_a, scr, wid, lane)
-        l_b = quad_sum(l_b, scr, wid, lane)
+        if not HALF:
+            l_b = quad_sum(l_b, scr, wid, lane)
         _write_row(o, 0, row_a, n_rows, G, hkv, split, c4, m_a, l_a, direct, out, part_o, part_ml, DN)
-        _write_row(o, 2, row_b, n_rows, G, hkv, split, c4, m_b, l_b, direct, out, part_o, part_ml, DN)
+        if not HALF:
+            _write_row(o, 2, row_b, n_rows, G, hkv, split, c4, m_b, l_b, direct, out, part_o, part_ml, DN)
 
     return pdl_ready(attn)
