@@ -332,8 +332,9 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1}, {F2}, int32
                          sampling.ARGMAX_THREADS),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
-                        *[(attention._combine(128, p), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, {I1}, "
-                           f"{F3}, uint8[::1], float32[::1])", 32 * attention.COMBINE_WARPS) for p in (0, 2)],
+                        *[(attention._combine(128, p, w), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, "
+                           f"{I1}, {F3}, uint8[::1], float32[::1])", 32 * w)
+                          for p in (0, 2) for w in (attention.COMBINE_WARPS, attention.COMBINE_MAX_WARPS)],
                         (sampling._sample_kernels(sampling.SAMPLE_RUN)[1],
                          f"void({F2}, int64, uint64[::1], float64[::1], {I1}, int32[:, ::1], {I1})",
                          sampling.SAMPLE_THREADS),
