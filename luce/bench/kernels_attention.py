@@ -95,7 +95,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     q8_0 KV, and the tree through the one-query kernel's structure (not yet the default),
     over `context` committed rows unless SHORT; GB/s counts the K/V bytes the kernel must
     read (K and V of every visible row, once: f16, or q8_0 for the *_q8_0 rows). only: the
-    rows whose name starts with it."""
+    rows whose name starts with one of its comma-separated prefixes."""
     from numba import cuda
 
     from ..kernels import attention as A
@@ -159,7 +159,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
-    cases = [c for c in cases if only is None or c[0].startswith(only)]
+    cases = [c for c in cases if only is None or c[0].startswith(tuple(only.split(",")))]
     rows = []
     default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
     default_tile = M.MAX_WARPS, M.TILE_WARPS
@@ -220,7 +220,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
 
 if __name__ == "__main__":
     import sys
-    args = sys.argv[1:]  # [32b] [name prefix]
+    args = sys.argv[1:]  # [32b] [name prefixes, comma-separated]
     shape = QWEN3_32B if args and args[0] == "32b" else None
     only = next((a for a in args if a != "32b"), None)
     for row in bench_attention(shape=shape, only=only):

@@ -326,6 +326,15 @@ def test_other_head_dims(dim, hq, hkv):
     _attention_case(200, 300, None, hq=hq, hkv=hkv, dim=dim, window=100)
 
 
+@pytest.mark.parametrize("hq,n_ctx,window", [(32, CTX, None), (64, CTX, None), (32, 1000, None), (32, CTX, 1024)])
+def test_decode_on_tensor_cores(monkeypatch, hq, n_ctx, window):
+    """Decode on the tensor-core kernel (LUCE_DECODE_ATTN=mma) at the Qwen3-8B (4 q heads a
+    kv head) and 32B (8) groups over 8K keys, a short context in an 8K grid and a window."""
+    from luce.kernels import attention_mma as M
+    monkeypatch.setattr(M, "DECODE", True)
+    _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, window=window, n_keys=CTX + 1)
+
+
 def test_bench_attention_rows():
     from luce.bench.kernels_attention import bench_attention
     rows = bench_attention(reps=5)
