@@ -190,3 +190,32 @@ def test_fused_rope_in_decode_attention(tmp_path, monkeypatch):
     np.testing.assert_array_equal(runs[True][-1], [0, 1, 2, 3])
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-5)
+
+
+def test_long_context_decode_on_tensor_cores(tmp_path, monkeypatch):
+    """LUCE_DECODE_ATTN=auto: decode steps over DECODE_LONG_KEYS+ committed keys (lowered
+    to 3 here) take the tensor-core attention kernel, the ones before the one-query kernel;
+    logits as with the one-query kernel throughout, to float32 rounding."""
+    import gguf
+    from luce.kernels import attention as A
+    from luce.kernels import attention_mma as M
+    f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=8, n_layers=2)
+    monkeypatch.setattr(M, "DECODE_LONG_KEYS", 3)
+    kinds = []
+    launch = A.paged_attention_cuda
+
+    def record(q, k_pool, *a, **kw):
+        kinds.append(A.attention_plan(q.shape[0], q.shape[1], k_pool.shape[2], q.shape[2], kw["n_keys"],
+                                      long=kw.get("long", False)).get("kind"))
+        return launch(q, k_pool, *a, **kw)
+    monkeypatch.setattr(A, "paged_attention_cuda", record)
+    runs = {}
+    for mode in ("auto", "row"):
+        monkeypatch.setattr(M, "DECODE", mode)
+        del kinds[:]
+        runs[mode] = _prefill_then_decode(fam, cfg, f, [(9, 2), (4, 3)], 4)
+        # the prefill's tiles, a step over 2 committed keys, one over 3
+        last = "mma" if mode == "auto" else "row"
+        assert kinds == ["mma"] * cfg.n_layers + ["row"] * cfg.n_layers + [last] * cfg.n_layers, kinds
+    for a, b in zip(runs["auto"], runs["row"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -224,6 +224,9 @@ class CudaOps:
         self.stream = backend.stream
         self.mask_bits = None
         self.n_keys = 0
+        # decode over a context of attention_mma.DECODE_LONG_KEYS+ keys: its attention on
+        # tensor cores (a graph of its own: see CUDABackend._launch)
+        self.long_decode = False
         self._xq = None  # (x, its int8 form): q, k (and gate with up) share one quantize_x
         # whether the model's projections take int8 x (MATVEC_X8 and a Q4_K or Q6_K layer
         # projection: set with the weights); other models' norms and products make none
@@ -601,7 +604,7 @@ class CudaOps:
         kv = self.kv_ref() if self.kv_ref is not None else None
         if (self.fuse_rope and kv is not None and kv.k_scale is None and self._v_for is not None
                 and self._v_for[0] == _addr(k) and rope_fuses(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                                                              self.n_keys)):
+                                                              self.n_keys, long=self.long_decode)):
             # decode: attention norms and rotates q and k itself (and stores k and v)
             v = self._v_for[1].reshape(tuple(k.shape))
             self._rope_for = (_addr(q), _addr(k), rope_args(k, v, q_norm, k_norm, eps, rope_dim, base, style,
@@ -630,7 +633,7 @@ class CudaOps:
             raise RuntimeError(f"qk_rope wrote the K/V rows of layer {written} into the cache, attention is at layer "
                                f"{layer}: set LUCE_FUSED_KV_WRITE=0")
         n, hq, d = q.shape
-        plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys)
+        plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys, long=self.long_decode)
         ns = plan["n_splits"]
         scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
         out = self._out((n, hq, d))
@@ -638,7 +641,7 @@ class CudaOps:
         out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
                                    self.mask_bits, window=window or 0, n_keys=self.n_keys, out=out, scratch=scratch,
                                    xq_out=xq, xq_planes=MATVEC_X8, rope=None if rope is None else rope[2],
-                                   stream=self.stream)
+                                   long=self.long_decode, stream=self.stream)
         if xq is not None:
             self._xq = (out, xq)  # merge_heads passes it on to its view
         if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
@@ -661,6 +664,7 @@ class CUDABackend:
         # are compiled, so a graph may be recorded at once (compiling inside a capture is not safe)
         self._compiled = set()
         self._ungraphable = set()  # forward keys whose capture failed
+        self._warm_long = False  # warmup: a decode forward as over a long context (its kernels)
 
     device_sampling = True  # forward_next_token draws sampled tokens too (sample=...)
 
@@ -709,6 +713,12 @@ class CUDABackend:
             kv.commit([])
         self.forward_next_token(family, cfg, weights, kv, 0, 0).result()  # greedy decode: + the argmax
         kv.commit([])
+        self._warm_long = True  # decode's long-context attention, on this short cache
+        try:
+            self.forward(family, cfg, weights, kv, np.zeros(1, np.int64), np.arange(1), None, [0])
+        finally:
+            self._warm_long = False
+        kv.commit([])
         self._forget((id(weights), id(kv)))
 
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
@@ -745,10 +755,10 @@ class CUDABackend:
         from ..kernels.attention import attention_plan
         n = max(n_tokens, 1)
         per_tok = 4 * (9 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
-        # the widest forward's split scratch, or decode's (its own kernel, more splits)
+        # the widest forward's split scratch, or decode's (its own kernels, more splits)
         attn = max(4 * p["n_splits"] * m * cfg.n_heads * (cfg.head_dim + 2) if p["n_splits"] > 1 else 0
-                   for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx))
-                                for m in (1, n)))
+                   for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx, long=lg))
+                                for m, lg in ((1, False), (1, True), (n, False))))
         logits = 4 * n * cfg.vocab_size
         size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
         st["ops"].arena = Arena(size)
@@ -930,6 +940,11 @@ class CUDABackend:
         rows = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
         ops = st["ops"]
         run_ops = st["run_ops"]
+        # decode's attention kernel depends on the context's length (attention_mma.decode_on_mma):
+        # a graph for each side of DECODE_LONG_KEYS
+        from ..kernels.attention_mma import DECODE_LONG_KEYS
+        long = n == 1 and (kv.n_past >= DECODE_LONG_KEYS or self._warm_long)
+        ops.long_decode = long
 
         def run():
             ops.begin_forward(mask_d if tree else None)
@@ -951,8 +966,8 @@ class CUDABackend:
         st["forward_turn"] = st.get("forward_turn", 0) + 1
         # the argmax's destination is part of what a graph captured (next token, verify rows)
         key = (n, tree, tuple(rows), None if argmax is None else id(argmax), draw is not None,
-               None if topk is None else id(topk))
-        form = (n, tree, len(rows), argmax is not None, draw is not None, topk is not None)
+               None if topk is None else id(topk), long)
+        form = (n, tree, len(rows), argmax is not None, draw is not None, topk is not None, long)
         g = st["graphs"].get(key) if self.use_graphs else None
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's

@@ -177,7 +177,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             A.DECODE_MERGE_PER_TRIP = number("trip")
             A.DECODE_TARGET_WARPS = number("warps") or default_warps
             M.MAX_WARPS, M.TILE_WARPS = (number("tilewarps"),) * 2 if number("tilewarps") else default_tile
-            M.DECODE, M.DECODE_TARGET_BLOCKS = (True, number("mma")) if number("mma") else default_mma
+            M.DECODE, M.DECODE_TARGET_BLOCKS = ("mma", number("mma")) if number("mma") else default_mma
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured

@@ -875,8 +875,10 @@ def row_tile(n_q: int, group: int) -> int:
     return 1 if n_q == 1 else max(1, ROW_TILE_ROWS // group)
 
 
-def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1) -> bool:
-    return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0 and not (n_q == 1 and attention_mma.DECODE)
+def _row_kernel_applies(n_q: int, dim: int, q8: bool, group: int = 1, long: bool = False) -> bool:
+    if n_q == 1 and attention_mma.applies(n_q, dim, q8, long):
+        return False  # long-context decode on tensor cores (attention_mma.decode_on_mma)
+    return (n_q <= ROW_KERNEL_MAX_QUERIES and not q8 and dim % 32 == 0
             and decode_shape(dim, row_tile(n_q, group) * group)[0] > 0)
 
 
@@ -1036,10 +1038,12 @@ def rope_args(k, v, q_norm, k_norm, eps: float, rope_dim: int, base: float, styl
                     inv_freq_table(rope_dim, base, freq_scale), int(rope_dim), _STYLE_ID[style])
 
 
-def rope_fuses(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int, q8: bool = False) -> bool:
+def rope_fuses(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int, q8: bool = False,
+               long: bool = False) -> bool:
     """Whether paged_attention_cuda takes `rope` for this launch: one query (decode) on the
     one-query kernel over an f16 pool."""
-    return n_q == 1 and not q8 and attention_plan(n_q, n_heads, n_kv_heads, head_dim, n_keys).get("kind") == "row"
+    return n_q == 1 and not q8 and attention_plan(n_q, n_heads, n_kv_heads, head_dim, n_keys,
+                                                  long=long).get("kind") == "row"
 
 
 _NO_ROPE: dict = {}
@@ -1057,15 +1061,17 @@ def _no_rope(q) -> RopeArgs:
 
 
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
-                   max_splits: int | None = None, q8: bool = False) -> dict:
+                   max_splits: int | None = None, q8: bool = False, long: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
     whole context). pages_per_split is what each split reads at n_keys; the kernel
-    re-divides the pages actually present among the n_splits at run time."""
+    re-divides the pages actually present among the n_splits at run time. long: the
+    context holds at least attention_mma.DECODE_LONG_KEYS keys now (decode's choice of
+    kernel: attention_mma.decode_on_mma)."""
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
-    row_kernel = _row_kernel_applies(n_q, head_dim, q8, group)
-    if not row_kernel and attention_mma.applies(n_q, head_dim, q8):
+    row_kernel = _row_kernel_applies(n_q, head_dim, q8, group, long)
+    if not row_kernel and attention_mma.applies(n_q, head_dim, q8, long):
         p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits)
         return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
                     n_splits=p["n_splits"], pages_per_split=None, half=n_q * group <= 8)
@@ -1095,7 +1101,8 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
 
 def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
                          window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
-                         k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, rope=None, stream=0):
+                         k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, rope=None, long: bool = False,
+                         stream=0):
     """Attention of N new queries over the paged pool (luce.kernels.paging layout).
 
     q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
@@ -1110,11 +1117,12 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     rope (decode over an f16 pool, where attention_plan gives the one-query kernel: see
     rope_fuses): a RopeArgs; q and its k are then as the projections left them, and the
     kernel does qk_rope's work and write_kv_cuda's (k, v rows and position into the pool).
+    long: the context holds at least attention_mma.DECODE_LONG_KEYS keys (attention_plan).
     """
     n_q, n_heads, dim = q.shape
     n_kvh = k_pool.shape[2]
     q8 = k_scale is not None
-    plan = attention_plan(n_q, n_heads, n_kvh, dim, n_keys, max_splits, q8=q8)
+    plan = attention_plan(n_q, n_heads, n_kvh, dim, n_keys, max_splits, q8=q8, long=long)
     if rope is not None and not (n_q == 1 and not q8 and plan.get("kind") == "row"):
         raise ValueError(f"attention: rope fuses into one-query decode over an f16 pool only (queries {n_q}, "
                          f"q8_0 pool {q8}, kernel {plan.get('kind', 'tile')})")
@@ -1171,13 +1179,14 @@ def attention_cache_cuda(cache, layer: int, q, q_pos, mask_bits=None, window: in
                          xq_planes: int = 1):
     """paged_attention_cuda over a device PagedKVCache after its write() of this layer
     (f16 or q8_0 pools). n_keys: the grid's context (default: the current one; pass
-    cache.n_ctx for a captured graph), scratch as attention_plan sizes it; xq_out,
-    xq_planes: as paged_attention_cuda's."""
+    cache.n_ctx for a captured graph), scratch as attention_plan sizes it (for the
+    cache's current length: `long`); xq_out, xq_planes: as paged_attention_cuda's."""
     return paged_attention_cuda(q, cache.k_pool, cache.v_pool, cache.table_d, layer, cache.meta, cache.pos_d, q_pos,
                                 mask_bits, window=window or 0,
                                 n_keys=cache.n_past + cache.n_pending if n_keys is None else n_keys, out=out,
                                 scratch=scratch, max_splits=max_splits, k_scale=cache.k_scale,
-                                v_scale=cache.v_scale, xq_out=xq_out, xq_planes=xq_planes, stream=cache.stream)
+                                v_scale=cache.v_scale, xq_out=xq_out, xq_planes=xq_planes,
+                                long=cache.n_past >= attention_mma.DECODE_LONG_KEYS, stream=cache.stream)
 
 
 _MASK_MEMO: dict = {}  # one forward's mask serves every layer: upload it once

@@ -54,20 +54,36 @@ TILE_WARPS = min(MAX_WARPS, max(1, int(os.environ.get("LUCE_ATTN_TILE_WARPS", "4
 # 33 for two waves) took 22.0 us against 25.0 over 640 keys in an 8K-sized grid, and
 # 78.3 against 79.2 over 8K keys (8 splits: 111 us).
 TARGET_BLOCKS = 132
-# Decode (one query) through this kernel (LUCE_DECODE_ATTN=mma; attention.py's one-query
-# kernel otherwise): its score and value passes are ~30 mma a 16-key step where the FMA
-# kernel spends ~1,700 instructions (sm_90 SASS), so that a long context is bound by its
-# K/V bytes rather than by issue. A decode block is one warp (one 16-row tile: the GQA
-# group's rows, the rest zeros), so it aims at many more blocks than a tree's tiles.
-DECODE = os.environ.get("LUCE_DECODE_ATTN", "row") == "mma"
-DECODE_TARGET_BLOCKS = int(os.environ.get("LUCE_DECODE_MMA_BLOCKS", "792") or 792)
+# Decode (one query) through this kernel over long contexts: its score and value passes
+# are ~30 mma a 16-key step where attention.py's one-query kernel spends ~1,700
+# instructions (sm_90 SASS), so a long context is bound by K/V bytes rather than issue; but
+# its splits need the combine kernel (~4.5 us even when few splits saw keys), so short
+# contexts stay on the one-query kernel, which merges its own. H200, Qwen3-8B shape
+# (c2f1d2e, `python -m luce.bench.kernels_attention`): over 8K keys 25.6 us (528 blocks,
+# combine 7.5 of it) against 30.5; over 640 keys in an 8K grid 15.7 against 12.0: they
+# cross near 3.9K keys. LUCE_DECODE_ATTN: auto (this kernel from DECODE_LONG_KEYS keys
+# on: the CUDA backend captures a decode graph for each side), mma or row (always).
+DECODE = os.environ.get("LUCE_DECODE_ATTN", "auto").strip().lower()
+if DECODE not in ("auto", "mma", "row"):
+    raise ValueError(f"LUCE_DECODE_ATTN={DECODE}: auto, mma or row")
+DECODE_LONG_KEYS = 4096
+# A decode block is one warp (one 16-row tile: the GQA group's rows, the rest zeros), so it
+# aims at many more blocks than a tree's tiles: 264 / 528 / 792 / 1056 took 35.6 / 25.6 /
+# 27.3 / 33.5 us over 8K keys (H200, same run).
+DECODE_TARGET_BLOCKS = int(os.environ.get("LUCE_DECODE_MMA_BLOCKS", "528") or 528)
 
 
-def applies(n_q: int, dim: int, q8: bool) -> bool:
-    """Several queries (or one, under DECODE) over an f16 pool with head dims of 32, 64 or
-    128 (mma's k of 16, two k steps an ldmatrix; larger dims would not keep Q, S and O in
-    registers)."""
-    return (n_q > 1 or DECODE) and not q8 and dim % 32 == 0 and dim <= 128
+def decode_on_mma(long: bool) -> bool:
+    """Whether one-query decode takes this kernel: long says the context has at least
+    DECODE_LONG_KEYS keys (what LUCE_DECODE_ATTN=auto decides by)."""
+    return DECODE == "mma" or (DECODE == "auto" and long)
+
+
+def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
+    """Several queries (or one, where decode_on_mma(long)) over an f16 pool with head dims
+    of 32, 64 or 128 (mma's k of 16, two k steps an ldmatrix; larger dims would not keep Q,
+    S and O in registers)."""
+    return (n_q > 1 or decode_on_mma(long)) and not q8 and dim % 32 == 0 and dim <= 128
 
 
 def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None) -> dict:

@@ -331,7 +331,7 @@ def test_decode_on_tensor_cores(monkeypatch, hq, n_ctx, window):
     """Decode on the tensor-core kernel (LUCE_DECODE_ATTN=mma) at the Qwen3-8B (4 q heads a
     kv head) and 32B (8) groups over 8K keys, a short context in an 8K grid and a window."""
     from luce.kernels import attention_mma as M
-    monkeypatch.setattr(M, "DECODE", True)
+    monkeypatch.setattr(M, "DECODE", "mma")
     _attention_case(n_ctx, 1, np.ones((1, 1), bool), hq=hq, window=window, n_keys=CTX + 1)
 
 

@@ -111,11 +111,16 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
                                                              (4, 2, None, 4, 70)])
 def test_decode_on_tensor_cores(monkeypatch, hq, hkv, max_splits, blocks, window):
     from luce.kernels import attention_mma as M
-    monkeypatch.setattr(M, "DECODE", True)
+    monkeypatch.setattr(M, "DECODE", "mma")
     monkeypatch.setattr(M, "DECODE_TARGET_BLOCKS", blocks)
     cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=32)
     plan = A.attention_plan(1, hq, hkv, 32, 151, max_splits)
     assert plan["kind"] == "mma" and (plan["n_splits"] == 1) == (max_splits == 1)
+    # auto (the default): tensor cores only where the context is long
+    monkeypatch.setattr(M, "DECODE", "auto")
+    assert A.attention_plan(1, hq, hkv, 32, 151, long=True)["kind"] == "mma"
+    assert A.attention_plan(1, hq, hkv, 32, 151, long=False)["kind"] == "row"
+    monkeypatch.setattr(M, "DECODE", "mma")
     assert max_splits == 1 or plan["n_splits"] == (3 if blocks == 792 else 2)
     one = np.ones((1, 1), bool)
     got = run(cache, q, npos, one, max_splits=max_splits, window=window)
