@@ -59,7 +59,7 @@ TARGET_BLOCKS = 132
 # instructions (sm_90 SASS), so a long context is bound by K/V bytes rather than issue; but
 # its splits need the combine kernel (~4.5 us even when few splits saw keys), so short
 # contexts stay on the one-query kernel, which merges its own. H200, Qwen3-8B shape
-# (c2f1d2e, `python -m luce.bench.kernels_attention`): over 8K keys 25.6 us (528 blocks,
+# (630ea2b, `python -m luce.bench.kernels_attention decode,...`): over 8K keys 25.6 us (528 blocks,
 # combine 7.5 of it) against 30.5; over 640 keys in an 8K grid 15.7 against 12.0: they
 # cross near 3.9K keys. LUCE_DECODE_ATTN: auto (this kernel from DECODE_LONG_KEYS keys
 # on: the CUDA backend captures a decode graph for each side), mma or row (always).
