@@ -889,6 +889,8 @@ COMBINE_WARPS = 4  # warps a combine block (one block per query and q head), eac
 # ... and up to this many where there are more splits than 8 a warp: a warp's splits are a
 # chain of L2 round trips, two a trip (decode on the tensor-core kernel: ~100 splits)
 COMBINE_MAX_WARPS = 16
+# splits a combine warp reads a trip (consecutive ones), their loads in flight together
+COMBINE_PER_TRIP = 4
 
 
 def combine_warps(n_splits: int) -> int:
@@ -904,10 +906,12 @@ def combine_warps(n_splits: int) -> int:
 def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     """The split combine for head dim `dim`: one block of up to COMBINE_WARPS warps per
     (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
-    no barrier) for the common max and the last split that saw a key, then adds up every
-    W-th split's accumulators, dim/32 of them a lane in registers, two splits a trip so
-    that their loads are in flight together; one barrier merges the warps. Splits that saw
-    no key (l == 0) get weight 0 and their accumulators, never written, are not read.
+    no barrier) for the common max and the last split that saw a key, then adds up its
+    share of the splits' accumulators, dim/32 of them a lane in registers,
+    COMBINE_PER_TRIP consecutive splits a trip with every load of the trip in flight
+    together (two a trip, each split's accumulators loaded only once its weight was known,
+    made a trip two round trips: see below); one barrier merges the warps. Splits that saw
+    no key (l == 0) get weight 0 and their accumulators, read or not, are not used.
     The kernel before this one (a block per row, four threads a dim, three block
     reductions) took 4.7 us after a 640-key decode and 17 us after a 23-node tree in an
     8K-sized grid (H200, 311dab6); this one 4.9 and 6.6 (33 splits; 6.2 over 17), and 9.8
@@ -919,6 +923,8 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     XQ = xq_planes
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     W = warps
+    PT = COMBINE_PER_TRIP
+    PTDL = PT * DL  # array shapes must be plain constants
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions
 
@@ -941,24 +947,25 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
         for d in range(DL):
             acc[d] = 0.0
         den = np.float32(0.0)
-        s = wid
-        while s < n_used:
-            s2 = s + nw
-            l0 = part_ml[s, i, hq, 1]
-            w0 = math.exp(part_ml[s, i, hq, 0] - big) if l0 > 0 else np.float32(0.0)
-            l1 = np.float32(0.0)
-            w1 = np.float32(0.0)
-            if s2 < n_used:
-                l1 = part_ml[s2, i, hq, 1]
-                w1 = math.exp(part_ml[s2, i, hq, 0] - big) if l1 > 0 else np.float32(0.0)
-            den += l0 * w0 + l1 * w1
-            for d in range(DL):
-                c = lane + 32 * d
-                if c < dim:
-                    v0 = part_o[s, i, hq, c] if w0 != 0 else np.float32(0.0)
-                    v1 = part_o[s2, i, hq, c] if w1 != 0 else np.float32(0.0)
-                    acc[d] += v0 * w0 + v1 * w1
-            s += 2 * nw
+        v = cuda.local.array(PTDL, np.float32)
+        ml = cuda.local.array(PT, np.float32)
+        ll = cuda.local.array(PT, np.float32)
+        # PT of the warp's splits a trip, every load of the trip issued before the first use
+        # (a trip is one L2 round trip; the loads of a split's accumulators no longer wait
+        # for its weight: past n_used a split repeats the last one, weighted 0)
+        for s in range(wid * PT, n_used, nw * PT):
+            for j in range(PT):
+                sj = min(s + j, n_used - 1)
+                ll[j] = part_ml[sj, i, hq, 1] if s + j < n_used else np.float32(0.0)
+                ml[j] = part_ml[sj, i, hq, 0]
+                for d in range(DL):
+                    v[j * DL + d] = part_o[sj, i, hq, min(lane + 32 * d, dim - 1)]
+            for j in range(PT):
+                w = math.exp(ml[j] - big) if ll[j] > 0 else np.float32(0.0)
+                den += ll[j] * w
+                if w != 0:  # an unwritten partial may hold anything, NaN included: skip, not multiply
+                    for d in range(DL):
+                        acc[d] += v[j * DL + d] * w
         for d in range(DL):
             osh[wid, lane + 32 * d] = acc[d]
         if lane == 0:
