@@ -85,7 +85,7 @@ from numba import cuda  # noqa: E402
 
 from ._reduce import (WARP_RED_SLOTS, block_threads, ceil_div, warp_allmax, warp_allsum)  # noqa: E402
 from . import attention_mma  # noqa: E402
-from .split_merge import merge_counters, used_splits  # noqa: E402
+from .split_merge import merge_counters, split_sums, used_splits  # noqa: E402
 from .device import device  # noqa: E402
 from .vector_load import f16_bits_to_f32  # noqa: E402
 from .paging import BLOCK  # noqa: E402
@@ -924,7 +924,7 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     W = warps
     PT = COMBINE_PER_TRIP
-    PTDL = PT * DL  # array shapes must be plain constants
+    add_splits = split_sums(dim, PT)
     RED = max(1, W * WARP_RED_SLOTS)
     OW = DL * 32  # array shapes must be plain constants, not expressions
 
@@ -946,26 +946,8 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
         acc = cuda.local.array(DL, np.float32)
         for d in range(DL):
             acc[d] = 0.0
-        den = np.float32(0.0)
-        v = cuda.local.array(PTDL, np.float32)
-        ml = cuda.local.array(PT, np.float32)
-        ll = cuda.local.array(PT, np.float32)
-        # PT of the warp's splits a trip, every load of the trip issued before the first use
-        # (a trip is one L2 round trip; the loads of a split's accumulators no longer wait
-        # for its weight: past n_used a split repeats the last one, weighted 0)
-        for s in range(wid * PT, n_used, nw * PT):
-            for j in range(PT):
-                sj = min(s + j, n_used - 1)
-                ll[j] = part_ml[sj, i, hq, 1] if s + j < n_used else np.float32(0.0)
-                ml[j] = part_ml[sj, i, hq, 0]
-                for d in range(DL):
-                    v[j * DL + d] = part_o[sj, i, hq, min(lane + 32 * d, dim - 1)]
-            for j in range(PT):
-                w = math.exp(ml[j] - big) if ll[j] > 0 else np.float32(0.0)
-                den += ll[j] * w
-                if w != 0:  # an unwritten partial may hold anything, NaN included: skip, not multiply
-                    for d in range(DL):
-                        acc[d] += v[j * DL + d] * w
+        # COMBINE_PER_TRIP consecutive splits a trip: warp w's are w PT.., then + W PT
+        den = add_splits(part_o, part_ml, i, hq, big, n_used, wid * PT, nw * PT, acc, lane)
         for d in range(DL):
             osh[wid, lane + 32 * d] = acc[d]
         if lane == 0:

@@ -80,6 +80,42 @@ def merge_per_trip(dim: int, rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def split_sums(dim: int, per_trip: int):
+    """The device function adding splits' partials for one query row, per_trip splits a
+    trip with every load of the trip issued before the first use (a trip is one L2 round
+    trip): splits first..first+per_trip-1, then the same from first + stride on, below
+    n_used. acc[d] (dims lane + 32 d) gains each partial times exp(m - big); returns the
+    sum of l exp(m - big). Past n_used a split repeats the last one, weighted 0; a split
+    that saw no key (l = 0) is skipped, not multiplied (its partial may hold NaN)."""
+    DL = ceil_div(dim, 32)
+    PT = per_trip
+    PTDL = PT * DL  # array shapes must be plain constants
+
+    @device(inline=True)
+    def sums(part_o, part_ml, qi, hq, big, n_used, first, stride, acc, lane):
+        v = cuda.local.array(PTDL, np.float32)
+        ml = cuda.local.array(PT, np.float32)
+        ll = cuda.local.array(PT, np.float32)
+        den = np.float32(0.0)
+        for s in range(first, n_used, stride):
+            for j in range(PT):
+                sj = min(s + j, n_used - 1)
+                ll[j] = part_ml[sj, qi, hq, 1] if s + j < n_used else np.float32(0.0)
+                ml[j] = part_ml[sj, qi, hq, 0]
+                for d in range(DL):
+                    v[j * DL + d] = part_o[sj, qi, hq, min(lane + 32 * d, dim - 1)]
+            for j in range(PT):
+                w = math.exp(ml[j] - big) if ll[j] > 0 else np.float32(0.0)
+                den += ll[j] * w
+                if w != 0:
+                    for d in range(DL):
+                        acc[d] += v[j * DL + d] * w
+        return den
+
+    return sums
+
+
+@functools.lru_cache(maxsize=None)
 def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP, xq_planes: int = 0):
     """The device function merging head dim `dim`'s splits for a tile of query rows;
     xq_planes > 0: it also stores the output rows in quantize_x's form (dim a multiple of 32)."""
@@ -87,7 +123,7 @@ def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP, xq_planes: int = 0):
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     PT = per_trip
     XQ = xq_planes
-    PTDL = PT * DL  # array shapes must be plain constants
+    add_splits = split_sums(dim, per_trip)
 
     @device(inline=True)
     def merge(part_o, part_ml, n_splits, out, hkv, G, r0, rows, n_rows, red, tid, nt, xq_b, xq_f):
@@ -99,9 +135,6 @@ def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP, xq_planes: int = 0):
         lane = tid % 32
         nw = nt // 32
         acc = cuda.local.array(DL, np.float32)
-        v = cuda.local.array(PTDL, np.float32)
-        ml = cuda.local.array(PT, np.float32)
-        ll = cuda.local.array(PT, np.float32)
         for rb in range(0, rows, nw):  # the same trips in every warp (the simulator's barriers)
             row = r0 + rb + wid
             live = rb + wid < rows and row < n_rows
@@ -110,21 +143,7 @@ def merge_rows(dim: int, per_trip: int = MERGE_PER_TRIP, xq_planes: int = 0):
             big, n_used = used_splits(part_ml, n_splits, qi, hq, live, red, wid, lane)
             for d in range(DL):
                 acc[d] = 0.0
-            den = np.float32(0.0)
-            # PT splits a trip: every load of the trip issued before the first use
-            for s in range(0, n_used, PT):
-                for j in range(PT):
-                    sj = min(s + j, n_used - 1)  # past n_used: a repeat, weighted 0
-                    ll[j] = part_ml[sj, qi, hq, 1] if s + j < n_used else np.float32(0.0)
-                    ml[j] = part_ml[sj, qi, hq, 0]
-                    for d in range(DL):
-                        v[j * DL + d] = part_o[sj, qi, hq, min(lane + 32 * d, dim - 1)]
-                for j in range(PT):
-                    w = math.exp(ml[j] - big) if ll[j] > 0 else np.float32(0.0)
-                    den += ll[j] * w
-                    if w != 0:  # an unwritten partial may hold anything, NaN included: skip, not multiply
-                        for d in range(DL):
-                            acc[d] += v[j * DL + d] * w
+            den = add_splits(part_o, part_ml, qi, hq, big, n_used, 0, PT, acc, lane)
             if live:
                 for d in range(DL):
                     c = lane + 32 * d
