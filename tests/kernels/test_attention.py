@@ -106,20 +106,21 @@ def test_decode_one_query_kernel(monkeypatch, d, hq, hkv, max_splits, max_warps,
 
 # Decode on the tensor-core kernel (LUCE_DECODE_ATTN=mma): one query's GQA rows in a
 # 16-row tile, the rest zeros; one split (direct) or split over pages + the combine kernel,
-# with its block target small enough that splits hold several pages and a sliding window.
-@pytest.mark.parametrize("hq,hkv,max_splits,blocks,window", [(4, 2, 1, 792, None), (8, 1, None, 792, None),
-                                                             (4, 2, None, 4, 70)])
-def test_decode_on_tensor_cores(monkeypatch, hq, hkv, max_splits, blocks, window):
+# with its block target small enough that splits hold several pages and a sliding window
+# (head dim 64 and a GQA group of 3 there: SmolLM2's).
+@pytest.mark.parametrize("hq,hkv,max_splits,blocks,window,d", [(4, 2, 1, 792, None, 32), (8, 1, None, 792, None, 32),
+                                                               (6, 2, None, 4, 70, 64)])
+def test_decode_on_tensor_cores(monkeypatch, hq, hkv, max_splits, blocks, window, d):
     from luce.kernels import attention_mma as M
     monkeypatch.setattr(M, "DECODE", "mma")
     monkeypatch.setattr(M, "DECODE_TARGET_BLOCKS", blocks)
-    cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=32)
-    plan = A.attention_plan(1, hq, hkv, 32, 151, max_splits)
+    cache, q, kv, cpos, npos = setup(150, 1, hq=hq, hkv=hkv, d=d)
+    plan = A.attention_plan(1, hq, hkv, d, 151, max_splits)
     assert plan["kind"] == "mma" and (plan["n_splits"] == 1) == (max_splits == 1)
     # auto (the default): tensor cores only where the context is long
     monkeypatch.setattr(M, "DECODE", "auto")
-    assert A.attention_plan(1, hq, hkv, 32, 151, long=True)["kind"] == "mma"
-    assert A.attention_plan(1, hq, hkv, 32, 151, long=False)["kind"] == "row"
+    assert A.attention_plan(1, hq, hkv, d, 151, long=True)["kind"] == "mma"
+    assert A.attention_plan(1, hq, hkv, d, 151, long=False)["kind"] == "row"
     monkeypatch.setattr(M, "DECODE", "mma")
     assert max_splits == 1 or plan["n_splits"] == (3 if blocks == 792 else 2)
     one = np.ones((1, 1), bool)
