@@ -713,12 +713,14 @@ class CUDABackend:
             kv.commit([])
         self.forward_next_token(family, cfg, weights, kv, 0, 0).result()  # greedy decode: + the argmax
         kv.commit([])
-        self._warm_long = True  # decode's long-context attention, on this short cache
-        try:
-            self.forward(family, cfg, weights, kv, np.zeros(1, np.int64), np.arange(1), None, [0])
-        finally:
-            self._warm_long = False
-        kv.commit([])
+        from ..kernels.attention_mma import long_decode_differs
+        if long_decode_differs(cfg.head_dim, kv.k_scale is not None):
+            self._warm_long = True  # decode's long-context attention, on this short cache
+            try:
+                self.forward(family, cfg, weights, kv, np.zeros(1, np.int64), np.arange(1), None, [0])
+            finally:
+                self._warm_long = False
+            kv.commit([])
         self._forget((id(weights), id(kv)))
 
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
@@ -940,10 +942,11 @@ class CUDABackend:
         rows = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
         ops = st["ops"]
         run_ops = st["run_ops"]
-        # decode's attention kernel depends on the context's length (attention_mma.decode_on_mma):
-        # a graph for each side of DECODE_LONG_KEYS
-        from ..kernels.attention_mma import DECODE_LONG_KEYS
-        long = n == 1 and (kv.n_past >= DECODE_LONG_KEYS or self._warm_long)
+        # decode's attention kernel may depend on the context's length (attention_mma.decode_on_mma):
+        # then a graph for each side of DECODE_LONG_KEYS
+        from ..kernels import attention_mma
+        long = (n == 1 and (kv.n_past >= attention_mma.DECODE_LONG_KEYS or self._warm_long)
+                and attention_mma.long_decode_differs(cfg.head_dim, kv.k_scale is not None))
         ops.long_decode = long
 
         def run():

@@ -904,7 +904,7 @@ def combine_warps(n_splits: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
-    """The split combine for head dim `dim`: one block of up to COMBINE_WARPS warps per
+    """The split combine for head dim `dim`: one block of `warps` warps (combine_warps) per
     (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
     no barrier) for the common max and the last split that saw a key, then adds up its
     share of the splits' accumulators, dim/32 of them a lane in registers,
@@ -966,19 +966,14 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     return pdl_ready(combine)
 
 
-def combine_threads(dim: int, n_splits: int = 0) -> int:
-    """Threads of a combine block: combine_warps warps (the simulator: one)."""
-    return block_threads(32 * combine_warps(n_splits))
-
-
 def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=None, xq_planes: int = 1):
     """Merge the splits' (O, m, l) partials into out [N, Hq, D] (rows past meta[1] untouched);
     and into xq_out (uint16) out's quantize_x form in xq_planes planes, when given."""
     n_q, n_heads, dim = out.shape
     xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
-    w = combine_warps(n_splits)
-    _combine(dim, planes, w)[(n_q, n_heads), combine_threads(dim, n_splits), stream](part_o, part_ml, n_splits, meta,
-                                                                                     out, xq_b, xq_f)
+    w = combine_warps(n_splits)  # the simulator: one warp
+    _combine(dim, planes, w)[(n_q, n_heads), block_threads(32 * w), stream](part_o, part_ml, n_splits, meta, out,
+                                                                            xq_b, xq_f)
 
 
 def _xq_views(out, xq_out, planes: int):

@@ -79,6 +79,13 @@ def decode_on_mma(long: bool) -> bool:
     return DECODE == "mma" or (DECODE == "auto" and long)
 
 
+def long_decode_differs(dim: int, q8: bool) -> bool:
+    """Whether decode over a long context takes another kernel than over a short one
+    (LUCE_DECODE_ATTN=auto, and this kernel applies): only then does a backend need a
+    second decode graph."""
+    return DECODE == "auto" and applies(1, dim, q8, True)
+
+
 def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
     """Several queries (or one, where decode_on_mma(long)) over an f16 pool with head dims
     of 32, 64 or 128 (mma's k of 16, two k steps an ldmatrix; larger dims would not keep Q,
