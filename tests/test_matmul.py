@@ -156,6 +156,57 @@ def test_rows_past_f16_range(use_mma):
     np.testing.assert_array_equal(y[plain], y_plain)
 
 
+def run_gated(qtype, m, n, k, big_row=None, **kw):
+    """matmul's SwiGLU form (w_up) against swiglu_ref of the two reference products; each
+    product is held to check's bound, which the epilogue carries through silu (slope at
+    most 1.1) and the product with up."""
+    from luce.kernels.activation import silu_ref, swiglu_ref
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if big_row is not None:
+        x[big_row] *= 4e5  # past f16's range: scaled by to_f16, scaled back in the epilogue
+    wg, wu = random_w(qtype, n, k), random_w(qtype, n, k)
+    out = cuda.to_device(np.full((m, n), np.nan, np.float32))
+    matmul(cuda.to_device(x), cuda.to_device(wg), qtype, n, k, out=out, w_up=cuda.to_device(wu), **kw)
+    y = out.copy_to_host()
+    g, u = (matmul_ref(x, w, qtype, (n, k)).astype(np.float64) for w in (wg, wu))
+    bg, bu = (2.0 ** -8 * (np.abs(x) @ np.abs(dequantize(w, as_qtype(qtype), (n, k))).T) + 1e-6 for w in (wg, wu))
+    bound = 1.1 * bg * np.abs(u) + np.abs(silu_ref(g)) * bu + bg * bu
+    assert not np.isnan(y).any(), "unwritten outputs"
+    err = np.abs(y - swiglu_ref(g, u))
+    assert (err <= bound * (1 + 1e-5) + 1e-6).all(), f"{(err > bound).sum()} outputs off, worst {err.max()}"
+
+
+@pytest.mark.parametrize("qtype,m,n,k,kw", [
+    ("Q4_K", 20, 48, 256, {}),  # FMA path: row tail, three column tiles of gate/up pairs
+    ("Q6_K", 16, 32, 256, dict(use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))),
+    ("Q4_K", 23, 64, 256, dict(use_mma=True, tile=SMALL[32], splits=2)),  # split K, then the epilogue
+    ("Q4_K", 5, 32, 256, dict(use_mma=True, x_convert=True, tile=(16, 32, 64, 16, 16, "ldsm"), big_row=2)),
+])
+def test_matmul_gated(qtype, m, n, k, kw):
+    run_gated(qtype, m, n, k, **kw)
+
+
+def test_matmul_gated_rejects():
+    x = cuda.to_device(np.zeros((4, 256), np.float32))
+    w = cuda.to_device(random_w("Q4_K", 32, 256))
+    with pytest.raises(ValueError, match="bias"):
+        matmul(x, w, "Q4_K", 32, 256, w_up=w, bias=cuda.to_device(np.zeros(32, np.float32)))
+    with pytest.raises(ValueError, match="W must be"):
+        matmul(x, w, "Q4_K", 32, 256, w_up=cuda.to_device(random_w("Q4_K", 16, 256)))
+    with pytest.raises(ValueError, match="multiple"):
+        matmul(x, cuda.to_device(random_w("Q4_K", 24, 256)), "Q4_K", 24, 256,
+               w_up=cuda.to_device(random_w("Q4_K", 24, 256)))
+
+
+def test_bench_gated_runs():
+    """`python -m luce.bench.kernels_matmul --gated` end to end on a tiny shape (the
+    simulator: no sleeping kernel, so its times mean nothing here)."""
+    from luce.bench.kernels_matmul import bench_gated
+    (row,) = bench_gated(shapes=((4, 256, 32),), reps=1, warmup=1, rotate_mb=0)
+    assert row["weight_copies"] == 2 and (row["M"], row["K"], row["N"]) == (4, 256, 32)
+    assert np.isfinite([row["fused_us"], row["two_launches_and_swiglu_us"], row["x_before"]]).all()
+
+
 def test_to_f16_scales_rows_in_every_chunk():
     """The conversion scales flagged rows wherever they lie, sets each row's scale (a power
     of two; 1 for rows in range, whose f16 bits are plain), and leaves the flags cleared:
@@ -190,14 +241,16 @@ from luce.kernels import matmul as MM
 from luce.kernels.ptx import ptxas_path, ptxas_usage
 ptxas = ptxas_path()  # the dev extra's nvidia-cuda-nvcc-cu12 ships one
 u16, f32, i32 = types.uint16[::1], types.float32[::1], types.int32[::1]
-sig = (u16, u16, f32, f32, f32, f32, i32, f32) + (types.int64,) * 5
-for q, m, split, bias_res in [("Q4_K", 16, True, False), ("Q6_K", 16, True, True), ("Q4_K", 32, True, True),
-                              ("Q6_K", 32, False, False), ("Q4_K", 64, True, False), ("Q6_K", 64, True, True),
-                              ("Q4_K", 512, True, True), ("Q6_K", 512, True, False)]:  # prefill's tile, K split
+sig = (u16, u16, u16, f32, f32, f32, f32, i32, f32) + (types.int64,) * 5
+for q, m, split, bias_res, gated in [
+        ("Q4_K", 16, True, False, False), ("Q6_K", 16, True, True, False), ("Q4_K", 32, True, True, False),
+        ("Q6_K", 32, False, False, False), ("Q4_K", 64, True, False, False), ("Q6_K", 64, True, True, False),
+        ("Q4_K", 512, True, True, False), ("Q6_K", 512, True, False, False),  # prefill's tile, K split
+        ("Q4_K", 512, False, False, True), ("Q6_K", 32, True, False, True)]:  # the SwiGLU form
     tile, _ = MM.pick_tile(m, 4096, 4096, q, sim=False)
-    kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split, bias_res)
+    kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split, bias_res, gated)
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
-    name = f"{q} {tile} split={split}"
+    name = f"{q} {tile} split={split} gated={gated}"
     assert ".local" not in ptx, name + ": local arrays left in memory"
     for op in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "ld.global.nc.v4.u32"):
         assert op in ptx, name + ": no " + op

@@ -131,6 +131,10 @@ FUSED_KV_WRITE = os.environ.get("LUCE_FUSED_KV_WRITE", "1") != "0"
 # runs, on the one-query kernel over an f16 pool, without an attention scale of the
 # family's own).
 FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "0") == "1"
+# Prefill's SwiGLU FFN as one matmul launch (luce.kernels.matmul's w_up: W_gate and W_up
+# rows interleaved in the tile, silu(g) u in the epilogue) where it took two products and a
+# SwiGLU pass. LUCE_FUSED_GATED_MATMUL=0 turns it off (for the comparison).
+FUSED_GATED_MATMUL = os.environ.get("LUCE_FUSED_GATED_MATMUL", "1") != "0"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -569,6 +573,12 @@ class CudaOps:
                 from ..kernels.matvec import swiglu
                 return swiglu(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
                               stream=self.stream)
+            if FUSED_GATED_MATMUL and qt in MATMUL_TYPES and w_up.shape == w_gate.shape:
+                from ..kernels.matmul import matmul, pick_tile
+                n_ff, k = w_gate.shape
+                if n_ff % (pick_tile(n, 2 * n_ff, k, qt)[0][1] // 2) == 0:
+                    return matmul(x, w_gate.raw, qt, n_ff, k, out=self._out((n, n_ff)), stream=self.stream,
+                                  x_guard=self._guard(x), w_up=w_up.raw)
         from ..kernels.activation import swiglu_cuda
         g, u = self.linear(x, w_gate), self.linear(x, w_up)
         return swiglu_cuda(g, u, out=g, stream=self.stream)

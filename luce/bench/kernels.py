@@ -12,7 +12,7 @@ def run(record: bool = True) -> dict:
     from .kernels_matvec_mma import bench_matvec_mma
     from .kernels_read import DIRECT, EMPTY, bench_read
     from .kernels_small import bench_small_ops
-    from .kernels_matmul import SMALL_M_SHAPES, bench_matmul
+    from .kernels_matmul import SMALL_M_SHAPES, bench_gated, bench_matmul
     from ..kernels.matvec_fast import bench_matvec_fast
     from .report import append_to_docs, print_table
     from ..kernels.matvec import bench_matvec
@@ -35,6 +35,7 @@ def run(record: bool = True) -> dict:
     add("verification widths: small-M tensor-core matmul vs 1-row matvec", bench_matmul(SMALL_M_SHAPES, baseline=True),
         "GB/s")
     add("prefill matmul, 512 rows", bench_matmul())
+    add("prefill SwiGLU FFN (Qwen3-8B, 32B): one launch vs two and the SwiGLU kernel", bench_gated())
     add("tensor-core small-M product (matvec_mma) vs what runs now", bench_matvec_mma(), "GB/s")
     add("attention over 8K context (Qwen3-8B heads)", bench_attention())
     add("small per-layer ops (Qwen3-8B shape)", bench_small_ops())

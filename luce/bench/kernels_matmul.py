@@ -1,6 +1,6 @@
 """Prefill matmul throughput (luce.kernels.matmul) on random GGUF weights.
 
-    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_matmul [--small-m] [--sweep]
+    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_matmul [--small-m] [--sweep] [--gated]
 
 Shapes are (M, K, N): Y[M, N] = X[M, K] @ W[N, K]^T; the defaults are Qwen3-8B's FFN up/gate
 (4096 -> 12288), down (12288 -> 4096) and a 4096 x 4096 projection at a 512-token prefill;
@@ -37,6 +37,84 @@ def random_weight(qtype, n: int, k: int, rng) -> np.ndarray:
     return random_quant_rows(qtype, n, k, rng)
 
 
+_SLEEP: dict = {}
+
+
+def _timer(stream, reps: int, warmup: int):
+    """time_us(fn) -> {"wall": us, "gpu": us} per fn(i) call, i the launch's index: GPU time
+    with the launches queued behind a sleeping kernel (see the module's docstring)."""
+    from numba import cuda
+    if "k" not in _SLEEP:
+        @cuda.jit
+        def sleep(n):  # holds the stream while the host queues the timed launches
+            for _ in range(n):
+                cuda.nanosleep(1000000)
+        _SLEEP["k"] = sleep
+
+    def time_us(fn):
+        for i in range(warmup):
+            fn(i)
+        stream.synchronize()
+        e0, e1 = cuda.event(), cuda.event()  # timing events by default
+        res = {}
+        for mode in ("wall", "gpu"):
+            if mode == "gpu" and not cuda.config.ENABLE_CUDASIM:  # (no nanosleep there; smoke runs only)
+                _SLEEP["k"][1, 1, stream](2 * reps + 5)  # ~1 ms a unit (nanosleep is approximate): > host time
+            e0.record(stream)
+            for i in range(reps):
+                fn(i)
+            e1.record(stream)
+            e1.synchronize()
+            res[mode] = e0.elapsed_time(e1) * 1e3 / reps
+        return res
+    return time_us
+
+
+# (M, K, N) of the SwiGLU FFNs at a 512-token prefill: Qwen3-8B and Qwen3-32B
+GATED_SHAPES = ((512, 4096, 12288), (512, 5120, 25600))
+
+
+def bench_gated(shapes=GATED_SHAPES, qtype="Q4_K", reps: int = 10, warmup: int = 2, seed: int = 0,
+                rotate_mb: float = 512) -> list[dict]:
+    """The SwiGLU FFN product silu(X W_gate^T) * (X W_up^T) as one launch (matmul's w_up)
+    against what it replaced: two matmul launches and the SwiGLU kernel. One row per shape:
+    both times (us), TFLOP/s of the fused launch (4 M N K flops) and the ratio."""
+    import math
+
+    from numba import cuda
+
+    from luce.kernels.activation import swiglu_cuda
+    from luce.kernels.matmul import matmul
+    from luce.kernels.quant_types import as_qtype, row_bytes
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m, k, n in shapes:
+        x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float32))
+        h, g, u = (cuda.device_array((m, n), np.float32) for _ in range(3))
+        w0 = cuda.to_device(random_weight(qtype, n, k, rng))
+        ws = [w0]
+        for _ in range(max(2, math.ceil(rotate_mb * 2**20 / (n * row_bytes(as_qtype(qtype), k)))) - 1):
+            c = cuda.device_array_like(w0)
+            c.copy_to_device(w0)
+            ws.append(c)
+        stream = cuda.stream()
+        time_us = _timer(stream, reps, warmup)
+
+        def fused(i):
+            matmul(x, ws[2 * i % len(ws)], qtype, n, k, out=h, stream=stream, w_up=ws[(2 * i + 1) % len(ws)])
+
+        def two(i):
+            matmul(x, ws[2 * i % len(ws)], qtype, n, k, out=g, stream=stream)
+            matmul(x, ws[(2 * i + 1) % len(ws)], qtype, n, k, out=u, stream=stream)
+            swiglu_cuda(g, u, out=h, stream=stream)
+        us, us2 = time_us(fused)["gpu"], time_us(two)["gpu"]
+        rows.append(dict(M=m, K=k, N=n, qtype=qtype, fused_us=round(us, 1), two_launches_and_swiglu_us=round(us2, 1),
+                         **{"TFLOP/s": round(4 * m * n * k / (us * 1e-6) / 1e12, 1)},
+                         x_before=round(us / us2, 3), weight_copies=len(ws)))
+        del ws, w0
+    return rows
+
+
 def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dtype=np.float32,
                  use_mma=None, reps: int = 20, warmup: int = 3, seed: int = 0, min_blocks=None,
                  x_convert=None, splits=None, per_sm: int | None = None, rotate_mb: float = 256,
@@ -53,10 +131,6 @@ def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dt
     from luce.kernels.matmul import auto_splits, matmul, pick_tile
     from luce.kernels.quant_types import as_qtype, row_bytes
 
-    @cuda.jit
-    def sleep(n):  # holds the stream while the host queues the timed launches
-        for _ in range(n):
-            cuda.nanosleep(1000000)
     rng = np.random.default_rng(seed)
     rows = []
     for m, k, n in shapes:
@@ -83,22 +157,7 @@ def bench_matmul(shapes=DEFAULT_SHAPES, qtypes=("Q4_K", "Q6_K"), tile=None, x_dt
                 matmul(x, ws[i % len(ws)], qt, n, k, out=out, stream=stream, use_mma=use_mma, tile=t,
                        min_blocks=min_blocks, x_convert=x_convert, splits=sp)
 
-            def time_us(fn):
-                for i in range(warmup):
-                    fn(i)
-                stream.synchronize()
-                e0, e1 = cuda.event(), cuda.event()  # timing events by default
-                res = {}
-                for mode in ("wall", "gpu"):
-                    if mode == "gpu" and not cuda.config.ENABLE_CUDASIM:  # (no nanosleep there; smoke runs only)
-                        sleep[1, 1, stream](2 * reps + 5)  # ~1 ms a unit (nanosleep is approximate): > host time
-                    e0.record(stream)
-                    for i in range(reps):
-                        fn(i)
-                    e1.record(stream)
-                    e1.synchronize()
-                    res[mode] = e0.elapsed_time(e1) * 1e3 / reps
-                return res
+            time_us = _timer(stream, reps, warmup)
             res = time_us(call)
             us = res["gpu"]
             row = dict(M=m, K=k, N=n, qtype=qt, tile="x".join(map(str, t[:5])) + "/" + "/".join(map(str, t[5:])),
@@ -152,13 +211,19 @@ def main(argv=None):
     ap.add_argument("--small-m", action="store_true",
                     help="verification widths (SMALL_M_SHAPES, with the 1-row matvec for scale; "
                          "with --sweep: SWEEP_SMALL_M)")
+    ap.add_argument("--gated", action="store_true",
+                    help="the SwiGLU FFN as one launch against two launches and the SwiGLU kernel (GATED_SHAPES)")
     ap.add_argument("--qtypes", default="Q4_K,Q6_K")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     qtypes = tuple(a.qtypes.split(","))
     out = []
-    if a.sweep:
+    if a.gated:
+        out = bench_gated(qtype=qtypes[0], reps=a.reps)
+        for r in out:
+            print(json.dumps(r), flush=True)
+    elif a.sweep:
         for label, kw in (SWEEP_SMALL_M if a.small_m else SWEEP).items():
             kw = {"qtypes": qtypes[:1], "reps": a.reps, **kw}
             try:

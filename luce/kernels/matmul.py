@@ -52,6 +52,7 @@ from .dequant import dequantize
 from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
 from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32,
                   sts4)
+from .matvec import silu
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 from .pdl import grid_dependency_sync, ready as pdl_ready
@@ -335,7 +336,7 @@ def auto_splits(tile, m: int, n: int, k: int, per_sm: int) -> int:
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None,
-           split=False, scaled=False):
+           split=False, scaled=False, gated=False):
     spec = _SPECS[qtype]
     BM, BN, BK, WM, WN, frag = tile[:6]
     STAGES = tile[6] if len(tile) > 6 else 1
@@ -373,9 +374,19 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     ASH, BSH = ASZ * STAGES, BSZ * STAGES  # shared sizes must be compile-time constants
     HAS_BIAS, HAS_RES, XF16, MMA = has_bias, has_res, x_f16, use_mma
     SCALED = bool(scaled)  # x rows scaled into f16's range by to_f16: outputs times xs[m]
+    # gated (SwiGLU, y = silu(X W_gate^T) * (X W_up^T)): the tile's W rows alternate GP rows
+    # of W_gate and the same GP rows of W_up, so a thread holds each output's gate and up sums
+    # (GP: an mma's 8 columns; on the FMA path a thread's column stride) and the epilogue
+    # writes y. Why: gate and up as two launches and a SwiGLU pass wrote and re-read both
+    # products (Qwen3-32B, 512 rows: 2 x 52 MB, then 52 MB out), and each launch of 800
+    # blocks ended in a wave of 8 blocks on 132 SMs (one launch of 1600: 13 waves, not 14).
+    GATED = bool(gated)
+    GP = 8 if use_mma else FTN
+    assert not GATED or (not has_bias and not has_res and BN % (2 * GP) == 0
+                         and (NT8 % 2 == 0 and WN % 16 == 0 if use_mma else TN % 2 == 0))
 
     @_dev
-    def load_tiles(x, w, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N):
+    def load_tiles(x, w, w_up, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N):
         for i in range(XU):
             u = tid + NT * i
             r = u // C8
@@ -408,7 +419,11 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             if not WALL and u >= WTOT:
                 pass
             elif n < N:
-                load_w(w, n * rowh_w, k0 + 8 * J * c, wr, i)
+                if GATED:  # tile row n: row (n // 2GP) GP + n % GP of W_gate, or of W_up
+                    wrow = (n // (2 * GP)) * GP + n % GP
+                    load_w(w_up if (n // GP) & 1 else w, wrow * rowh_w, k0 + 8 * J * c, wr, i)
+                else:
+                    load_w(w, n * rowh_w, k0 + 8 * J * c, wr, i)
             else:
                 for j in range(NRAW):
                     wr[i, j] = 0
@@ -543,10 +558,19 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 v += res[m * N + n]
             y[m * N + n] = v
 
+    @_dev
+    def emit_gated(y, xs, M, NF, m, n, g, u):
+        """y[m, n] = silu(g) u (NF columns), g and u scaled as emit scales."""
+        if m < M and n < NF:
+            if SCALED:
+                g *= xs[m]
+                u *= xs[m]
+            y[m * NF + n] = silu(g) * u
+
     jit = cuda.jit(launch_bounds=(NT, min_blocks)) if min_blocks else cuda.jit
 
     @jit
-    def kernel(x, w, y, bias, res, ws, cnt, xs, M, N, K, rowh_w, nsplit):
+    def kernel(x, w, w_up, y, bias, res, ws, cnt, xs, M, N, K, rowh_w, nsplit):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         As = cuda.shared.array(ASH, np.uint32, alignment=SHARED16)  # 16-byte stores, ldmatrix
         Bs = cuda.shared.array(BSH, np.uint32, alignment=SHARED16)
@@ -588,7 +612,7 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             ty = tid // FTN
             tx = tid - ty * FTN
 
-        load_tiles(x, w, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N)
+        load_tiles(x, w, w_up, M, K, rowh_w, m0, n0, k0, tid, xr, wr, N)
         if STAGES == 2:
             store_tiles(As, Bs, 0, 0, k0, tid, xr, wr)
             cuda.syncthreads()
@@ -600,14 +624,14 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
                 ao = (kt & 1) * ASZ
                 bo = (kt & 1) * BSZ
                 if kt + 1 < nk:
-                    load_tiles(x, w, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
+                    load_tiles(x, w, w_up, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
             else:
                 ao = 0
                 bo = 0
                 store_tiles(As, Bs, 0, 0, k0 + kt * BK, tid, xr, wr)
                 cuda.syncthreads()
                 if kt + 1 < nk:
-                    load_tiles(x, w, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
+                    load_tiles(x, w, w_up, M, K, rowh_w, m0, n0, k0 + (kt + 1) * BK, tid, xr, wr, N)
             if MMA:
                 mma_step(As, Bs, ao, bo, acc, af, bf, scr, wid, lane, wm, wn, g, t)
             else:
@@ -621,7 +645,23 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
             if not split_fixup(acc, ws, cnt, flag, nsplit, ks, tid):
                 return
 
-        if MMA:
+        if GATED:  # N counts tile rows: twice y's columns
+            if MMA:
+                for i in range(MT):
+                    for j in range(0, NT8, 2):  # columns of block j are W_gate's, of j + 1 W_up's
+                        m = m0 + wm + 16 * i + g
+                        n = (n0 + wn + 8 * j) // 2 + 2 * t
+                        e = 4 * (i * NT8 + j)
+                        emit_gated(y, xs, M, N // 2, m, n, acc[e], acc[e + 4])
+                        emit_gated(y, xs, M, N // 2, m, n + 1, acc[e + 1], acc[e + 5])
+                        emit_gated(y, xs, M, N // 2, m + 8, n, acc[e + 2], acc[e + 6])
+                        emit_gated(y, xs, M, N // 2, m + 8, n + 1, acc[e + 3], acc[e + 7])
+            else:
+                for i in range(TM):
+                    for j in range(0, TN, 2):  # column tx + j FTN is W_gate's, + FTN W_up's
+                        emit_gated(y, xs, M, N // 2, m0 + ty + i * (BM // TM), n0 // 2 + tx + (j // 2) * FTN,
+                                   acc[i * TN + j], acc[i * TN + j + 1])
+        elif MMA:
             for i in range(MT):
                 for j in range(NT8):
                     m = m0 + wm + 16 * i + g
@@ -663,18 +703,20 @@ def _ptr(a) -> int:
 
 
 def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None,
-               split=False, scaled=False):
+               split=False, scaled=False, gated=False):
     """The compiled-on-first-launch kernel for one configuration, and its block size.
-    split: compile the split-K epilogue (partial sums through a workspace)."""
+    split: compile the split-K epilogue (partial sums through a workspace); gated: the
+    SwiGLU form (matmul's w_up)."""
     qtype = as_qtype(qtype)
     if qtype not in _SPECS:
         raise NotImplementedError(f"matmul: {qtype.name} is not supported (have {sorted(t.name for t in _SPECS)})")
     tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
     use_mma = (not SIM) if use_mma is None else bool(use_mma)
-    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split), bool(scaled))
+    key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split), bool(scaled),
+           bool(gated))
     if key not in _KERNELS:
         _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks,
-                               bool(split), bool(scaled))
+                               bool(split), bool(scaled), bool(gated))
     return _KERNELS[key]
 
 
@@ -761,8 +803,10 @@ def _split_buffers(ws_words: int, tiles: int):
 
 
 def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, residual=None, stream=0,
-           use_mma=None, tile=None, min_blocks=None, x_convert=None, splits=None, x_guard=True):
-    """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device.
+           use_mma=None, tile=None, min_blocks=None, x_convert=None, splits=None, x_guard=True, w_up=None):
+    """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device;
+    with w_up (the same type and shape as W), the SwiGLU product Y = silu(X W^T) * (X W_up^T)
+    in one launch (no bias or residual then).
 
     x_dev: float32 or float16 device array of M * k elements (row-major); w_raw_dev: uint8
     device array of the GGUF bytes of W, n_out rows of row_bytes(qtype, k); out: float32
@@ -785,8 +829,10 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     if x.dtype not in (np.float32, np.float16) or k <= 0 or x.size % k:
         raise ValueError(f"matmul: x must be float32/float16 with a multiple of k={k} elements")
     m_rows = x.size // k
+    gated = w_up is not None
+    n_tile = 2 * n_out if gated else n_out  # the kernel's tile rows: W_gate's and W_up's interleaved
     if tile is None:
-        tile, auto = pick_tile(m_rows, n_out, k, qtype)
+        tile, auto = pick_tile(m_rows, n_tile, k, qtype)
         splits = auto if splits is None else splits
     tile = tuple(tile)
     splits = max(1, min(int(splits or 1), k // tile[2] or 1))
@@ -795,10 +841,14 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         raise ValueError(f"matmul: k={k} must be a multiple of {BK} and of {qtype.name}'s block")
     rb = row_bytes(qtype, k)
     w = _as_dev(w_raw_dev)
-    if w.dtype != np.uint8 or w.size != n_out * rb:
-        raise ValueError(f"matmul: W must be uint8 [{n_out}, {rb}] for {qtype.name}, got {w.dtype} {w.shape}")
-    if _ptr(x) % 16 or _ptr(w) % spec.align:
+    w_u = _as_dev(w_up) if gated else w
+    for a in (w, w_u):
+        if a.dtype != np.uint8 or a.size != n_out * rb:
+            raise ValueError(f"matmul: W must be uint8 [{n_out}, {rb}] for {qtype.name}, got {a.dtype} {a.shape}")
+    if _ptr(x) % 16 or _ptr(w) % spec.align or _ptr(w_u) % spec.align:
         raise ValueError("matmul: x must be 16-byte aligned and W aligned for its loads")
+    if gated and (bias is not None or residual is not None):
+        raise ValueError("matmul: the SwiGLU form (w_up) takes no bias or residual")
     if out is None:
         out = cuda.device_array((m_rows, n_out), np.float32, stream=stream)
     out = _as_dev(out)
@@ -816,20 +866,22 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         (x, xs), x16 = to_f16(x, k, stream, x_guard), True
     split = splits > 1
     kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks, split,
-                          xs is not None)
+                          xs is not None, gated)
     if "d" not in _DUMMY:
         _DUMMY["d"] = cuda.device_array(1, np.float32)
         _DUMMY["i"] = cuda.device_array(1, np.int32)
     dummy = _DUMMY["d"]
     BM, BN = tile[0], tile[1]
-    grid = (-(-n_out // BN), -(-m_rows // BM))
+    if gated and n_out % (tile[1] // 2):
+        raise ValueError(f"matmul: the SwiGLU form needs n_out a multiple of {tile[1] // 2} (the tile's half)")
+    grid = (-(-n_tile // BN), -(-m_rows // BM))
     ws, cnt = dummy, _DUMMY["i"]
     if split:
         ws, cnt = _split_buffers(splits * grid[0] * grid[1] * BM * BN, grid[0] * grid[1])
         grid = grid + (splits,)
-    kern[grid, nt, stream](_flat(x).view(np.uint16), _flat(w).view(np.uint16), _flat(out),
+    kern[grid, nt, stream](_flat(x).view(np.uint16), _flat(w).view(np.uint16), _flat(w_u).view(np.uint16), _flat(out),
                            dummy if bias is None else _flat(bias), dummy if residual is None else _flat(residual),
-                           ws, cnt, dummy if xs is None else xs, m_rows, n_out, k, rb // 2, splits)
+                           ws, cnt, dummy if xs is None else xs, m_rows, n_tile, k, rb // 2, splits)
     return out
 
 

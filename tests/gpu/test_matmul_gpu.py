@@ -209,3 +209,35 @@ def test_matmul_rows_past_f16_range_gpu():
     plain = [i for i in range(m) if i not in (5, 70)]
     y2 = matmul(cuda.to_device(x[plain]), w_dev, q, n, k, tile=tile, splits=splits).copy_to_host()
     np.testing.assert_array_equal(y[plain], y2)
+
+
+@pytest.mark.parametrize("qtype,m,k,n", [("Q4_K", 512, 4096, 12288), ("Q4_K", 200, 5120, 25600),
+                                         ("Q6_K", 512, 4096, 12288), ("Q4_K", 64, 4096, 12288),
+                                         ("Q4_K", 23, 4096, 12288)])
+def test_gated_real_shapes(qtype, m, k, n):
+    """The SwiGLU form (w_up) at the Qwen3-8B and 32B FFN shapes, prefill's big tile and the
+    small-M tiles, against swiglu_ref of the reference products (each product held to
+    run's bound, carried through silu's slope <= 1.1 and the product with up), on a random
+    subset of rows; and, where both take the same tile (the same sums in the same order),
+    what two launches and the SwiGLU kernel give to float32 rounding (their silu differs in
+    how it is written)."""
+    from luce.kernels.activation import silu_ref, swiglu_cuda, swiglu_ref
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wg, wu = random_weight(qtype, n, k, rng), random_weight(qtype, n, k, rng)
+    xd, wgd, wud = cuda.to_device(x), cuda.to_device(wg), cuda.to_device(wu)
+    out = cuda.to_device(np.full((m, n), np.nan, np.float32))
+    matmul(xd, wgd, qtype, n, k, out=out, w_up=wud)
+    y = out.copy_to_host()
+    assert not np.isnan(y).any(), f"{np.isnan(y).sum()} outputs unwritten"
+    sel = np.sort(rng.choice(m, size=min(24, m), replace=False))
+    sel[-1] = m - 1
+    g, u = (matmul_ref(x[sel], w, qtype, (n, k)).astype(np.float64) for w in (wg, wu))
+    bg, bu = (2.0 ** -8 * (np.abs(x[sel]) @ np.abs(dequantize(w, qtype, (n, k))).T) + 1e-6 for w in (wg, wu))
+    bound = 1.1 * bg * np.abs(u) + np.abs(silu_ref(g)) * bu + bg * bu
+    err = np.abs(y[sel] - swiglu_ref(g, u))
+    assert (err <= bound * (1 + 1e-5) + 1e-6).all(), f"{(err > bound).sum()} outputs off"
+    tile, splits = pick_tile(m, 2 * n, k, qtype)
+    if splits == 1 and pick_tile(m, n, k, qtype) == (tile, 1):
+        gs = [matmul(xd, w, qtype, n, k, tile=tile, splits=1) for w in (wgd, wud)]
+        two = swiglu_cuda(gs[0], gs[1]).copy_to_host()
+        np.testing.assert_allclose(y, two, rtol=2e-6, atol=1e-6)
