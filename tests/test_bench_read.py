@@ -7,11 +7,13 @@ from numba import cuda
 from luce.bench.kernels_read import read_kernel
 
 
-@pytest.mark.parametrize("kind,stages,loads", [("direct", 1, 1), ("direct", 1, 4), ("async", 3, 1), ("async", 4, 2)])
-def test_read_kernels_cover_the_buffer_once(kind, stages, loads):
+@pytest.mark.parametrize("kind,stages,loads,n16", [
+    ("direct", 1, 1, None), ("direct", 1, 4, None), ("async", 3, 1, None), ("async", 4, 2, None),
+    ("bulk", 2, 1, None), ("bulk", 3, 1, 150)])  # bulk: 1 KB stages; 150 pieces end in a partial chunk
+def test_read_kernels_cover_the_buffer_once(kind, stages, loads, n16):
     rng = np.random.default_rng(3)
     threads, blocks = 32, 2
-    n16 = threads * blocks * loads * 3  # whole steps: no piece clamped to the last
+    n16 = n16 or threads * blocks * loads * 3  # whole steps: no piece clamped to the last
     host = rng.integers(0, 1 << 16, 8 * n16, dtype=np.uint16)
     out = cuda.to_device(np.full(threads * blocks, 0xDEADBEEF, np.uint32))
     read_kernel(kind, stages, loads, threads)[blocks, threads](cuda.to_device(host), out, n16)

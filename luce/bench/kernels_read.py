@@ -7,10 +7,12 @@ the kernels' arithmetic, their loads in flight, or what any kernel of 3-60 MB ca
 1 GB). Two ways to keep bytes in flight are timed, each with the same XOR of every word:
 `direct` (each thread `loads` independent 16-byte ld.global.nc a step, as the matvecs do)
 and `async` (each thread keeps `stages - 1` steps of cp.async copies to shared memory in
-flight, `loads` 16-byte pieces a step, which costs no registers). Reads rotate through a
-buffer larger than the L2 (as a model's layers do), all launches replayed from one graph.
+flight, `loads` 16-byte pieces a step, which costs no registers), and `bulk` (a ring of
+`stages` shared buffers of `loads` KB a block, each filled by one cp.async.bulk: the TMA
+engine, luce.kernels.bulk_copy). Reads rotate through a buffer larger than the L2 (as a
+model's layers do), all launches replayed from one graph.
 
-    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_read
+    NUMBA_ENABLE_CUDASIM=0 python -m luce.bench.kernels_read [direct,async,bulk,empty]
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ SIZES = (("v Q6_K 1024x4096", 1024 * 4096 * 210 // 256), ("q/o Q4_K 4096x4096", 
 THREADS = 256
 DIRECT = tuple(("direct", 1, n, bps) for n in (1, 2, 4, 8) for bps in (2, 4, 8))
 ASYNC = tuple(("async", s, n, bps) for s in (3, 4) for n in (1, 2) for bps in (2, 4))
+# bulk copies (stages, KB a stage, blocks an SM): up to 32 KB of a block's ring in flight
+BULK = tuple(("bulk", s, kb, bps) for s, kb in ((2, 16), (4, 8), (8, 4)) for bps in (1, 2, 4))
 EMPTY = ("empty", 0, 0, 1)
 ROTATE_BYTES = 1 << 30
 
@@ -62,6 +66,9 @@ def read_kernel(kind: str, stages: int, loads: int, threads: int = THREADS):
                     acc ^= a ^ b ^ c ^ d
             out[i] = acc
         return direct
+
+    if kind == "bulk":
+        return _bulk_kernel(stages, loads, threads)
 
     WAIT = CP_ASYNC_WAIT_GROUP[S - 1]
     NT = threads
@@ -99,7 +106,68 @@ def read_kernel(kind: str, stages: int, loads: int, threads: int = THREADS):
     return pipelined
 
 
-def bench_read(sizes=SIZES, variants=DIRECT + ASYNC + (EMPTY,), reps: int = 20) -> list[dict]:
+def _bulk_kernel(stages: int, kb: int, threads: int):
+    """The "bulk" read: each block streams chunks of kb KB (its chunks b, b + grid, ...)
+    through a ring of `stages` shared buffers, each filled by one cp.async.bulk that thread 0
+    issues, completing on the stage's mbarrier (luce.kernels.bulk_copy); the block XORs a
+    stage's words once its barrier's phase completes, then thread 0 refills it. No
+    register holds a byte in flight."""
+    from ..kernels.bulk_copy import (bulk_g2s, bulk_init_fence, bulk_reuse_fence, mbar_expect_tx, mbar_init,
+                                     mbar_try_wait)
+    from ..kernels.mma import lds4
+    U = np.uint32
+    S = stages
+    assert S >= 2  # (the simulator: a refill is done by the time its stage comes round)
+    C = kb * 1024  # bytes a stage
+    CW = C // 4
+    SH = S * CW
+    NT = threads
+    align = None if cuda.config.ENABLE_CUDASIM else 128
+
+    @cuda.jit
+    def bulk(w, out, n16):
+        sh = cuda.shared.array(SH, np.uint32, alignment=align)
+        bar = cuda.shared.array(S, np.uint64)
+        tid = cuda.threadIdx.x
+        g = cuda.gridDim.x
+        b = cuda.blockIdx.x
+        n_bytes = n16 * 16
+        n_chunks = (n_bytes + C - 1) // C
+        mine = (n_chunks - b + g - 1) // g if b < n_chunks else 0
+        # the first copies before the barrier: in the simulator the waits pass at once
+        if tid == 0:
+            for s in range(S):
+                mbar_init(bar, s, 1)
+            bulk_init_fence()
+            for s in range(S):
+                if s < mine:
+                    off = (b + s * g) * C
+                    nb = min(C, n_bytes - off)
+                    mbar_expect_tx(bar, s, nb)
+                    bulk_g2s(sh, s * CW, w, off // 2, nb, bar, s)
+        cuda.syncthreads()
+        acc = U(0)
+        for j in range(mine):
+            s = j % S
+            while not mbar_try_wait(bar, s, (j // S) & 1):
+                pass
+            nb = min(C, n_bytes - (b + j * g) * C)
+            for p in range(tid, nb // 16, NT):
+                a0, a1, a2, a3 = lds4(sh, s * CW + 4 * p)
+                acc ^= a0 ^ a1 ^ a2 ^ a3
+            cuda.syncthreads()  # every thread is done with stage s
+            jn = j + S
+            if tid == 0 and jn < mine:
+                bulk_reuse_fence()
+                off = (b + jn * g) * C
+                nb = min(C, n_bytes - off)
+                mbar_expect_tx(bar, s, nb)
+                bulk_g2s(sh, s * CW, w, off // 2, nb, bar, s)
+        out[cuda.grid(1)] = acc
+    return bulk
+
+
+def bench_read(sizes=SIZES, variants=DIRECT + ASYNC + BULK + (EMPTY,), reps: int = 20) -> list[dict]:
     """Rows {what, MB, kind, stages, loads, blocks_per_sm, time_us, GB/s}."""
     sm = cuda.get_current_device().MULTIPROCESSOR_COUNT
     stream = cuda.stream()
@@ -125,13 +193,16 @@ def bench_read(sizes=SIZES, variants=DIRECT + ASYNC + (EMPTY,), reps: int = 20) 
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     import json
+    import sys
 
     from .ceilings import copy_bandwidth_gbs
+    args = sys.argv[1:] if argv is None else argv
+    kinds = set(args[0].split(",")) if args else {"direct", "async", "bulk", "empty"}
     copy = copy_bandwidth_gbs()
     print(json.dumps({"copy GB/s": round(copy, 1)}), flush=True)
-    for r in bench_read():
+    for r in bench_read(variants=tuple(v for v in DIRECT + ASYNC + BULK + (EMPTY,) if v[0] in kinds)):
         if r["GB/s"]:
             r["% copy"] = round(100 * r["GB/s"] / copy, 1)
         print(json.dumps(r), flush=True)
