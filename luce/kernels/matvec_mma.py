@@ -54,7 +54,6 @@ from .matvec_fast import k4_scales, ld16, pieces
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 from .pdl import grid_dependency_sync, ready as pdl_ready
-from .split_merge import arrive
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
 
@@ -75,15 +74,6 @@ GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is ch
 # to 24 rows (LUCE_MMA_TILES=1), and the blocks an SM ptxas must fit for plain one-tile forms
 PLAIN_TILES = int(os.environ.get("LUCE_MMA_TILES", "0") or 0)
 PLAIN_BLOCKS = int(os.environ.get("LUCE_MMA_PLAIN_BLOCKS", "1") or 1)
-# Row warps (LUCE_MMA_ROW_WARPS=1): a block's warps own consecutive row tiles and walk the
-# same K blocks, the K split going to the grid's y (the last block of a row group adds the
-# splits' partial sums in split order). Why: with the warps of a block splitting K, every
-# block reads all of x's fragments from L2 for its 16-32 rows: at 23 rows (24 of x, 196 KB
-# at K = 4096) the gated 12288x4096 product reads ~150 MB of x for 57 MB of weights, and
-# across 8 / 16 / 23 / 32 rows (H200, ef57dcc) its time fits 24 us + x bytes / 13 TB/s. A
-# block's warps reading the same 12 KB of x at once share it through L1.
-ROW_WARPS = os.environ.get("LUCE_MMA_ROW_WARPS", "0") == "1"
-ROW_WARPS_BLOCK = 2 if SIM else 4  # warps a block in that form (two in the simulator: its OS threads)
 # timing only, wrong results: every K block multiplies the x fragments of K block 0 (a 12 KB
 # working set that stays in L1), which bounds what x read once into shared memory would give
 X_ONE_BLOCK = os.environ.get("LUCE_MMA_X_ONE_BLOCK", "0") == "1"
@@ -360,18 +350,14 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False,
-            row_warps: bool = False):
+def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
     stored in out_b; frags (gated): the outputs also go, as f16, into fragments of both
     layouts for the next product (f4, f6: _scratch's gated_out buffers, not x_frags's; rows
-    reaching F16_SAFE flagged in fl4, fl6 for the fixup). row_warps: the block's warps own
-    consecutive row tiles and walk the same K blocks (a K split of gridDim.y blocks: see
-    ROW_WARPS)."""
+    reaching F16_SAFE flagged in fl4, fl6 for the fixup)."""
     NT, TL, W = nt, tiles, warps
-    RW = row_warps
     PAIR = pair
     FRAGS = frags
     ROWS8 = 8 * nt
@@ -483,36 +469,9 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
 
     block = block_q4_k if Q4 else block_q6_k
 
-    @device(inline=True)
-    def emit(v, u, t, nn, xs, n_x, n_out, n_a, has_bias, has_res, bias, res, out, bias_b, out_b, f4, f6, fl4, fl6):
-        """Output (x row t, weight row nn) from its sum v (gated: and W_up's sum u)."""
-        if t < n_x and nn < n_out:
-            v *= xs[t]  # the row's scale (1 unless x was scaled into f16's range)
-            if gated:
-                v = silu(v) * (u * xs[t])
-            if PAIR and nn >= n_a:
-                if has_bias:
-                    v += bias_b[nn - n_a]
-                out_b[t, nn - n_a] = v
-            else:
-                if has_bias:
-                    v += bias[nn]
-                if has_res:  # may be out itself (the residual stream, in place)
-                    v += res[t, nn]
-                out[t, nn] = v
-        if FRAGS and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
-            if t >= n_x:
-                v = np.float32(0.0)
-            h16 = np.uint16(f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF))
-            f4[_frag_u16(1, nn, t, ROWS8)] = h16
-            f6[_frag_u16(0, nn, t, ROWS8)] = h16
-            if abs(v) >= F16_SAFE:
-                fl4[t] = 1
-                fl6[t] = 1
-
     @jit
     def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
-               fl6, ws, cnt):
+               fl6):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         tid = cuda.threadIdx.x
         wid = tid // 32
@@ -520,7 +479,6 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         g = lane >> 2
         scr = cuda.shared.array(SCR, np.uint32)
         red = cuda.shared.array((W, 32, NACC), np.float32)
-        ibuf = cuda.shared.array(1, np.int32)
         acc = cuda.local.array(NACC, np.float32)
         rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: g, g + 8 of each tile
         wsel = cuda.local.array(R2, np.int32)  # pair: 1 where the row is W_b's
@@ -530,71 +488,65 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         x4 = cuda.local.array((NT, 4), np.uint32)
         for e in range(NACC):
             acc[e] = 0.0
-        r0 = (cuda.blockIdx.x * W + wid) * ROWS if RW else cuda.blockIdx.x * ROWS  # the warp's first row
         for i in range(R2):  # rows past the end: computed, never stored
             tile = 0 if gated else i >> 1
-            rows[i] = min(r0 + 16 * tile + g + 8 * (i & 1), n_out - 1)
+            rows[i] = min(cuda.blockIdx.x * ROWS + 16 * tile + g + 8 * (i & 1), n_out - 1)
             wsel[i] = 0
             if PAIR and rows[i] >= n_a:
                 wsel[i] = 1
                 rows[i] -= n_a
         # this lane's x words (see _frags_kernel): row g of fragment 0, lane group c
         xb0 = 8 * (4 * g + (lane & 3))
-        if RW:  # K blocks kb0..kb1-1 of this split, every warp all of them
-            ks = cuda.blockIdx.y
-            n_ks = cuda.gridDim.y
-            kb0 = nb * ks // n_ks
-            trips = nb * (ks + 1) // n_ks - kb0
-        else:
-            kb0 = 0
-            trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
+        trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
         for it in range(trips):
-            b = kb0 + it if RW else wid + it * W
+            b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
             block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * (0 if X_ONE_BLOCK else b), scr, wid, lane, acc,
                   qw, hd, sc, x4)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
-        if RW and cuda.gridDim.y > 1:
-            # the splits' partial sums (through shared memory: acc's registers are free by
-            # then): the last block of the row group adds them in split order (the same bits
-            # whatever finished first) and stores
-            slot = (cuda.blockIdx.x * W + wid) * 32 + lane
-            per_split = cuda.gridDim.x * W * 32
-            for e in range(NACC):
-                ws[(e * cuda.gridDim.y + cuda.blockIdx.y) * per_split + slot] = red[wid, lane, e]
-            if not arrive(cnt, cuda.blockIdx.x, cuda.gridDim.y, ibuf, tid):
-                return
-            for e in range(NACC):
-                v = np.float32(0.0)
-                for s2 in range(cuda.gridDim.y):
-                    v += ws[(e * cuda.gridDim.y + s2) * per_split + slot]
-                red[wid, lane, e] = v
         cuda.syncthreads()
-        # one output (gated: one pair) a thread: with row warps each warp its own rows' sums,
-        # else the block's warps' partial sums in warp order
+        # the block's warps' partial sums in warp order, one output (gated: one pair) a thread
         per = NACC // 2 if gated else NACC
-        for o in range(lane if RW else tid, 32 * per, 32 if RW else 32 * W):
+        for o in range(tid, 32 * per, 32 * W):
             ln = o % 32
             e = o // 32
             if gated:  # e over (fragment, row half) of tile 0; tile 1 is 4 further
                 e = (e >> 2) * 8 + (e & 3)
-            w_lo = wid if RW else 0
-            w_hi = wid + 1 if RW else W
-            v = red[w_lo, ln, e]
-            for ww in range(w_lo + 1, w_hi):
+            v = red[0, ln, e]
+            for ww in range(1, W):
                 v += red[ww, ln, e]
             e4 = e % 4
             ft = e // 4
             t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
-            nn = r0 + (0 if gated else 16 * (ft % TL)) + (ln >> 2) + 8 * (e4 >> 1)
-            u = np.float32(0.0)
-            if gated:
-                u = red[w_lo, ln, e + 4]
-                for ww in range(w_lo + 1, w_hi):
-                    u += red[ww, ln, e + 4]
-            emit(v, u, t, nn, xs, n_x, n_out, n_a, has_bias, has_res, bias, res, out, bias_b, out_b, f4, f6, fl4, fl6)
+            nn = cuda.blockIdx.x * ROWS + (0 if gated else 16 * (ft % TL)) + (ln >> 2) + 8 * (e4 >> 1)
+            if t < n_x and nn < n_out:
+                v *= xs[t]  # the row's scale (1 unless x was scaled into f16's range)
+                if gated:
+                    u = red[0, ln, e + 4]
+                    for ww in range(1, W):
+                        u += red[ww, ln, e + 4]
+                    v = silu(v) * (u * xs[t])
+                if PAIR and nn >= n_a:
+                    if has_bias:
+                        v += bias_b[nn - n_a]
+                    out_b[t, nn - n_a] = v
+                else:
+                    if has_bias:
+                        v += bias[nn]
+                    if has_res:  # may be out itself (the residual stream, in place)
+                        v += res[t, nn]
+                    out[t, nn] = v
+            if FRAGS and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
+                if t >= n_x:
+                    v = np.float32(0.0)
+                h16 = np.uint16(f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF))
+                f4[_frag_u16(1, nn, t, ROWS8)] = h16
+                f6[_frag_u16(0, nn, t, ROWS8)] = h16
+                if abs(v) >= F16_SAFE:
+                    fl4[t] = 1
+                    fl6[t] = 1
 
     return pdl_ready(kernel)
 
@@ -628,7 +580,7 @@ def _check(qtype, x_dev, what):
 
 
 def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=None, stream=0, tiles=None,
-               warps=None, w_up=None, frags=None, guard=True, frags_out=False, row_warps=None):
+               warps=None, w_up=None, frags=None, guard=True, frags_out=False):
     """y [n_x, n_out] = x [n_x, K] @ W^T (+ bias) (+ residual) for a Q4_K or Q6_K weight (raw
     uint8 rows) and 1..MAX_ROWS rows of x (float32, on the device); residual may be out
     itself. With w_up (same type and shape): silu(x W^T) * (x W_up^T), no bias or residual.
@@ -636,8 +588,7 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     frags: x_frags(x_dev, qtype, stream) already made for this x (products of one x and
     weight type share one conversion); guard: see x_frags. frags_out (gated): the output's
     own fragments for both layouts are written too, all but frags_fixup(out, layout,
-    gated_out=True) (a verification forward's down projection: one launch fewer).
-    row_warps: the block layout (None: ROW_WARPS)."""
+    gated_out=True) (a verification forward's down projection: one launch fewer)."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma")
     gated = w_up is not None
     if frags_out and (not gated or n_out % QK):
@@ -650,31 +601,13 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     pt, pw = plan(n_x, n_out, k, gated)
     tiles, warps = (2 if gated else tiles or pt), warps or pw
     _launch(qtype, k, w16, u16, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            frags_out=frags_out, row_warps=row_warps)
+            frags_out=frags_out)
     return out
 
 
-_SPLIT_WS: dict = {}
-
-
-def _split_ws(n_words: int, n_counters: int, stream):
-    """Row warps' partial sums and arrival counters (zeroed once; each launch leaves them at
-    0), one set per stream, grown on demand; outgrown sets are kept (a captured graph may
-    still point at them)."""
-    key = id(stream)
-    ws, cnt, old = _SPLIT_WS.get(key, (None, None, []))
-    if ws is None or ws.size < n_words or cnt.size < n_counters:
-        old = old + [ws, cnt]
-        ws = cuda.device_array(max(n_words, 1 << 16), np.float32, stream=stream)
-        cnt = cuda.to_device(np.zeros(max(n_counters, 1024), np.int32), stream=stream)
-        _SPLIT_WS[key] = (ws, cnt, old)
-    return ws, cnt
-
-
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            n_a=None, out_b=None, bias_b=None, frags_out=False, row_warps=None):
-    """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b.
-    warps: the K split (warps a block, or with row_warps the grid's y)."""
+            n_a=None, out_b=None, bias_b=None, frags_out=False):
+    """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
@@ -688,23 +621,13 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
         f4 = f6 = w0
         fl4 = fl6 = unit_flags()
     rows = 16 if gated else 16 * tiles
-    rw = ROW_WARPS if row_warps is None else row_warps
-    nt = rows8 // 8
-    if rw:
-        bw = ROW_WARPS_BLOCK
-        grid = (-(-n_out // (rows * bw)), warps)
-        nacc = 4 * nt * tiles
-        ws, cnt = _split_ws(warps * grid[0] * bw * 32 * nacc, grid[0], stream) if warps > 1 else (xs, unit_flags())
-        kern = _kernel(qtype, nt, tiles, bw, gated, pair, frags_out, True)[grid, 32 * bw, stream]
-    else:
-        ws, cnt = xs, unit_flags()  # never read
-        kern = _kernel(qtype, nt, tiles, warps, gated, pair, frags_out)[-(-n_out // rows), 32 * warps, stream]
-    kern(w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
-         n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6, ws, cnt)
+    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out)[-(-n_out // rows), 32 * warps, stream](
+        w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
+        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,
-                    frags=None, row_warps=None):
+                    frags=None):
     """matvec_mma of one x by two weights of one type and width in one launch: out_a = x W_a^T
     (+ bias_a), out_b = x W_b^T (+ bias_b), both biases or neither. Verification's q and k
     projections: the 1024-row k product alone is a small grid's latency (and a launch), here
@@ -715,5 +638,5 @@ def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bi
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
     tiles, warps = plan(n_x, n_a + n_b, k)
     _launch(qtype, k, weight_u16(w_a, qtype, k)[0], weight_u16(w_b, qtype, k)[0], xq, xs, n_x, n_a + n_b, out_a,
-            bias_a, None, tiles, warps, False, stream, n_a, out_b, bias_b, row_warps=row_warps)
+            bias_a, None, tiles, warps, False, stream, n_a, out_b, bias_b)
     return out_a, out_b

@@ -64,51 +64,6 @@ def test_matvec_mma_gated_bias_residual(qtype):
     assert np.all(np.abs(r_dev.copy_to_host() - want) <= 2.0 ** -9 * _bound(wg, qtype, x, n_out, k) + 1e-5)
 
 
-# Row warps (matvec_mma.ROW_WARPS): a block's warps own row tiles, K split over the grid's y
-# (`warps` here), the splits' partial sums added by the last block of a row group.
-@pytest.mark.parametrize("qtype,n_x,n_out,k,tiles,splits", [
-    (T.Q4_K, 5, 40, 1280, 1, 3),   # 5 K blocks over 3 splits; the second row group partial
-    (T.Q6_K, 11, 72, 768, 2, 2),   # two B fragments, two tiles a warp, both Q6_K alignments
-    (T.Q4_K, 3, 24, 512, 1, 1)])   # one split: no partial sums
-def test_matvec_mma_row_warps(qtype, n_x, n_out, k, tiles, splits):
-    raw = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
-    x = rng.standard_normal((n_x, k)).astype(np.float32)
-    w_dev = cuda.to_device(raw)
-    out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-    got = matvec_mma(w_dev, qtype, cuda.to_device(x), n_out, out=out, tiles=tiles, warps=splits,
-                     row_warps=True).copy_to_host()
-    assert not np.isnan(got).any()
-    err = np.abs(got - matvec_ref(raw, qtype, x))
-    assert np.all(err <= 2.0 ** -9 * _bound(raw, qtype, x, n_out, k) + 1e-6), err.max()
-    # a row's outputs do not depend on the rows beside it (the splits add in a fixed order)
-    few = matvec_mma(w_dev, qtype, cuda.to_device(x[:2]), n_out, tiles=tiles, warps=splits,
-                     row_warps=True).copy_to_host()
-    np.testing.assert_array_equal(got[:2], few)
-
-
-def test_matvec_mma_row_warps_gated_and_pair():
-    """The gated form and the two-weight launch with row warps and a K split: silu(g) u, and
-    the pair's second weight from its first row on, against the references."""
-    from luce.kernels.matvec import swiglu_ref
-    qtype, n_x, n_out, k = T.Q4_K, 3, 20, 768
-    wg = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
-    wu = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
-    x = rng.standard_normal((n_x, k)).astype(np.float32)
-    got = matvec_mma(cuda.to_device(wg), qtype, cuda.to_device(x), n_out, warps=2, w_up=cuda.to_device(wu),
-                     row_warps=True).copy_to_host()
-    g, u = matvec_ref(wg, qtype, x), matvec_ref(wu, qtype, x)
-    bound = 1.1 * np.abs(u) * _bound(wg, qtype, x, n_out, k) + np.abs(g) * _bound(wu, qtype, x, n_out, k)
-    assert np.all(np.abs(got - swiglu_ref(wg, wu, qtype, x)) <= 2.0 ** -9 * bound + 1e-5)
-    oa = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-    ob = cuda.to_device(np.full((n_x, 12), np.nan, np.float32))
-    matvec_mma_pair(cuda.to_device(wg), cuda.to_device(wu[:12]), qtype, cuda.to_device(x), n_out, 12, oa, ob,
-                    row_warps=True)
-    for o, raw in ((oa, wg), (ob, wu[:12])):
-        o = o.copy_to_host()
-        assert not np.isnan(o).any()
-        assert np.all(np.abs(o - matvec_ref(raw, qtype, x)) <= 2.0 ** -9 * _bound(raw, qtype, x, len(raw), k) + 1e-6)
-
-
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_matvec_mma_x_past_f16_range(qtype):
     """Rows of x past f16's largest value (65504: a SwiGLU product of a random-weight model
@@ -247,31 +202,26 @@ from luce.kernels import matvec_mma as M
 from luce.kernels.dequant import T
 sig = ("void(uint16[::1], uint16[::1], uint16[::1], float32[::1], int64, int64, int64, float32[::1], float32[:, ::1], "
        "int64, int64, float32[:, ::1], int64, float32[::1], float32[:, ::1], uint16[::1], uint16[::1], int32[::1], "
-       "int32[::1], float32[::1], int32[::1])")
+       "int32[::1])")
 from luce.kernels.ptx import ptxas_usage
-for qt, nt, tiles, warps, gated, pair, frags, rw in [
-        (T.Q4_K, 1, 1, 4, False, False, False, False), (T.Q4_K, 3, 2, 4, False, False, False, False),
-        (T.Q4_K, 4, 1, 8, False, False, False, False), (T.Q4_K, 3, 2, 4, True, False, False, False),
-        (T.Q4_K, 4, 2, 4, True, False, False, False), (T.Q6_K, 1, 1, 8, False, False, False, False),
-        (T.Q6_K, 3, 2, 8, False, False, False, False), (T.Q6_K, 4, 1, 8, False, False, False, False),
-        (T.Q4_K, 1, 1, 1, False, False, False, False), (T.Q4_K, 3, 1, 8, False, True, False, False),
-        (T.Q4_K, 3, 2, 8, True, False, True, False), (T.Q4_K, 3, 2, 4, True, False, True, False),
-        (T.Q4_K, 3, 2, 8, False, True, False, False),
-        # row warps: four a block (ROW_WARPS_BLOCK), the verification forward's forms at 23 rows
-        (T.Q4_K, 3, 2, 4, True, False, True, True), (T.Q6_K, 3, 2, 4, False, False, False, True),
-        (T.Q4_K, 3, 2, 4, False, True, False, True), (T.Q4_K, 3, 2, 4, False, False, False, True)]:
+for qt, nt, tiles, warps, gated, pair, frags in [
+        (T.Q4_K, 1, 1, 4, False, False, False), (T.Q4_K, 3, 2, 4, False, False, False),
+        (T.Q4_K, 4, 1, 8, False, False, False), (T.Q4_K, 3, 2, 4, True, False, False),
+        (T.Q4_K, 4, 2, 4, True, False, False), (T.Q6_K, 1, 1, 8, False, False, False),
+        (T.Q6_K, 3, 2, 8, False, False, False), (T.Q6_K, 4, 1, 8, False, False, False),
+        (T.Q4_K, 1, 1, 1, False, False, False), (T.Q4_K, 3, 1, 8, False, True, False),
+        (T.Q4_K, 3, 2, 8, True, False, True), (T.Q4_K, 3, 2, 4, True, False, True), (T.Q4_K, 3, 2, 8, False, True, False)]:
     blocks = M._min_blocks(nt, warps, gated, pair)
-    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps, gated, pair, frags, rw).py_func, sig, cc=(9, 0),
+    code = cuda.compile_ptx(M._kernel(qt, nt, tiles, warps, gated, pair, frags).py_func, sig, cc=(9, 0),
                             launch_bounds=(32 * warps, blocks))[0]
     assert "mma.sync" in code and ".f64" not in code, (qt, nt, tiles)  # tensor cores, f32
     use = ptxas_usage(code)
     # the blocks launch_bounds asks for fit an SM's registers
     assert use["registers"] * 32 * warps * blocks <= 65536, (qt, nt, tiles, warps, blocks, use)
-    # the pair form's 2 blocks an SM cost a few spilled words, measured to pay (_min_blocks);
-    # the gated form with row warps spills 48 bytes at 3 blocks an SM (sm_90, ptxas 13)
-    assert ".local" not in code and use["spill_bytes"] <= (320 if pair and blocks > 1 else 64 if rw and gated else 0), \
-        (qt, nt, tiles, warps, gated, pair, frags, rw, blocks, use)
-    print(qt.name, nt, tiles, warps, gated, pair, frags, rw, use)
+    # the pair form's 2 blocks an SM cost a few spilled words, measured to pay (_min_blocks)
+    assert ".local" not in code and use["spill_bytes"] <= (320 if pair and blocks > 1 else 0), \
+        (qt, nt, tiles, warps, gated, pair, frags, blocks, use)
+    print(qt.name, nt, tiles, warps, gated, pair, frags, use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
