@@ -74,9 +74,6 @@ GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is ch
 # to 24 rows (LUCE_MMA_TILES=1), and the blocks an SM ptxas must fit for plain one-tile forms
 PLAIN_TILES = int(os.environ.get("LUCE_MMA_TILES", "0") or 0)
 PLAIN_BLOCKS = int(os.environ.get("LUCE_MMA_PLAIN_BLOCKS", "1") or 1)
-# timing only, wrong results: every K block multiplies the x fragments of K block 0 (a 12 KB
-# working set that stays in L1), which bounds what x read once into shared memory would give
-X_ONE_BLOCK = os.environ.get("LUCE_MMA_X_ONE_BLOCK", "0") == "1"
 
 
 @device(inline=True)
@@ -502,8 +499,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
             b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * (0 if X_ONE_BLOCK else b), scr, wid, lane, acc,
-                  qw, hd, sc, x4)
+            block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
         cuda.syncthreads()
