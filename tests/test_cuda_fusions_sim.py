@@ -219,3 +219,39 @@ def test_long_context_decode_on_tensor_cores(tmp_path, monkeypatch):
         assert kinds == ["mma"] * cfg.n_layers + ["row"] * cfg.n_layers + [last] * cfg.n_layers, kinds
     for a, b in zip(runs["auto"], runs["row"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_ffn_as_one_matmul(monkeypatch, act):
+    """FUSED_GATED_MATMUL: at prefill widths the gated FFN (SwiGLU, and Gemma's GeGLU) is one
+    matmul launch carrying W_up; off, two products and the activation. Both against the
+    float64 references of the products (f16 inputs: 2^-8 of sum |w| |x| each, carried
+    through the activation), and the launches counted."""
+    import gguf
+    from numba import cuda
+    from luce.backends import cuda as C
+    from luce.kernels import matmul as MM
+    from luce.kernels.activation import gelu_tanh_ref, silu_ref
+    from luce.kernels.dequant import dequantize
+    from luce.kernels.matvec import matvec_ref
+    from tests.test_dequant import random_tensor
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(21)
+    n, k, n_ff = 5, 64, 32
+    raw = [random_tensor(rng, Q.Q8_0, (n_ff, k)).reshape(n_ff, -1) for _ in range(2)]
+    wg, wu = (C.DeviceWeight(cuda.to_device(r), Q.Q8_0, (n_ff, k)) for r in raw)
+    x = (0.05 * rng.standard_normal((n, k))).astype(np.float32)
+    g, u = (matvec_ref(r, Q.Q8_0, x) for r in raw)
+    f = silu_ref if act == "silu" else gelu_tanh_ref
+    bg, bu = (2.0 ** -8 * np.abs(x) @ np.abs(dequantize(r.reshape(-1), Q.Q8_0, (n_ff, k))).T + 1e-6 for r in raw)
+    bound = 1.13 * bg * np.abs(u) + np.abs(f(g)) * bu + bg * bu
+    calls, real = [], MM.matmul
+    monkeypatch.setattr(MM, "matmul", lambda *a, **kw: calls.append(kw.get("w_up") is not None) or real(*a, **kw))
+    for fused in (True, False):
+        monkeypatch.setattr(C, "FUSED_GATED_MATMUL", fused)
+        del calls[:]
+        ops = C.CudaOps(C.CUDABackend(use_graphs=False), None)
+        ops.arena = C.Arena(1 << 20)
+        got = ops.gated_linear(cuda.to_device(x), wg, wu, act=act).copy_to_host()
+        assert calls == ([True] if fused else [False, False]), calls
+        assert np.all(np.abs(got - f(g) * u) <= bound), (fused, np.abs(got - f(g) * u).max())

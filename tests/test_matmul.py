@@ -156,23 +156,25 @@ def test_rows_past_f16_range(use_mma):
     np.testing.assert_array_equal(y[plain], y_plain)
 
 
-def run_gated(qtype, m, n, k, big_row=None, **kw):
-    """matmul's SwiGLU form (w_up) against swiglu_ref of the two reference products; each
-    product is held to check's bound, which the epilogue carries through silu (slope at
-    most 1.1) and the product with up."""
-    from luce.kernels.activation import silu_ref, swiglu_ref
+def run_gated(qtype, m, n, k, big_row=None, act="silu", **kw):
+    """matmul's gated form (w_up) against the activation of the first reference product
+    times the second; each product is held to check's bound, which the epilogue carries
+    through the activation (slope at most 1.1 for silu, 1.13 for GELU's tanh form) and the
+    product with up."""
+    from luce.kernels.activation import gelu_tanh_ref, silu_ref
+    f = silu_ref if act == "silu" else gelu_tanh_ref
     x = rng.standard_normal((m, k)).astype(np.float32)
     if big_row is not None:
         x[big_row] *= 4e5  # past f16's range: scaled by to_f16, scaled back in the epilogue
     wg, wu = random_w(qtype, n, k), random_w(qtype, n, k)
     out = cuda.to_device(np.full((m, n), np.nan, np.float32))
-    matmul(cuda.to_device(x), cuda.to_device(wg), qtype, n, k, out=out, w_up=cuda.to_device(wu), **kw)
+    matmul(cuda.to_device(x), cuda.to_device(wg), qtype, n, k, out=out, w_up=cuda.to_device(wu), act=act, **kw)
     y = out.copy_to_host()
     g, u = (matmul_ref(x, w, qtype, (n, k)).astype(np.float64) for w in (wg, wu))
     bg, bu = (2.0 ** -8 * (np.abs(x) @ np.abs(dequantize(w, as_qtype(qtype), (n, k))).T) + 1e-6 for w in (wg, wu))
-    bound = 1.1 * bg * np.abs(u) + np.abs(silu_ref(g)) * bu + bg * bu
+    bound = 1.13 * bg * np.abs(u) + np.abs(f(g)) * bu + bg * bu
     assert not np.isnan(y).any(), "unwritten outputs"
-    err = np.abs(y - swiglu_ref(g, u))
+    err = np.abs(y - f(g) * u)
     assert (err <= bound * (1 + 1e-5) + 1e-6).all(), f"{(err > bound).sum()} outputs off, worst {err.max()}"
 
 
@@ -181,6 +183,8 @@ def run_gated(qtype, m, n, k, big_row=None, **kw):
     ("Q6_K", 16, 32, 256, dict(use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))),
     ("Q4_K", 23, 64, 256, dict(use_mma=True, tile=SMALL[32], splits=2)),  # split K, then the epilogue
     ("Q4_K", 5, 32, 256, dict(use_mma=True, x_convert=True, tile=(16, 32, 64, 16, 16, "ldsm"), big_row=2)),
+    ("Q4_K", 20, 48, 256, dict(act="gelu_tanh")),  # GeGLU (Gemma), FMA path and emulated mma
+    ("Q8_0", 16, 32, 128, dict(act="gelu_tanh", use_mma=True, tile=(16, 32, 32, 16, 16, "ldsm"))),
 ])
 def test_matmul_gated(qtype, m, n, k, kw):
     run_gated(qtype, m, n, k, **kw)
@@ -189,6 +193,8 @@ def test_matmul_gated(qtype, m, n, k, kw):
 def test_matmul_gated_rejects():
     x = cuda.to_device(np.zeros((4, 256), np.float32))
     w = cuda.to_device(random_w("Q4_K", 32, 256))
+    with pytest.raises(ValueError, match="activation"):
+        matmul(x, w, "Q4_K", 32, 256, w_up=w, act="relu")
     with pytest.raises(ValueError, match="bias"):
         matmul(x, w, "Q4_K", 32, 256, w_up=w, bias=cuda.to_device(np.zeros(32, np.float32)))
     with pytest.raises(ValueError, match="W must be"):
@@ -243,10 +249,10 @@ ptxas = ptxas_path()  # the dev extra's nvidia-cuda-nvcc-cu12 ships one
 u16, f32, i32 = types.uint16[::1], types.float32[::1], types.int32[::1]
 sig = (u16, u16, u16, f32, f32, f32, f32, i32, f32) + (types.int64,) * 5
 for q, m, split, bias_res, gated in [
-        ("Q4_K", 16, True, False, False), ("Q6_K", 16, True, True, False), ("Q4_K", 32, True, True, False),
-        ("Q6_K", 32, False, False, False), ("Q4_K", 64, True, False, False), ("Q6_K", 64, True, True, False),
-        ("Q4_K", 512, True, True, False), ("Q6_K", 512, True, False, False),  # prefill's tile, K split
-        ("Q4_K", 512, False, False, True), ("Q6_K", 32, True, False, True)]:  # the SwiGLU form
+        ("Q4_K", 16, True, False, None), ("Q6_K", 16, True, True, None), ("Q4_K", 32, True, True, None),
+        ("Q6_K", 32, False, False, None), ("Q4_K", 64, True, False, None), ("Q6_K", 64, True, True, None),
+        ("Q4_K", 512, True, True, None), ("Q6_K", 512, True, False, None),  # prefill's tile, K split
+        ("Q4_K", 512, False, False, "silu"), ("Q6_K", 32, True, False, "gelu_tanh")]:  # the gated forms
     tile, _ = MM.pick_tile(m, 4096, 4096, q, sim=False)
     kern, nt = MM._build(MM.as_qtype(q), tile, True, True, bias_res, bias_res, None, split, bias_res, gated)
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))

@@ -33,11 +33,19 @@ import math  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from ._reduce import MAX_THREADS, block_max, block_sum, block_threads, ceil_div  # noqa: E402
+from .device import device  # noqa: E402
 from .pdl import grid_dependency_sync, ready as pdl_ready  # noqa: E402
 
 GLU_SWIGLU = 0
 GLU_GEGLU = 1
 _GLU_ID = {"swiglu": GLU_SWIGLU, "geglu": GLU_GEGLU}
+
+
+@device
+def gelu_tanh(g):
+    """GELU, tanh approximation (Gemma's GeGLU), in float32."""
+    return np.float32(0.5) * g * (np.float32(1.0) + math.tanh(np.float32(0.7978845608028654) *
+                                                             (g + np.float32(0.044715) * g * g * g)))
 
 
 @pdl_ready
@@ -51,7 +59,7 @@ def _glu_kernel(gate, up, out, kind):
     if kind == 0:
         a = g / (np.float32(1.0) + math.exp(-g))
     else:
-        a = np.float32(0.5) * g * (np.float32(1.0) + math.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)))
+        a = gelu_tanh(g)
     out[i] = a * np.float32(up[i])
 
 

@@ -52,6 +52,7 @@ from .dequant import dequantize
 from .f16_range import F16_SAFE, FIXUP_THREADS, new_flags, row_fixup_scale, unit_scales
 from .mma import (SCRATCH, SHARED16, bits, f32x2_to_f16x2, hfma2, hsub2, ldsm_x4, mma_f16, or32, pack16, prmt, shl32,
                   sts4)
+from .activation import gelu_tanh
 from .matvec import silu
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
@@ -336,7 +337,7 @@ def auto_splits(tile, m: int, n: int, k: int, per_sm: int) -> int:
 
 
 def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: bool, min_blocks=None,
-           split=False, scaled=False, gated=False):
+           split=False, scaled=False, gated=None):
     spec = _SPECS[qtype]
     BM, BN, BK, WM, WN, frag = tile[:6]
     STAGES = tile[6] if len(tile) > 6 else 1
@@ -374,13 +375,15 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     ASH, BSH = ASZ * STAGES, BSZ * STAGES  # shared sizes must be compile-time constants
     HAS_BIAS, HAS_RES, XF16, MMA = has_bias, has_res, x_f16, use_mma
     SCALED = bool(scaled)  # x rows scaled into f16's range by to_f16: outputs times xs[m]
-    # gated (SwiGLU, y = silu(X W_gate^T) * (X W_up^T)): the tile's W rows alternate GP rows
-    # of W_gate and the same GP rows of W_up, so a thread holds each output's gate and up sums
-    # (GP: an mma's 8 columns; on the FMA path a thread's column stride) and the epilogue
-    # writes y. Why: gate and up as two launches and a SwiGLU pass wrote and re-read both
+    # gated ("silu": SwiGLU, y = silu(X W_gate^T) * (X W_up^T); "gelu_tanh": GeGLU): the
+    # tile's W rows alternate GP rows of W_gate and the same GP rows of W_up, so a thread
+    # holds each output's gate and up sums (GP: an mma's 8 columns; on the FMA path a
+    # thread's column stride) and the epilogue writes y. Why: gate and up as two launches and a SwiGLU pass wrote and re-read both
     # products (Qwen3-32B, 512 rows: 2 x 52 MB, then 52 MB out), and each launch of 800
     # blocks ended in a wave of 8 blocks on 132 SMs (one launch of 1600: 13 waves, not 14).
     GATED = bool(gated)
+    GELU = gated == "gelu_tanh"
+    assert gated in (None, "silu", "gelu_tanh"), gated
     GP = 8 if use_mma else FTN
     assert not GATED or (not has_bias and not has_res and BN % (2 * GP) == 0
                          and (NT8 % 2 == 0 and WN % 16 == 0 if use_mma else TN % 2 == 0))
@@ -560,12 +563,12 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
 
     @_dev
     def emit_gated(y, xs, M, NF, m, n, g, u):
-        """y[m, n] = silu(g) u (NF columns), g and u scaled as emit scales."""
+        """y[m, n] = act(g) u (NF columns), g and u scaled as emit scales."""
         if m < M and n < NF:
             if SCALED:
                 g *= xs[m]
                 u *= xs[m]
-            y[m * NF + n] = silu(g) * u
+            y[m * NF + n] = (gelu_tanh(g) if GELU else silu(g)) * u
 
     jit = cuda.jit(launch_bounds=(NT, min_blocks)) if min_blocks else cuda.jit
 
@@ -703,20 +706,20 @@ def _ptr(a) -> int:
 
 
 def get_kernel(qtype, tile=None, use_mma=None, x_f16=False, has_bias=False, has_res=False, min_blocks=None,
-               split=False, scaled=False, gated=False):
+               split=False, scaled=False, gated=None):
     """The compiled-on-first-launch kernel for one configuration, and its block size.
     split: compile the split-K epilogue (partial sums through a workspace); gated: the
-    SwiGLU form (matmul's w_up)."""
+    gated form's activation, "silu" or "gelu_tanh" (matmul's w_up and act)."""
     qtype = as_qtype(qtype)
     if qtype not in _SPECS:
         raise NotImplementedError(f"matmul: {qtype.name} is not supported (have {sorted(t.name for t in _SPECS)})")
     tile = tuple(tile or (TILE_SIM if SIM else TILE_GPU))
     use_mma = (not SIM) if use_mma is None else bool(use_mma)
     key = (qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks, bool(split), bool(scaled),
-           bool(gated))
+           gated)
     if key not in _KERNELS:
         _KERNELS[key] = _build(qtype, tile, use_mma, bool(x_f16), bool(has_bias), bool(has_res), min_blocks,
-                               bool(split), bool(scaled), bool(gated))
+                               bool(split), bool(scaled), gated)
     return _KERNELS[key]
 
 
@@ -803,10 +806,11 @@ def _split_buffers(ws_words: int, tiles: int):
 
 
 def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, residual=None, stream=0,
-           use_mma=None, tile=None, min_blocks=None, x_convert=None, splits=None, x_guard=True, w_up=None):
+           use_mma=None, tile=None, min_blocks=None, x_convert=None, splits=None, x_guard=True, w_up=None,
+           act="silu"):
     """Y[M, n_out] = X[M, k] @ W^T (+ bias[n_out]) (+ residual[M, n_out]) on the device;
-    with w_up (the same type and shape as W), the SwiGLU product Y = silu(X W^T) * (X W_up^T)
-    in one launch (no bias or residual then).
+    with w_up (the same type and shape as W), the gated product Y = act(X W^T) * (X W_up^T)
+    in one launch, act "silu" (SwiGLU) or "gelu_tanh" (GeGLU); no bias or residual then.
 
     x_dev: float32 or float16 device array of M * k elements (row-major); w_raw_dev: uint8
     device array of the GGUF bytes of W, n_out rows of row_bytes(qtype, k); out: float32
@@ -848,7 +852,9 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
     if _ptr(x) % 16 or _ptr(w) % spec.align or _ptr(w_u) % spec.align:
         raise ValueError("matmul: x must be 16-byte aligned and W aligned for its loads")
     if gated and (bias is not None or residual is not None):
-        raise ValueError("matmul: the SwiGLU form (w_up) takes no bias or residual")
+        raise ValueError("matmul: the gated form (w_up) takes no bias or residual")
+    if gated and act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"matmul: unknown activation {act!r} (silu, gelu_tanh)")
     if out is None:
         out = cuda.device_array((m_rows, n_out), np.float32, stream=stream)
     out = _as_dev(out)
@@ -866,14 +872,14 @@ def matmul(x_dev, w_raw_dev, qtype, n_out: int, k: int, out=None, bias=None, res
         (x, xs), x16 = to_f16(x, k, stream, x_guard), True
     split = splits > 1
     kern, nt = get_kernel(qtype, tile, use_mma, x16, bias is not None, residual is not None, min_blocks, split,
-                          xs is not None, gated)
+                          xs is not None, act if gated else None)
     if "d" not in _DUMMY:
         _DUMMY["d"] = cuda.device_array(1, np.float32)
         _DUMMY["i"] = cuda.device_array(1, np.int32)
     dummy = _DUMMY["d"]
     BM, BN = tile[0], tile[1]
     if gated and n_out % (tile[1] // 2):
-        raise ValueError(f"matmul: the SwiGLU form needs n_out a multiple of {tile[1] // 2} (the tile's half)")
+        raise ValueError(f"matmul: the gated form needs n_out a multiple of {tile[1] // 2} (the tile's half)")
     grid = (-(-n_tile // BN), -(-m_rows // BM))
     ws, cnt = dummy, _DUMMY["i"]
     if split:

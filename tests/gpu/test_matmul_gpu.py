@@ -211,33 +211,36 @@ def test_matmul_rows_past_f16_range_gpu():
     np.testing.assert_array_equal(y[plain], y2)
 
 
-@pytest.mark.parametrize("qtype,m,k,n", [("Q4_K", 512, 4096, 12288), ("Q4_K", 200, 5120, 25600),
-                                         ("Q6_K", 512, 4096, 12288), ("Q4_K", 64, 4096, 12288),
-                                         ("Q4_K", 23, 4096, 12288)])
-def test_gated_real_shapes(qtype, m, k, n):
-    """The SwiGLU form (w_up) at the Qwen3-8B and 32B FFN shapes, prefill's big tile and the
-    small-M tiles, against swiglu_ref of the reference products (each product held to
-    run's bound, carried through silu's slope <= 1.1 and the product with up), on a random
+@pytest.mark.parametrize("qtype,m,k,n,act", [("Q4_K", 512, 4096, 12288, "silu"), ("Q4_K", 200, 5120, 25600, "silu"),
+                                             ("Q6_K", 512, 4096, 12288, "silu"), ("Q4_K", 64, 4096, 12288, "silu"),
+                                             ("Q4_K", 23, 4096, 12288, "silu"),
+                                             ("Q4_K", 512, 2560, 10240, "gelu_tanh")])  # Gemma 3 4B's GeGLU
+def test_gated_real_shapes(qtype, m, k, n, act):
+    """The gated form (w_up) at the Qwen3-8B and 32B FFN shapes (SwiGLU) and Gemma 3 4B's
+    (GeGLU), prefill's big tile and the small-M tiles, against the activation of the first
+    reference product times the second (each product held to run's bound, carried through
+    the activation's slope <= 1.13 and the product with up), on a random
     subset of rows; and, where both take the same tile (the same sums in the same order),
     what two launches and the SwiGLU kernel give to float32 rounding (their silu differs in
     how it is written)."""
-    from luce.kernels.activation import silu_ref, swiglu_cuda, swiglu_ref
+    from luce.kernels.activation import gelu_tanh_ref, glu_cuda, silu_ref
+    f = silu_ref if act == "silu" else gelu_tanh_ref
     x = rng.standard_normal((m, k)).astype(np.float32)
     wg, wu = random_weight(qtype, n, k, rng), random_weight(qtype, n, k, rng)
     xd, wgd, wud = cuda.to_device(x), cuda.to_device(wg), cuda.to_device(wu)
     out = cuda.to_device(np.full((m, n), np.nan, np.float32))
-    matmul(xd, wgd, qtype, n, k, out=out, w_up=wud)
+    matmul(xd, wgd, qtype, n, k, out=out, w_up=wud, act=act)
     y = out.copy_to_host()
     assert not np.isnan(y).any(), f"{np.isnan(y).sum()} outputs unwritten"
     sel = np.sort(rng.choice(m, size=min(24, m), replace=False))
     sel[-1] = m - 1
     g, u = (matmul_ref(x[sel], w, qtype, (n, k)).astype(np.float64) for w in (wg, wu))
     bg, bu = (2.0 ** -8 * (np.abs(x[sel]) @ np.abs(dequantize(w, qtype, (n, k))).T) + 1e-6 for w in (wg, wu))
-    bound = 1.1 * bg * np.abs(u) + np.abs(silu_ref(g)) * bu + bg * bu
-    err = np.abs(y[sel] - swiglu_ref(g, u))
+    bound = 1.13 * bg * np.abs(u) + np.abs(f(g)) * bu + bg * bu
+    err = np.abs(y[sel] - f(g) * u)
     assert (err <= bound * (1 + 1e-5) + 1e-6).all(), f"{(err > bound).sum()} outputs off"
     tile, splits = pick_tile(m, 2 * n, k, qtype)
     if splits == 1 and pick_tile(m, n, k, qtype) == (tile, 1):
         gs = [matmul(xd, w, qtype, n, k, tile=tile, splits=1) for w in (wgd, wud)]
-        two = swiglu_cuda(gs[0], gs[1]).copy_to_host()
+        two = glu_cuda(gs[0], gs[1], "swiglu" if act == "silu" else "geglu").copy_to_host()
         np.testing.assert_allclose(y, two, rtol=2e-6, atol=1e-6)
