@@ -8,6 +8,9 @@ memory, and the warps multiply the shared tiles, with tensor cores
 loads of step s+1 are issued before the multiplication of step s so that their latency
 hides behind it (register double-buffering; one shared buffer, two barriers a step).
 
+A gated FFN (SwiGLU, GeGLU) is one launch of this kernel with W_up beside W (matmul's
+w_up): the tile's rows interleave the two weights and the epilogue applies the activation.
+
 The per-type part is two device functions over a unit of 8 consecutive weights of one row:
 `load` fetches the raw words the unit needs and `decode` turns them into the unit's 8
 unsigned byte values q and a scale pair (s, o) with w = s * q + o (F16 needs no decode).
@@ -378,9 +381,10 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
     # gated ("silu": SwiGLU, y = silu(X W_gate^T) * (X W_up^T); "gelu_tanh": GeGLU): the
     # tile's W rows alternate GP rows of W_gate and the same GP rows of W_up, so a thread
     # holds each output's gate and up sums (GP: an mma's 8 columns; on the FMA path a
-    # thread's column stride) and the epilogue writes y. Why: gate and up as two launches and a SwiGLU pass wrote and re-read both
-    # products (Qwen3-32B, 512 rows: 2 x 52 MB, then 52 MB out), and each launch of 800
-    # blocks ended in a wave of 8 blocks on 132 SMs (one launch of 1600: 13 waves, not 14).
+    # thread's column stride) and the epilogue writes y. Why: gate and up as two launches
+    # and an activation pass wrote and re-read both products (Qwen3-32B, 512 rows: 2 x 52
+    # MB, then 52 MB out), and each launch of 800 blocks ended in a wave of 8 blocks on 132
+    # SMs (one launch of 1600: 13 waves, not 14). H200: 0.91-0.94x the time (docs/benchmarks.md).
     GATED = bool(gated)
     GELU = gated == "gelu_tanh"
     assert gated in (None, "silu", "gelu_tanh"), gated
