@@ -67,6 +67,15 @@ def _takes_mma(n: int, qtype, k: int) -> bool:
     return n in MATVEC_MMA_ROWS and qtype in MMA_TYPES and k % QK == 0
 
 
+def _takes_matmul(n: int, qtype, k: int) -> bool:
+    """Whether CudaOps.linear sends an n-token product with a qtype weight of k columns to
+    the prefill matmul (after matvec_mma's and matvec_fast's widths)."""
+    from ..kernels.matmul import MATMUL_TYPES
+    from ..kernels.matvec_fast import FAST_TYPES
+    return (not _takes_mma(n, qtype, k) and not (n <= FAST_MATVEC_MAX_ROWS and qtype in FAST_TYPES)
+            and n >= MATMUL_MIN_ROWS and qtype in MATMUL_TYPES)
+
+
 # Decode's Q4_K and Q6_K matvecs take x rounded to int8 (a step a 16 columns) and multiply
 # with dp4a (luce.kernels.quantize_x), in two planes by default (x and what its rounding
 # left: about int16's precision, two dp4a a weight word); LUCE_MATVEC_X8=1 for one plane, 0
@@ -433,7 +442,7 @@ class CudaOps:
         return residual, self.rms_norm(residual, norm_w, eps)  # a plugin's: its own memory
 
     def linear(self, x, w: DeviceWeight, bias=None, residual=None):
-        from ..kernels.matmul import MATMUL_TYPES, matmul
+        from ..kernels.matmul import matmul
         from ..kernels.matvec import matvec
         from ..kernels.matvec_fast import FAST_TYPES, matvec_fast
         from ..kernels.matvec_mma import matvec_mma
@@ -455,7 +464,7 @@ class CudaOps:
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream,
                                xq=self._x8(x, w.qtype))
-        if n >= MATMUL_MIN_ROWS and w.qtype in MATMUL_TYPES:
+        if _takes_matmul(n, w.qtype, w.shape[1]):
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
                           stream=self.stream, x_guard=self._guard(x))
         # a few rows; also long prefill of types the matmul lacks, 64 rows at a time
@@ -587,14 +596,11 @@ class CudaOps:
     def _gated_matmul(self, x, w_gate: DeviceWeight, w_up: DeviceWeight, act: str):
         """act(x W_gate^T) * (x W_up^T) as one matmul launch (FUSED_GATED_MATMUL) on the
         widths where linear() would take the matmul for both products; None elsewhere."""
-        from ..kernels.matmul import MATMUL_TYPES, matmul, pick_tile
-        from ..kernels.matvec_fast import FAST_TYPES
+        from ..kernels.matmul import matmul, pick_tile
         n, qt = x.shape[0], w_gate.qtype
         n_ff, k = w_gate.shape
         if (not FUSED_GATED_MATMUL or isinstance(x, SplitNorm) or w_up.qtype != qt or w_up.shape != w_gate.shape
-                or qt not in MATMUL_TYPES or n < MATMUL_MIN_ROWS or _takes_mma(n, qt, k)
-                or n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES
-                or n_ff % (pick_tile(n, 2 * n_ff, k, qt)[0][1] // 2)):
+                or not _takes_matmul(n, qt, k) or n_ff % (pick_tile(n, 2 * n_ff, k, qt)[0][1] // 2)):
             return None
         return matmul(x, w_gate.raw, qt, n_ff, k, out=self._out((n, n_ff)), stream=self.stream,
                       x_guard=self._guard(x), w_up=w_up.raw, act=act)
