@@ -5,6 +5,7 @@ import sys
 
 import click
 
+from .bench.synthetic import SHAPES
 from .errors import LuceError
 
 MODEL_HELP = "GGUF path, Hugging Face owner/repo:file.gguf, or nothing for the bundled SmolLM2-135M"
@@ -222,7 +223,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--synthetic", type=click.Choice(["qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3-8b"]), default=None,
+@click.option("--synthetic", type=click.Choice(list(SHAPES)), default=None,
               help="random weights with a real model's shapes and Q4_K_M tensor types")
 @backend_option
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
