@@ -70,6 +70,9 @@ DECODE_LONG_KEYS = 4096
 # A decode block is one warp (one 16-row tile: the GQA group's rows, the rest zeros), so it
 # aims at many more blocks than a tree's tiles: 264 / 528 / 792 / 1056 took 35.6 / 25.6 /
 # 27.3 / 33.5 us over 8K keys (H200, same run).
+# Q lo's score products in their own accumulators (four mma chains of 8 a 16-key step, not
+# two of 16): LUCE_ATTN_LO_CHAINS=1, measuring
+LO_CHAINS_ON = os.environ.get("LUCE_ATTN_LO_CHAINS", "0") == "1"
 DECODE_TARGET_BLOCKS = int(os.environ.get("LUCE_DECODE_MMA_BLOCKS", "528") or 528)
 
 
@@ -214,6 +217,7 @@ def kernel(dim: int, warps: int, half: bool = False):
     accumulators are neither kept nor written, ~60 registers fewer."""
     assert not half or warps == 1, warps
     HALF = half
+    LO_CHAINS = LO_CHAINS_ON
     NT = 32 * warps
     ROWS = 16 * warps
     RS = dim // 2 + 4  # shared row stride in words: 16-byte padding against bank conflicts
@@ -322,6 +326,8 @@ def kernel(dim: int, warps: int, half: bool = False):
             for kb in range(KEYS // 16):
                 sa0 = sa1 = sa2 = sa3 = np.float32(0.0)
                 sb0 = sb1 = sb2 = sb3 = np.float32(0.0)
+                ta0 = ta1 = ta2 = ta3 = np.float32(0.0)  # Q lo's products when LO_CHAINS
+                tb0 = tb1 = tb2 = tb3 = np.float32(0.0)
                 for k2 in range(DK // 2):  # one ldmatrix.x4: two k steps of an 8-key block
                     kaddr = (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
                     b0, b1, b2, b3 = ldsm_x4(kvs, kaddr, scr, wid, lane)
@@ -334,12 +340,29 @@ def kernel(dim: int, warps: int, half: bool = False):
                         ch = c1 if h == 0 else c3
                         sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
                                                      bl, bh, sa0, sa1, sa2, sa3)
-                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                     bl, bh, sa0, sa1, sa2, sa3)
+                        if LO_CHAINS:
+                            ta0, ta1, ta2, ta3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                         bl, bh, ta0, ta1, ta2, ta3)
+                        else:
+                            sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                         bl, bh, sa0, sa1, sa2, sa3)
                         sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
                                                      cl, ch, sb0, sb1, sb2, sb3)
-                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                     cl, ch, sb0, sb1, sb2, sb3)
+                        if LO_CHAINS:
+                            tb0, tb1, tb2, tb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                         cl, ch, tb0, tb1, tb2, tb3)
+                        else:
+                            sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                         cl, ch, sb0, sb1, sb2, sb3)
+                if LO_CHAINS:
+                    sa0 += ta0
+                    sa1 += ta1
+                    sa2 += ta2
+                    sa3 += ta3
+                    sb0 += tb0
+                    sb1 += tb1
+                    sb2 += tb2
+                    sb3 += tb3
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
                     sa0 = seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
