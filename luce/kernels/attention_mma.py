@@ -38,8 +38,8 @@ from numba import cuda
 
 from ._reduce import ceil_div
 from .device import device
-from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_wait, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16,
-                  quad_max, quad_sum)
+from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_wait, ex2, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans,
+                  mma_f16, quad_max, quad_sum)
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
 from .pdl import grid_dependency_sync, ready as pdl_ready
@@ -70,9 +70,6 @@ DECODE_LONG_KEYS = 4096
 # A decode block is one warp (one 16-row tile: the GQA group's rows, the rest zeros), so it
 # aims at many more blocks than a tree's tiles: 264 / 528 / 792 / 1056 took 35.6 / 25.6 /
 # 27.3 / 33.5 us over 8K keys (H200, same run).
-# Q lo's score products in their own accumulators (four mma chains of 8 a 16-key step, not
-# two of 16): LUCE_ATTN_LO_CHAINS=1, measuring
-LO_CHAINS_ON = os.environ.get("LUCE_ATTN_LO_CHAINS", "0") == "1"
 DECODE_TARGET_BLOCKS = int(os.environ.get("LUCE_DECODE_MMA_BLOCKS", "528") or 528)
 
 
@@ -186,8 +183,10 @@ def seen(sv, j, row, n_rows, n_ctx, key_end, qi, causal, bits, window, qpos, kv_
 
 
 @device(inline=True)
-def _p(sv, m):
-    return np.float32(0.0) if sv == -math.inf else math.exp(sv - m)
+def _p(sv, m_safe):
+    """A score's weight in base 2: 0 for a masked (-inf) score, m_safe being the row max, or
+    0 while the row has seen no key (-inf - -inf would be NaN)."""
+    return ex2(sv - m_safe)
 
 
 @device(inline=True)
@@ -206,8 +205,12 @@ def _write_row(o, c0, row, n_rows, G, hkv, split, c4, m, ll, direct, out, part_o
                 part_o[split, qi, hq, col] = o[d, c0]
                 part_o[split, qi, hq, col + 1] = o[d, c0 + 1]
         if not direct and c4 == 0:
-            part_ml[split, qi, hq, 0] = m
+            part_ml[split, qi, hq, 0] = m * LN2  # the combine's natural-log units
             part_ml[split, qi, hq, 1] = ll
+
+
+LN2 = np.float32(math.log(2.0))
+LOG2E = np.float32(1.0 / math.log(2.0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,7 +220,6 @@ def kernel(dim: int, warps: int, half: bool = False):
     accumulators are neither kept nor written, ~60 registers fewer."""
     assert not half or warps == 1, warps
     HALF = half
-    LO_CHAINS = LO_CHAINS_ON
     NT = 32 * warps
     ROWS = 16 * warps
     RS = dim // 2 + 4  # shared row stride in words: 16-byte padding against bank conflicts
@@ -284,6 +286,9 @@ def kernel(dim: int, warps: int, half: bool = False):
         if not causal:
             bits_a = U64(mask[qa])
             bits_b = U64(mask[qb])
+        # scores in base 2 (log2 e folded into Q's scale): the softmax's exponentials are
+        # then one ex2 each; m (the row max) is kept in those units
+        scale = scale * LOG2E
         # Q, scaled, as mma A fragments kept in registers for the whole kernel, each value
         # as f16 hi + lo: S = Qhi K + Qlo K keeps f32 accuracy (one f16 rounding of q moves a
         # score by ~1e-3, enough to flip a near-tie between a verified and a decoded token)
@@ -326,8 +331,6 @@ def kernel(dim: int, warps: int, half: bool = False):
             for kb in range(KEYS // 16):
                 sa0 = sa1 = sa2 = sa3 = np.float32(0.0)
                 sb0 = sb1 = sb2 = sb3 = np.float32(0.0)
-                ta0 = ta1 = ta2 = ta3 = np.float32(0.0)  # Q lo's products when LO_CHAINS
-                tb0 = tb1 = tb2 = tb3 = np.float32(0.0)
                 for k2 in range(DK // 2):  # one ldmatrix.x4: two k steps of an 8-key block
                     kaddr = (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
                     b0, b1, b2, b3 = ldsm_x4(kvs, kaddr, scr, wid, lane)
@@ -340,29 +343,12 @@ def kernel(dim: int, warps: int, half: bool = False):
                         ch = c1 if h == 0 else c3
                         sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
                                                      bl, bh, sa0, sa1, sa2, sa3)
-                        if LO_CHAINS:
-                            ta0, ta1, ta2, ta3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                         bl, bh, ta0, ta1, ta2, ta3)
-                        else:
-                            sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                         bl, bh, sa0, sa1, sa2, sa3)
+                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                     bl, bh, sa0, sa1, sa2, sa3)
                         sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
                                                      cl, ch, sb0, sb1, sb2, sb3)
-                        if LO_CHAINS:
-                            tb0, tb1, tb2, tb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                         cl, ch, tb0, tb1, tb2, tb3)
-                        else:
-                            sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                         cl, ch, sb0, sb1, sb2, sb3)
-                if LO_CHAINS:
-                    sa0 += ta0
-                    sa1 += ta1
-                    sa2 += ta2
-                    sa3 += ta3
-                    sb0 += tb0
-                    sb1 += tb1
-                    sb2 += tb2
-                    sb3 += tb3
+                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
+                                                     cl, ch, sb0, sb1, sb2, sb3)
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
                     sa0 = seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
@@ -383,27 +369,34 @@ def kernel(dim: int, warps: int, half: bool = False):
                 # online softmax: row maxima over the row's four lanes
                 mx_a = quad_max(max(max(m_a, max(sa0, sa1)), max(sb0, sb1)), scr, wid, lane)
                 mx_b = NEG if HALF else quad_max(max(max(m_b, max(sa2, sa3)), max(sb2, sb3)), scr, wid, lane)
-                al_a = np.float32(1.0) if mx_a == NEG else math.exp(m_a - mx_a)
-                al_b = np.float32(1.0) if mx_b == NEG else math.exp(m_b - mx_b)
+                al_a = np.float32(1.0) if mx_a == NEG else ex2(m_a - mx_a)
+                al_b = np.float32(1.0) if mx_b == NEG else ex2(m_b - mx_b)
                 m_a = mx_a
                 m_b = mx_b
-                for d in range(DN):
-                    o[d, 0] *= al_a
-                    o[d, 1] *= al_a
-                    if not HALF:
+                # a row's sums are rescaled only when its max moved: over a long context
+                # that is rare after the first pages, and the warp skips the 32 products
+                # when none of its rows' did
+                if al_a != np.float32(1.0):
+                    for d in range(DN):
+                        o[d, 0] *= al_a
+                        o[d, 1] *= al_a
+                if not HALF and al_b != np.float32(1.0):
+                    for d in range(DN):
                         o[d, 2] *= al_b
                         o[d, 3] *= al_b
-                sa0 = _p(sa0, m_a)
-                sa1 = _p(sa1, m_a)
-                sb0 = _p(sb0, m_a)
-                sb1 = _p(sb1, m_a)
-                if HALF:  # padding rows: zeros, not exp(0 - -inf)
+                ms_a = F0 if m_a == NEG else m_a
+                ms_b = F0 if m_b == NEG else m_b
+                sa0 = _p(sa0, ms_a)
+                sa1 = _p(sa1, ms_a)
+                sb0 = _p(sb0, ms_a)
+                sb1 = _p(sb1, ms_a)
+                if HALF:  # padding rows: zeros
                     sa2 = sa3 = sb2 = sb3 = F0
                 else:
-                    sa2 = _p(sa2, m_b)
-                    sa3 = _p(sa3, m_b)
-                    sb2 = _p(sb2, m_b)
-                    sb3 = _p(sb3, m_b)
+                    sa2 = _p(sa2, ms_b)
+                    sa3 = _p(sa3, ms_b)
+                    sb2 = _p(sb2, ms_b)
+                    sb3 = _p(sb3, ms_b)
                 l_a = l_a * al_a + (sa0 + sa1 + sb0 + sb1)
                 l_b = l_b * al_b + (sa2 + sa3 + sb2 + sb3)
 
