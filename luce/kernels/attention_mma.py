@@ -38,7 +38,7 @@ from numba import cuda
 
 from ._reduce import ceil_div
 from .device import device
-from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_wait, ex2, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans,
+from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, ex2, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans,
                   mma_f16, quad_max, quad_sum)
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
@@ -209,30 +209,60 @@ def _write_row(o, c0, row, n_rows, G, hkv, split, c4, m, ll, direct, out, part_o
             part_ml[split, qi, hq, 1] = ll
 
 
+# K/V copies in two stages of half a page, the next half's copies running while this one
+# is computed (2), or a page at a time, computed once copied (1): LUCE_ATTN_STAGES
+STAGES_DEFAULT = int(os.environ.get("LUCE_ATTN_STAGES", "2"))
 LN2 = np.float32(math.log(2.0))
 LOG2E = np.float32(1.0 / math.log(2.0))
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(dim: int, warps: int, half: bool = False):
+def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
     """half: a tile's rows are at most 8 (one warp; decode of a GQA group of up to 8), so
     every lane's second row (g + 8) is padding: its Q fragments are constant zeros and its
     accumulators are neither kept nor written, ~60 registers fewer."""
     assert not half or warps == 1, warps
     HALF = half
+    STAGES = stages or STAGES_DEFAULT
+    assert STAGES in (1, 2), STAGES
     NT = 32 * warps
     ROWS = 16 * warps
     RS = dim // 2 + 4  # shared row stride in words: 16-byte padding against bank conflicts
     DK = dim // 16  # mma k steps over the head dim
     DN = dim // 8  # 8-wide output column blocks
-    PIECES = KEYS * dim // 8  # 16-byte pieces of a K (V) page
-    PT = ceil_div(PIECES, NT)  # a thread's pieces of each page
+    CH = KEYS // STAGES  # keys a chunk
+    CPP = STAGES  # chunks a page
+    STAGE_WORDS = 2 * CH * RS
+    PIECES = CH * dim // 8  # 16-byte pieces of a chunk's K (V)
+    PT = ceil_div(PIECES, NT)  # a thread's pieces of each chunk
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
-    KV_WORDS = 2 * KEYS * RS  # array shapes must be plain constants, not expressions
+    KV_WORDS = 2 * KEYS * RS  # (STAGES stages of CH keys) array shapes must be plain constants
     U0 = np.uint32(0)
     F0 = np.float32(0.0)
     NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
     U64 = np.uint64
+
+    @device(inline=True)
+    def skipped(ci, window, n_ctx, kv_pos, min_qpos):
+        """Whether chunk ci is wholly before the sliding window of every row of the tile."""
+        j0 = ci * CH
+        return window > 0 and j0 + CH <= n_ctx and kv_pos[j0 + CH - 1] <= min_qpos - window
+
+    @device(inline=True)
+    def load_chunk(ci, sb, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t):
+        """cp.async of chunk ci's K and V rows into stage sb: every copy in flight at once,
+        none through registers; rows past the last key are zeros (NaN-free)."""
+        j0 = ci * CH
+        page = ci // CPP
+        base = (((table[page] * n_layers + layer) * n_kvh + hkv) * KEYS + (ci % CPP) * CH) * dim  # uint16 index
+        for c in range(PT):
+            e = t + c * NT
+            if e < PIECES:
+                kk = e // (dim // 8)
+                w4 = 4 * (e % (dim // 8))
+                nb = 16 if j0 + kk < key_end else 0
+                cp_async16(kvs, sb * STAGE_WORDS + kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
+                cp_async16(kvs, sb * STAGE_WORDS + (CH + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
 
     @cuda.jit
     def attn(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask, causal, window, scale, direct,
@@ -309,30 +339,41 @@ def kernel(dim: int, warps: int, half: bool = False):
             for c in range(4):
                 o[d, c] = 0.0
 
-        for page in range(p_lo, p_hi):
-            j0 = page * KEYS
-            if window > 0 and j0 + KEYS <= n_ctx and kv_pos[j0 + KEYS - 1] <= min_qpos - window:
+        # the keys in chunks of CH (a page, or half a page with two stages: the next chunk's
+        # copies run while this one is computed)
+        c_lo = p_lo * CPP
+        c_hi = p_hi * CPP
+        if STAGES == 2:
+            if not skipped(c_lo, window, n_ctx, kv_pos, min_qpos):
+                load_chunk(c_lo, 0, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
+            cp_async_commit()
+        for ci in range(c_lo, c_hi):
+            j0 = ci * CH
+            sb = 0
+            if STAGES == 2:
+                sb = (ci - c_lo) & 1
+                if ci + 1 < c_hi and not skipped(ci + 1, window, n_ctx, kv_pos, min_qpos):
+                    # into the other stage, whose last readers passed the barrier ending
+                    # the previous chunk
+                    load_chunk(ci + 1, 1 - sb, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
+                cp_async_commit()
+                cp_async_wait_prior()  # this chunk's copies (this thread's) are done
+            if skipped(ci, window, n_ctx, kv_pos, min_qpos):
                 continue  # uniform over the block: no barrier is skipped by only some threads
-            base = ((table[page] * n_layers + layer) * n_kvh + hkv) * KEYS * dim  # uint16 index
-            for c in range(PT):  # cp.async: every copy in flight at once, none through registers
-                e = t + c * NT
-                if e < PIECES:
-                    kk = e // (dim // 8)
-                    w4 = 4 * (e % (dim // 8))
-                    nb = 16 if j0 + kk < key_end else 0  # past the last key: zeros (NaN-free)
-                    cp_async16(kvs, kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
-                    cp_async16(kvs, (KEYS + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
-            cp_async_wait()
+            if STAGES == 1:
+                load_chunk(ci, 0, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
+                cp_async_wait()
             cuda.syncthreads()
-            masked = j0 + KEYS > n_ctx or window > 0  # pages reaching the new keys, or under a window
+            kv0 = sb * STAGE_WORDS  # this chunk's K rows, then CH V rows
+            masked = j0 + CH > n_ctx or window > 0  # chunks reaching the new keys, or under a window
 
             # 16 keys at a time: scores of two 8-key column blocks (sa: keys +0..7, sb: +8..15)
             # in scalars, so that nothing is indexed at run time (local arrays would spill)
-            for kb in range(KEYS // 16):
+            for kb in range(CH // 16):
                 sa0 = sa1 = sa2 = sa3 = np.float32(0.0)
                 sb0 = sb1 = sb2 = sb3 = np.float32(0.0)
                 for k2 in range(DK // 2):  # one ldmatrix.x4: two k steps of an 8-key block
-                    kaddr = (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
+                    kaddr = kv0 + (kb * 16 + (lane & 7)) * RS + k2 * 16 + mt * 4
                     b0, b1, b2, b3 = ldsm_x4(kvs, kaddr, scr, wid, lane)
                     c0, c1, c2, c3 = ldsm_x4(kvs, kaddr + 8 * RS, scr, wid, lane)
                     for h in range(2):
@@ -405,7 +446,7 @@ def kernel(dim: int, warps: int, half: bool = False):
                 ph1, pl1 = _split(sa2, sa3)
                 ph2, pl2 = _split(sb0, sb1)
                 ph3, pl3 = _split(sb2, sb3)
-                vrow = (KEYS + kb * 16 + (mt & 1) * 8 + (lane & 7)) * RS + (mt >> 1) * 4
+                vrow = kv0 + (CH + kb * 16 + (mt & 1) * 8 + (lane & 7)) * RS + (mt >> 1) * 4
                 for d2 in range(DN // 2):
                     b0, b1, b2, b3 = ldsm_x4_trans(kvs, vrow + d2 * 8, scr, wid, lane)
                     for h in range(2):
