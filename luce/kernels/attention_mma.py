@@ -236,7 +236,7 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
     PIECES = CH * dim // 8  # 16-byte pieces of a chunk's K (V)
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each chunk
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
-    KV_WORDS = 2 * KEYS * RS  # (STAGES stages of CH keys) array shapes must be plain constants
+    KV_WORDS = 2 * KEYS * RS  # STAGES x (CH K rows, CH V rows); array shapes must be plain constants
     U0 = np.uint32(0)
     F0 = np.float32(0.0)
     NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
@@ -296,7 +296,7 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                 mark_empty_split(part_ml, split, hkv, G, r0, ROWS, n_rows, t, NT)
             return
 
-        kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # K page then V page; Q staging first
+        kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # each stage: K rows, then V rows
         scr = cuda.shared.array(SCR, np.uint32)
         qh = cuda.local.array((DK, 4), np.uint32)
         ql = cuda.local.array((DK, 4), np.uint32)
