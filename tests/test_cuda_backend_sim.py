@@ -60,6 +60,8 @@ def test_cuda_backend_matches_cpu_in_simulator(tiny_model):
         kv_cpu.commit(accept)
         kv_gpu.commit(accept)
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
+        assert launches == [(len(tokens), cfg.n_embd)] * (2 * cfg.n_layers)
+        launches.clear()
         return a
 
     both(prompt, np.arange(3), rows=[2])
@@ -334,13 +336,20 @@ def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
     assert guards[-1] is True
 
 
-def test_gemma3_numerics_in_simulator(tmp_path):
-    """Gemma 3's numerics on the device (embedding scale, post-norms joined by `add`, GeGLU,
-    a sliding window shorter than the sequence) against the CPU backend."""
+def test_gemma3_numerics_in_simulator(tmp_path, monkeypatch):
+    """Gemma 3's numerics on the device (embedding scale, the post-norms' residual steps,
+    GeGLU, a sliding window shorter than the sequence) against the CPU backend; every
+    forward's residual steps take post_norm_residual's one launch (the norm after each one
+    read by the next layer's projections from the carried buffers)."""
     import gguf
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
+    from luce.kernels import post_norm
     from luce.models.transformer import build_weights
+    launches = []
+    fused = post_norm.post_norm_residual_cuda
+    monkeypatch.setattr(post_norm, "post_norm_residual_cuda", lambda *a, **k: launches.append(a[1].shape) or
+                        fused(*a, **k))
     f, fam, cfg = model_file(tmp_path / "gemma3.gguf", "gemma3", gguf.GGMLQuantizationType.Q8_0, seed=4,
                              sliding_window=4)
     assert fam.name == "gemma3" and cfg.layer_window(0) == 4 and cfg.ffn_act == "gelu_tanh"
@@ -353,6 +362,8 @@ def test_gemma3_numerics_in_simulator(tmp_path):
         kv_cpu.commit()
         kv_gpu.commit()
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
+        assert launches == [(len(tokens), cfg.n_embd)] * (2 * cfg.n_layers)
+        launches.clear()
 
 
 def test_gated_output_fragments_feed_the_down_projection(monkeypatch):

@@ -47,6 +47,11 @@ class NumpyOps:
         residual = self.linear(x, w, residual=residual)
         return residual, self.rms_norm(residual, norm_w, eps)
 
+    def post_norm_residual(self, y, x, w_post, w_next, eps):
+        """Gemma's residual step and the next norm: (x + RMSNorm(y) w_post, its RMSNorm)."""
+        x = self.add(x, self.rms_norm(y, w_post, eps))
+        return x, self.rms_norm(x, w_next, eps)
+
     @staticmethod
     def new_layer():
         pass

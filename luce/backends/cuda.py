@@ -61,6 +61,14 @@ def rows_from_env(name: str, default: range) -> range:
 MATVEC_MMA_ROWS = rows_from_env("LUCE_MATVEC_MMA_ROWS", range(2, 33))
 
 
+def _norm_in_range(w, k: int) -> bool:
+    """Whether an RMSNorm with weight w over rows of k stays in f16's range: |x_i| / rms(x)
+    <= sqrt(k), so the output stays below sqrt(k) max|w| (load_tensor records max|w| of
+    every vector it uploads)."""
+    wmax = getattr(w, "luce_absmax", None)
+    return wmax is not None and wmax * math.sqrt(k) < 0.99 * 2.0 ** 15
+
+
 def _takes_mma(n: int, qtype, k: int) -> bool:
     """Whether an n-token product with a qtype weight of k columns goes to matvec_mma."""
     from ..kernels.matvec_mma import MMA_TYPES, QK
@@ -117,6 +125,9 @@ TRIO_PROJECTIONS = os.environ.get("LUCE_TRIO_PROJECTIONS", "1") != "0"
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
 # LUCE_FUSED_NORM=0 turns it off.
 FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
+# Gemma's residual steps (x += RMSNorm(y) w_post, then the next norm) as one launch
+# (luce.kernels.post_norm) instead of three; LUCE_FUSED_POST_NORM=0 composes them
+FUSED_POST_NORM = os.environ.get("LUCE_FUSED_POST_NORM", "1") != "0"
 # On matvec_mma's widths the gated FFN's kernel also writes its output's fragments for the
 # down projection (luce.kernels.matvec_mma: frags_out), which then runs only the f16 guard's
 # fixup before its product: a conversion launch a layer fewer.
@@ -395,12 +406,8 @@ class CudaOps:
         f16's range, the fragments of both weight layouts come from the same launch."""
         from ..kernels.norm import rms_norm_cuda
         out = self._out(x.shape) if out is None else out
-        k = x.shape[len(x.shape) - 1]
-        # |x_i| / rms(x) <= sqrt(K): the output stays below sqrt(K) max|w| (load_tensor
-        # records max|w| of every vector it uploads)
-        wmax = getattr(w, "luce_absmax", None)
-        in_range = wmax is not None and wmax * math.sqrt(k) < 0.99 * 2.0 ** 15
-        if in_range and len(x.shape) == 2 and _takes_mma(x.shape[0], T.Q4_K, k) and not self._x8_rows(x):
+        in_range = _norm_in_range(w, x.shape[len(x.shape) - 1])
+        if self._norm_frags(x, in_range):
             from ..kernels.matvec_mma import rms_norm_frags
             for qt, f in rms_norm_frags(x, w, eps, out, stream=self.stream).items():
                 self._frags[qt] = (out, f)
@@ -419,6 +426,37 @@ class CudaOps:
         if in_range:
             self._in_range.append(out)
         return out
+
+    def _norm_frags(self, x, in_range: bool) -> bool:
+        """Whether rms_norm of x (its weight in_range) makes matvec_mma's fragments."""
+        return (in_range and len(x.shape) == 2 and _takes_mma(x.shape[0], T.Q4_K, x.shape[1])
+                and not self._x8_rows(x))
+
+    def post_norm_residual(self, y, x, w_post, w_next, eps):
+        """Gemma's residual step x += RMSNorm(y) w_post and the next norm h = RMSNorm(x)
+        w_next: (x, h), h in the carried buffers (the next layer reads it). One launch
+        (luce.kernels.post_norm, with h's int8 form where its projections take one), except
+        where rms_norm makes matvec_mma's fragments."""
+        y = self._plain(y)
+        h, _, xq = self._carry[self._flip]
+        if len(x.shape) != 2 or h.shape != x.shape or not self._own("rms_norm", "add"):
+            x = self.add(x, self.rms_norm(y, w_post, eps))
+            return x, self.rms_norm(x, w_next, eps)  # a plugin's: its own memory
+        self._flip ^= 1
+        self._written(h)
+        in_range = _norm_in_range(w_next, x.shape[1])
+        if self._norm_frags(x, in_range) or not FUSED_POST_NORM:
+            x = self.add(x, self.rms_norm(y, w_post, eps))
+            return x, self.rms_norm(x, w_next, eps, out=h, xq=xq)
+        from ..kernels.post_norm import post_norm_residual_cuda
+        self._written(x)
+        xq = xq if self._x8_rows(x) else None
+        post_norm_residual_cuda(y, x, w_post, w_next, eps, h=h, xq=xq, planes=MATVEC_X8 or 1, stream=self.stream)
+        if xq is not None:
+            self._xq = (h, xq)
+        if in_range:
+            self._in_range.append(h)
+        return x, h
 
     def linear_norm(self, x, w: DeviceWeight, residual, norm_w, eps):
         """residual += x W^T and the RMSNorm of the result: (residual, norm). The norm goes to

@@ -86,6 +86,16 @@ def build_weights(cfg: ModelConfig, f: GGUFFile, load) -> Weights:
                    output=tok if cfg.tied_output else t("output.weight"))
 
 
+def _post_norm_residual(ops, y, x, w_post, w_next, eps):
+    """x += RMSNorm(y) w_post and the norm after it: (x, h). One op where the backend has it
+    (a plugin backend without it gets the composed ops)."""
+    op = getattr(ops, "post_norm_residual", None)
+    if op is not None:
+        return op(y, x, w_post, w_next, eps)
+    x = ops.add(x, ops.rms_norm(y, w_post, eps))
+    return x, ops.rms_norm(x, w_next, eps)
+
+
 def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None, logits_rows=None):
     """Run N new tokens through the model.
 
@@ -118,8 +128,8 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
             q = ops.scale(q, cfg.attn_scale * math.sqrt(cfg.head_dim))
         o = ops.attention(kv, li, q, k, v, positions, mask, cfg.layer_window(li))
         if cfg.post_norms:  # Gemma: the output normed before it joins the residual stream
-            x = ops.add(x, ops.rms_norm(ops.linear(ops.merge_heads(o), lw.wo), lw.post_attn_norm, eps))
-            h = ops.rms_norm(x, lw.ffn_norm, eps)
+            x, h = _post_norm_residual(ops, ops.linear(ops.merge_heads(o), lw.wo), x, lw.post_attn_norm,
+                                       lw.ffn_norm, eps)
         else:
             # the residual update and the norm after it as one op: the CUDA backend's decode
             # leaves the norm's scaling to the products that read it (no launch of its own)
@@ -128,11 +138,11 @@ def forward(cfg: ModelConfig, w: Weights, ops, kv, tokens, positions, mask=None,
         # `act`, so a plugin's gated_linear of the older signature still serves it
         g = ops.gated_linear(h, lw.w_gate, lw.w_up) if cfg.ffn_act == "silu" else \
             ops.gated_linear(h, lw.w_gate, lw.w_up, act=cfg.ffn_act)
+        # and the next layer's norm (the output norm after the last)
+        next_norm = w.layers[li + 1].attn_norm if li + 1 < n_layers else w.out_norm
         if cfg.post_norms:
-            x = ops.add(x, ops.rms_norm(ops.linear(g, lw.w_down), lw.post_ffn_norm, eps))
-            h = None
-        else:  # and the next layer's norm (the output norm after the last)
-            next_norm = w.layers[li + 1].attn_norm if li + 1 < n_layers else w.out_norm
+            x, h = _post_norm_residual(ops, ops.linear(g, lw.w_down), x, lw.post_ffn_norm, next_norm, eps)
+        else:
             x, h = ops.linear_norm(g, lw.w_down, x, next_norm, eps)
     if h is None:
         h = ops.rms_norm(x, w.out_norm, eps)
