@@ -60,8 +60,6 @@ def test_cuda_backend_matches_cpu_in_simulator(tiny_model):
         kv_cpu.commit(accept)
         kv_gpu.commit(accept)
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
-        assert launches == [(len(tokens), cfg.n_embd)] * (2 * cfg.n_layers)
-        launches.clear()
         return a
 
     both(prompt, np.arange(3), rows=[2])
