@@ -337,17 +337,17 @@ def test_f16_guard_skipped_only_for_bounded_activations(monkeypatch):
 def test_gemma3_numerics_in_simulator(tmp_path, monkeypatch):
     """Gemma 3's numerics on the device (embedding scale, the post-norms' residual steps,
     GeGLU, a sliding window shorter than the sequence) against the CPU backend; every
-    forward's residual steps take post_norm_residual's one launch (the norm after each one
+    forward's residual steps take one launch (rms_norm_cuda's pre_weight; the norm after each one
     read by the next layer's projections from the carried buffers)."""
     import gguf
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
-    from luce.kernels import post_norm
+    from luce.kernels import norm
     from luce.models.transformer import build_weights
     launches = []
-    fused = post_norm.post_norm_residual_cuda
-    monkeypatch.setattr(post_norm, "post_norm_residual_cuda", lambda *a, **k: launches.append(a[1].shape) or
-                        fused(*a, **k))
+    plain = norm.rms_norm_cuda
+    monkeypatch.setattr(norm, "rms_norm_cuda", lambda *a, **k: (k.get("pre_weight") is not None and
+                                                                launches.append(a[0].shape)) or plain(*a, **k))
     f, fam, cfg = model_file(tmp_path / "gemma3.gguf", "gemma3", gguf.GGMLQuantizationType.Q8_0, seed=4,
                              sliding_window=4)
     assert fam.name == "gemma3" and cfg.layer_window(0) == 4 and cfg.ffn_act == "gelu_tanh"

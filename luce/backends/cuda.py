@@ -126,7 +126,7 @@ TRIO_PROJECTIONS = os.environ.get("LUCE_TRIO_PROJECTIONS", "1") != "0"
 # LUCE_FUSED_NORM=0 turns it off.
 FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
 # Gemma's residual steps (x += RMSNorm(y) w_post, then the next norm) as one launch
-# (luce.kernels.post_norm) instead of three; LUCE_FUSED_POST_NORM=0 composes them
+# (rms_norm_cuda's pre_weight) instead of three; LUCE_FUSED_POST_NORM=0 composes them
 FUSED_POST_NORM = os.environ.get("LUCE_FUSED_POST_NORM", "1") != "0"
 # On matvec_mma's widths the gated FFN's kernel also writes its output's fragments for the
 # down projection (luce.kernels.matvec_mma: frags_out), which then runs only the f16 guard's
@@ -435,8 +435,8 @@ class CudaOps:
     def post_norm_residual(self, y, x, w_post, w_next, eps):
         """Gemma's residual step x += RMSNorm(y) w_post and the next norm h = RMSNorm(x)
         w_next: (x, h), h in the carried buffers (the next layer reads it). One launch
-        (luce.kernels.post_norm, with h's int8 form where its projections take one), except
-        where rms_norm makes matvec_mma's fragments."""
+        (rms_norm_cuda's pre_weight, with h's int8 form where its projections take one),
+        except where rms_norm makes matvec_mma's fragments."""
         y = self._plain(y)
         h, _, xq = self._carry[self._flip]
         if len(x.shape) != 2 or h.shape != x.shape or not self._own("rms_norm", "add"):
@@ -448,10 +448,11 @@ class CudaOps:
         if self._norm_frags(x, in_range) or not FUSED_POST_NORM:
             x = self.add(x, self.rms_norm(y, w_post, eps))
             return x, self.rms_norm(x, w_next, eps, out=h, xq=xq)
-        from ..kernels.post_norm import post_norm_residual_cuda
+        from ..kernels.norm import rms_norm_cuda
         self._written(x)
         xq = xq if self._x8_rows(x) else None
-        post_norm_residual_cuda(y, x, w_post, w_next, eps, h=h, xq=xq, planes=MATVEC_X8 or 1, stream=self.stream)
+        rms_norm_cuda(y, w_next, eps, out=h, residual=x, residual_out=x, stream=self.stream, pre_weight=w_post, xq=xq,
+                      planes=MATVEC_X8 or 1)
         if xq is not None:
             self._xq = (h, xq)
         if in_range:
