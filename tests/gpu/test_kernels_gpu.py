@@ -52,6 +52,27 @@ def test_rms_norm_fused_residual():
     np.testing.assert_allclose(out.copy_to_host(), rms_norm_ref(x + r, w, 1e-6), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,d,planes", [(1, 2560, 2), (5, 5376, 1), (23, 640, None)])  # Gemma 3 4B / 27B / 270M
+def test_rms_norm_post_norm_residual(rows, d, planes):
+    """Gemma's residual step and the next norm in one launch (pre_weight), with the output's
+    int8 form where asked, against the numpy references at model widths."""
+    from luce.kernels.norm import post_norm_residual_ref
+    from luce.kernels.quantize_x import quantize_x_ref, xq_size
+    from test_quantize_x import assert_same_form
+    y, x = randn(rows, d, scale=20.0), randn(rows, d)
+    w_post, w_next = (rng.uniform(0.2, 2.0, d).astype(np.float32) for _ in range(2))
+    dx, out = cuda.to_device(x), nan_out((rows, d))
+    xq = None if planes is None else cuda.to_device(np.full(xq_size(d, rows, planes), 0xFFFF, np.uint16))
+    rms_norm_cuda(cuda.to_device(y), cuda.to_device(w_next), 1e-6, out=out, residual=dx, residual_out=dx,
+                  pre_weight=cuda.to_device(w_post), xq=xq, planes=planes or 1)
+    want_x, want_h = post_norm_residual_ref(y, x, w_post, w_next, 1e-6)
+    np.testing.assert_allclose(dx.copy_to_host(), want_x, rtol=1e-5, atol=1e-5)
+    h = out.copy_to_host()
+    np.testing.assert_allclose(h, want_h, rtol=1e-4, atol=1e-5)
+    if planes is not None:
+        assert_same_form(xq.copy_to_host(), quantize_x_ref(h, planes), planes, rtol=1e-5, atol=1e-5)
+
+
 def test_rms_norm_per_head():
     x, w = randn(TREE, HQ, D), randn(D)
     out = nan_out(x.shape)
