@@ -218,9 +218,9 @@ def _write_row(o, c0, row, n_rows, G, hkv, split, c4, m, ll, direct, out, part_o
 
 # K/V copies in two stages of half a page, the next half's copies running while this one
 # is computed (2), or a page at a time, computed once copied (1): LUCE_ATTN_STAGES. H200,
-# Qwen3-8B heads (ffc278b, .gpujobs-style graph timing): a 23-node tree over 8K keys 58.9
-# against 63.3 us, over 640 keys in an 8K grid 21.0 against 21.1; decode over 8K 21.1
-# against 22.7. The shared memory is the same (two half pages = one page).
+# Qwen3-8B heads (ffc278b, graph-replayed by luce.bench.kernels_attention.time_launch): a
+# 23-node tree over 8K keys 58.9 against 63.3 us, over 640 keys in an 8K grid 21.0 against
+# 21.1; decode over 8K 21.1 against 22.7. The shared memory is the same (two half pages).
 STAGES_DEFAULT = int(os.environ.get("LUCE_ATTN_STAGES", "2"))
 LN2 = np.float32(math.log(2.0))
 LOG2E = np.float32(1.0 / math.log(2.0))
