@@ -45,8 +45,8 @@ from numba import cuda
 
 from ._reduce import ceil_div
 from .device import device
-from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, ex2, f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans,
-                  mma_f16, quad_max, quad_sum)
+from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, ex2,
+                  f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum)
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
 from .pdl import grid_dependency_sync, ready as pdl_ready
