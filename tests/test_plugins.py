@@ -558,3 +558,37 @@ def test_overridden_ops_share_the_backends_state(sites, tmp_path):
     ops.turn = 3
     assert base.turn == 3
     assert ops.gated_linear.__self__ is ops and ops.rms_norm is NumpyOps.rms_norm  # static ops stay plain
+
+
+NORM_OVERRIDE = '''
+from luce.plugins import hookimpl
+from luce.kernels.norm import rms_norm_ref
+CALLS = []
+
+@hookimpl
+def register_kernels(register):
+    def my_rms_norm(x, w, eps):
+        CALLS.append(x.shape)
+        return rms_norm_ref(x, w, eps)
+    register("gemma3", "rms_norm", my_rms_norm, backend="cpu")
+'''
+
+
+def test_post_norm_residual_goes_through_an_overridden_rms_norm(sites, tmp_path):
+    """Gemma's residual step with the norm after it (`post_norm_residual`) is built from
+    `add` and `rms_norm`: a plugin's rms_norm sees both of its norms."""
+    import importlib
+    from luce.backends.cpu import NumpyOps
+    from luce.kernels.norm import post_norm_residual_ref
+    site = tmp_path / "site"
+    _fake_dist(site, "luce-norm-override", "luce_norm_override", NORM_OVERRIDE)
+    sites.add(site)
+    ops = plugins.ops_with_overrides(NumpyOps(), "gemma3", "cpu")
+    rng = np.random.default_rng(0)
+    y, x = (rng.standard_normal((2, 8)).astype(np.float32) for _ in range(2))
+    w_post, w_next = (rng.uniform(0.5, 2, 8).astype(np.float32) for _ in range(2))
+    want = post_norm_residual_ref(y, x, w_post, w_next, 1e-6)
+    got = ops.post_norm_residual(y, x.copy(), w_post, w_next, 1e-6)
+    assert importlib.import_module("luce_norm_override").CALLS == [(2, 8), (2, 8)]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
