@@ -85,6 +85,14 @@ TREE_TILE_WARPS = (2, 3, 4)  # warps a query tile of the tensor-core kernel, aga
 SHORT = 640  # keys of the short-context decode row (the 8B bench's decode step sees ~640)
 
 
+def selected(name: str, only: str) -> bool:
+    """Whether row `name` is one of `only`'s comma-separated prefixes; a pattern ending in
+    "$" names one row exactly (each variant compiles its own kernels: on the GPU machine a
+    prefix such as "decode" takes every decode variant, ~1 min)."""
+    pats = [p.strip() for p in only.split(",") if p.strip()]
+    return any(name == p[:-1] if p.endswith("$") else name.startswith(p) for p in pats)
+
+
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
                     prefill: int = 512, seed: int = 0, only: str | None = None) -> list[dict]:
     """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
@@ -95,7 +103,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     q8_0 KV, and the tree through the one-query kernel's structure (not yet the default),
     over `context` committed rows unless SHORT; GB/s counts the K/V bytes the kernel must
     read (K and V of every visible row, once: f16, or q8_0 for the *_q8_0 rows). only: the
-    rows whose name starts with one of its comma-separated prefixes."""
+    rows that `selected` picks ("tree23$,decode$": those two rows)."""
     from numba import cuda
 
     from ..kernels import attention as A
@@ -159,7 +167,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              ("decode_q8_0", 1, one, None, True, None),
              (f"tree{tree_nodes}_q8_0", tree_nodes, tree, None, True, None),
              (f"tree{tree_nodes}_rowkernel", tree_nodes, tree, None, False, "rowkernel")]
-    cases = [c for c in cases if only is None or c[0].startswith(tuple(only.split(",")))]
+    cases = [c for c in cases if only is None or selected(c[0], only)]
     rows = []
     default_rows, default_target = A.ROW_KERNEL_MAX_QUERIES, M.TARGET_BLOCKS
     default_tile = M.MAX_WARPS, M.TILE_WARPS
