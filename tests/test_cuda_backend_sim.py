@@ -338,16 +338,20 @@ def test_gemma3_numerics_in_simulator(tmp_path, monkeypatch):
     """Gemma 3's numerics on the device (embedding scale, the post-norms' residual steps,
     GeGLU, a sliding window shorter than the sequence) against the CPU backend; every
     forward's residual steps take one launch (rms_norm_cuda's pre_weight; the norm after each one
-    read by the next layer's projections from the carried buffers)."""
+    read by the next layer's projections from the carried buffers), and a decode row's GeGLU
+    FFN matvec_fast's gated launch."""
     import gguf
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
     from luce.kernels import norm
     from luce.models.transformer import build_weights
-    launches = []
+    from luce.kernels import matvec_fast
+    launches, gated = [], []
     plain = norm.rms_norm_cuda
     monkeypatch.setattr(norm, "rms_norm_cuda", lambda *a, **k: (k.get("pre_weight") is not None and
                                                                 launches.append(a[0].shape)) or plain(*a, **k))
+    fast = matvec_fast.swiglu_fast
+    monkeypatch.setattr(matvec_fast, "swiglu_fast", lambda *a, **k: gated.append(k.get("act")) or fast(*a, **k))
     f, fam, cfg = model_file(tmp_path / "gemma3.gguf", "gemma3", gguf.GGMLQuantizationType.Q8_0, seed=4,
                              sliding_window=4)
     assert fam.name == "gemma3" and cfg.layer_window(0) == 4 and cfg.ffn_act == "gelu_tanh"
@@ -361,7 +365,10 @@ def test_gemma3_numerics_in_simulator(tmp_path, monkeypatch):
         kv_gpu.commit()
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)  # f16 KV on the device
         assert launches == [(len(tokens), cfg.n_embd)] * (2 * cfg.n_layers)
+        # decode rows: the GeGLU FFN as one gated launch a layer
+        assert gated == (["gelu_tanh"] * cfg.n_layers if len(tokens) == 1 else [])
         launches.clear()
+        gated.clear()
 
 
 def test_gated_output_fragments_feed_the_down_projection(monkeypatch):

@@ -161,6 +161,26 @@ def test_swiglu_fast(qtype):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=ID)
+def test_geglu_fast(qtype):
+    """Gemma's GeGLU in the gated launch (act="gelu_tanh"): gelu_tanh(Wg x) * (Wu x), one x
+    row and two."""
+    from luce.kernels.activation import geglu_ref
+    rng = np.random.default_rng(int(qtype) + 11)
+    n_rows, n_cols = 8, 256
+    g, u = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
+    for shape in [(n_cols,), (2, n_cols)]:
+        x = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        out = nan_device(shape[:-1] + (n_rows,))
+        swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, cuda.to_device(x), out=out, act="gelu_tanh")
+        want = geglu_ref(matvec_ref(g, qtype, x).astype(np.float64), matvec_ref(u, qtype, x).astype(np.float64))
+        got = out.copy_to_host()
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="activation"):
+        swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, cuda.to_device(x), out=out, act="relu")
+
+
 def test_matvec_fast_warps():
     """8 warps a block splitting each row's 16 units (4 lanes a row pair: warps 4-7 get
     none), 8 row pairs a block: 13 rows leave 3 row slots past the end."""
@@ -304,7 +324,8 @@ sig = (u16, u16, f32, f32, f32, f32) + (types.int64,) * 4 + (f32, f32, types.int
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 for q in F.FAST_SPECS:
     for glu, br, nw, inl, un, g in [(False, False, F.NW, True, None, 8), (False, True, F.NW, True, None, 4),
-                                    (True, False, F.NW, True, None, 8), (False, False, 8, True, None, 1),
+                                    (True, False, F.NW, True, None, 8), (2, False, F.NW, True, None, 8),
+                                    (False, False, 8, True, None, 1),
                                     (False, False, F.NW, False, None, 16),
                                     (False, False, F.NW, True, 3 - F.FAST_SPECS[q].unroll, 2)]:
         ptx, _ = cuda.compile_ptx(F._make_kernel(q, glu, br, br, nw, inl, un, g).py_func, sig, cc=(9, 0))

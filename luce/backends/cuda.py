@@ -128,6 +128,9 @@ FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
 # Gemma's residual steps (x += RMSNorm(y) w_post, then the next norm) as one launch
 # (rms_norm_cuda's pre_weight) instead of three; LUCE_FUSED_POST_NORM=0 composes them
 FUSED_POST_NORM = os.environ.get("LUCE_FUSED_POST_NORM", "1") != "0"
+# Gemma's GeGLU on decode rows as matvec_fast's gated launch (swiglu_fast's act) instead of
+# both products and an activation pass; LUCE_FUSED_GEGLU=0 goes back to those
+FUSED_GEGLU = os.environ.get("LUCE_FUSED_GEGLU", "1") != "0"
 # On matvec_mma's widths the gated FFN's kernel also writes its output's fragments for the
 # down projection (luce.kernels.matvec_mma: frags_out), which then runs only the f16 guard's
 # fixup before its product: a conversion launch a layer fewer.
@@ -589,24 +592,32 @@ class CudaOps:
         from ..kernels.matmul import MATMUL_TYPES
         from ..kernels.matvec_fast import FAST_TYPES, swiglu_fast
         from ..kernels.matvec_mma import matvec_mma
-        if act != "silu":  # GeGLU (Gemma): both products as one `linears` (x converted once), then the activation
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"gated_linear: unknown activation {act!r}")
+        n = x.shape[0]
+        qt = w_gate.qtype
+        # decode rows: both products and the activation in one launch (SwiGLU, and Gemma's
+        # GeGLU where FUSED_GEGLU), with the output's int8 form for the down projection
+        fast = act == "silu" or FUSED_GEGLU
+        if isinstance(x, SplitNorm):
+            from ..kernels.matvec_fast import splits_norm
+            if fast and w_up.qtype == qt and qt in FAST_TYPES and splits_norm(w_gate.raw, w_up.raw):
+                h = self._out((n, w_gate.shape[0]))
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=h, stream=self.stream, x_norm=x.x_norm,
+                                   xq=x.xq, xq_out=self._xq_out(h), act=act)
+            x = self._plain(x)
+        if act != "silu":  # GeGLU (Gemma) elsewhere: prefill's one matmul launch, or both products then the activation
             from ..kernels.activation import glu_cuda
-            if act != "gelu_tanh":
-                raise ValueError(f"gated_linear: unknown activation {act!r}")
+            if fast and w_up.qtype == qt and n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES \
+                    and not _takes_mma(n, qt, x.shape[1]):
+                h = self._out((n, w_gate.shape[0]))
+                return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=h, stream=self.stream, xq=self._x8(x, qt),
+                                   xq_out=self._xq_out(h), act=act)
             h = self._gated_matmul(x, w_gate, w_up, act)
             if h is not None:
                 return h
-            g, u = self.linears(x, (w_gate, w_up), (None, None))
+            g, u = self.linears(x, (w_gate, w_up), (None, None))  # x converted once for both
             return glu_cuda(g, u, "geglu", out=g, stream=self.stream)
-        n = x.shape[0]
-        qt = w_gate.qtype
-        if isinstance(x, SplitNorm):
-            from ..kernels.matvec_fast import splits_norm
-            if w_up.qtype == qt and qt in FAST_TYPES and splits_norm(w_gate.raw, w_up.raw):
-                h = self._out((n, w_gate.shape[0]))
-                return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=h, stream=self.stream, x_norm=x.x_norm,
-                                   xq=x.xq, xq_out=self._xq_out(h))
-            x = self._plain(x)
         if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
             n_ff = w_gate.shape[0]
             frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff)  # the down projection takes matvec_mma too

@@ -55,6 +55,7 @@ from numba import cuda
 
 from .device import device, fma
 from . import matvec as _mv
+from .activation import gelu_tanh
 from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from . import pdl
 from .pdl import grid_dependency_sync, l2_prefetch, ready as pdl_ready
@@ -748,10 +749,11 @@ def _make_parts_total():
     return parts_total
 
 
-def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
+def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
                  unroll=None, groups: int = 1, nx: int = 1, x8: int = 0, pair: bool = False,
                  x_norm: bool = False, norm_out: bool = False, third=None, xq_out: int = 0):
-    """pair: two weights of the same x in one launch (a model's q and k projections): the row
+    """glu: 0, or the gated form act(w x) * (w_up x) with act silu (1) or gelu_tanh (2).
+    pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
     a residual. third (with pair): the qtype of a third weight w_c (the v projection, which
     a Q4_K_M model keeps in Q6_K) of the same block width (so the same units a row), whose
@@ -782,6 +784,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
     NX = nx                    # activation rows: each weight load serves all of them
     NA = ROWS * NX             # a lane's sums: row a and b for each x row
     NV = 2 if glu else 1       # sums per row and lane (gate, up)
+    GELU = glu == GLU_CODES["gelu_tanh"]
     LS = L if SIM else 1       # partials per row pair and warp that reach shared memory
     RED = NT * NA * NV
     group_sum = _make_group_sum(L)
@@ -896,7 +899,7 @@ def _make_kernel(qtype, glu: bool, has_bias: bool, has_res: bool, nw: int = NW, 
                         y *= rs
                         u *= rs
                     if glu:
-                        y = _mv.silu(y) * u
+                        y = (gelu_tanh(y) if GELU else _mv.silu(y)) * u
                     if has_bias:
                         y += bias_c[row] if thrd else (bias_b[row] if second else bias[row])
                     if has_res:
@@ -977,15 +980,20 @@ def grid_shape(qtype, n_rows: int) -> tuple[int, int]:
     return g, 8
 
 
+GLU_CODES = {"silu": 1, "gelu_tanh": 2}  # _make_kernel's glu for a gated launch's activation
+
+
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
-            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None, xq_out=None):
+            unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None, xq_out=None,
+            act="silu"):
     """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
     product with x goes to out_b in the same launch (w_list then holds one weight).
     third (with pair): (w_c, qtype_c, out_c, bias_c), a third weight of the same columns,
     of any fast type with qtype's block width (Q4_K, Q6_K), biased like the pair.
     x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
     parts) (see _make_kernel). xq_out: where the output's (with norm_out, xg's) quantize_x
-    form goes (one x row). Returns out, or with norm_out the number of parts."""
+    form goes (one x row). act: the activation of a gated launch (w_list of two: gate, up),
+    silu or gelu_tanh. Returns out, or with norm_out the number of parts."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -1036,8 +1044,13 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
             or _addr(x) % 16:  # not whole: matvec's
         if x_norm is not None or norm_out is not None or xq_out is not None:
             raise ValueError("matvec_fast: the split RMSNorm and xq_out need 16-byte aligned weights and x")
-        if len(w_list) == 2:
+        if len(w_list) == 2 and act == "silu":
             return _mv.swiglu(w_list[0], w_list[1], qtype, x_dev, out=out, stream=stream)
+        if len(w_list) == 2:  # the other activations: both products, then the activation pass
+            from .activation import glu_cuda
+            g = _mv.matvec(w_list[0], qtype, x_dev, out=out, stream=stream)
+            u = _mv.matvec(w_list[1], qtype, x_dev, stream=stream)
+            return glu_cuda(g, u, "geglu", out=g, stream=stream)
         if pair:
             _mv.matvec(pair[0], qtype, x_dev, out=pair[1], bias=pair[2], stream=stream)
         if third is not None:
@@ -1072,8 +1085,8 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         g = max(g, 8)  # whole half blocks a row block
     # several x rows: registers go to their sums
     un = unroll or (X8_UNROLL if x8 and X8_UNROLL else spec.unroll if nx == 1 else 1)
-    kern = _kernel(qtype, len(ws) == 2, bias is not None, residual is not None, nw, inline, un, g, nx, x8, bool(pair),
-                   x_norm is not None, norm_out is not None, qc, qo)
+    kern = _kernel(qtype, GLU_CODES[act] if len(ws) == 2 else 0, bias is not None, residual is not None, nw, inline,
+                   un, g, nx, x8, bool(pair), x_norm is not None, norm_out is not None, qc, qo)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
@@ -1156,12 +1169,15 @@ def matvec_fast_pair(w_a, w_b, qtype, x_dev, out_a, out_b, bias_a=None, bias_b=N
 
 
 def swiglu_fast(w_gate, w_up, qtype, x_dev, out=None, stream=0, *, warps=None, inline_sums=None,
-                blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None, xq_out=None):
+                blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None, xq_out=None, act="silu"):
     """out = silu(Wg x) * (Wu x), as luce.kernels.matvec.swiglu (x rows, xq and x_norm as
-    matvec_fast). xq_out: where out's quantize_x form goes as well (one x row: the down
-    projection's int8 x, made in the same launch)."""
+    matvec_fast); act="gelu_tanh": GeGLU (Gemma), gelu_tanh(Wg x) * (Wu x). xq_out: where
+    out's quantize_x form goes as well (one x row: the down projection's int8 x, made in
+    the same launch)."""
+    if act not in GLU_CODES:
+        raise ValueError(f"swiglu_fast: unknown activation {act!r} (silu, gelu_tanh)")
     return _launch([w_gate, w_up], qtype, x_dev, out, None, None, stream, warps, inline_sums, blocks_per_sm,
-                   unroll, groups, xq, x_norm=x_norm, xq_out=xq_out)
+                   unroll, groups, xq, x_norm=x_norm, xq_out=xq_out, act=act)
 
 
 # ---------------------------------------------------------------------------------------
