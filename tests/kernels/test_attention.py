@@ -323,12 +323,15 @@ F2, F3, I1 = "float32[:, ::1]", "float32[:, :, ::1]", "int32[::1]"
 P5 = lambda t: t + "[:, :, :, :, ::1]"
 # rms_norm's widest rows at each block size fit that block's register budget without
 # spilling (a fixed 16-element row buffer a thread needed more than the 64 registers of a
-# 1024-thread block, and the launch failed on the H200)
+# 1024-thread block, and the launch failed on the H200); also its Gemma form (a pre-norm
+# and the int8 output) at Gemma 3's widths
 from luce.kernels.ptx import ptxas_usage
-for d in (128, 4096, 5120, 8192, 16384):
+for d, pre_q in [(128, False), (4096, False), (5120, False), (8192, False), (16384, False), (2560, True),
+                 (5376, True)]:
     vpt, nt = norm.norm_shape(d)
-    code = cuda.compile_ptx(norm._rms_norm_kernel(vpt, nt).py_func, f"void({F2}, {F2}, float32[::1], {F2}, {F2}, "
-                            "float32, int64)", cc=(9, 0), launch_bounds=nt)[0]
+    code = cuda.compile_ptx(norm._rms_norm_kernel(vpt, nt, pre_q, pre_q).py_func,
+                            f"void({F2}, {F2}, float32[::1], {F2}, {F2}, float32, int64, float32[::1], uint8[::1], "
+                            "float32[::1], int64)", cc=(9, 0), launch_bounds=nt)[0]
     use = ptxas_usage(code)
     assert "shfl.sync" in code and use["registers"] * nt <= 65536, (d, vpt, nt, use)
     assert use["spill_bytes"] == 0 or d > 8192, (d, vpt, nt, use)
