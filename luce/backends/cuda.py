@@ -606,19 +606,8 @@ class CudaOps:
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x.xg, out=h, stream=self.stream, x_norm=x.x_norm,
                                    xq=x.xq, xq_out=self._xq_out(h), act=act)
             x = self._plain(x)
-        if act != "silu":  # GeGLU (Gemma) elsewhere: prefill's one matmul launch, or both products then the activation
-            from ..kernels.activation import glu_cuda
-            if fast and w_up.qtype == qt and n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES \
-                    and not _takes_mma(n, qt, x.shape[1]):
-                h = self._out((n, w_gate.shape[0]))
-                return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=h, stream=self.stream, xq=self._x8(x, qt),
-                                   xq_out=self._xq_out(h), act=act)
-            h = self._gated_matmul(x, w_gate, w_up, act)
-            if h is not None:
-                return h
-            g, u = self.linears(x, (w_gate, w_up), (None, None))  # x converted once for both
-            return glu_cuda(g, u, "geglu", out=g, stream=self.stream)
-        if w_up.qtype == qt and _takes_mma(n, qt, x.shape[1]):
+        k = x.shape[1]
+        if act == "silu" and w_up.qtype == qt and _takes_mma(n, qt, k):
             n_ff = w_gate.shape[0]
             frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff)  # the down projection takes matvec_mma too
             h = matvec_mma(w_gate.raw, qt, x, n_ff, out=self._out((n, n_ff)), stream=self.stream, w_up=w_up.raw,
@@ -628,20 +617,22 @@ class CudaOps:
                     self._frags[layout] = (h, None)  # written, less the fixup (see _frags_for)
             return h
         if w_up.qtype == qt:
-            if n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES:
+            if fast and n <= FAST_MATVEC_MAX_ROWS and qt in FAST_TYPES and not _takes_mma(n, qt, k):
                 h = self._out((n, w_gate.shape[0]))
                 return swiglu_fast(w_gate.raw, w_up.raw, qt, x, out=h, stream=self.stream, xq=self._x8(x, qt),
-                                   xq_out=self._xq_out(h))
-            if n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS:
+                                   xq_out=self._xq_out(h), act=act)
+            if act == "silu" and (n < MATMUL_MIN_ROWS or qt not in MATMUL_TYPES and n <= MAX_MATVEC_ROWS):
                 from ..kernels.matvec import swiglu
                 return swiglu(w_gate.raw, w_up.raw, qt, x, out=self._out((n, w_gate.shape[0])),
                               stream=self.stream)
             h = self._gated_matmul(x, w_gate, w_up, act)
             if h is not None:
                 return h
-        from ..kernels.activation import swiglu_cuda
-        g, u = self.linear(x, w_gate), self.linear(x, w_up)
-        return swiglu_cuda(g, u, out=g, stream=self.stream)
+        # both products, then the activation (GeGLU's through one `linears`: x converted once)
+        from ..kernels.activation import glu_cuda
+        g, u = (self.linear(x, w_gate), self.linear(x, w_up)) if act == "silu" else \
+            self.linears(x, (w_gate, w_up), (None, None))
+        return glu_cuda(g, u, "swiglu" if act == "silu" else "geglu", out=g, stream=self.stream)
 
     def _gated_matmul(self, x, w_gate: DeviceWeight, w_up: DeviceWeight, act: str):
         """act(x W_gate^T) * (x W_up^T) as one matmul launch (FUSED_GATED_MATMUL) on the

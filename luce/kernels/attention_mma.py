@@ -259,8 +259,8 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
         return window > 0 and j0 + CH <= n_ctx and kv_pos[j0 + CH - 1] <= min_qpos - window
 
     @device(inline=True)
-    def load_chunk(ci, sb, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t):
-        """cp.async of chunk ci's K and V rows into stage sb: every copy in flight at once,
+    def load_chunk(ci, stage, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t):
+        """cp.async of chunk ci's K and V rows into `stage`: every copy in flight at once,
         none through registers; rows past the last key are zeros (NaN-free)."""
         j0 = ci * CH
         page = ci // CPP
@@ -271,8 +271,8 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                 kk = e // (dim // 8)
                 w4 = 4 * (e % (dim // 8))
                 nb = 16 if j0 + kk < key_end else 0
-                cp_async16(kvs, sb * STAGE_WORDS + kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
-                cp_async16(kvs, sb * STAGE_WORDS + (CH + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
+                cp_async16(kvs, stage * STAGE_WORDS + kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
+                cp_async16(kvs, stage * STAGE_WORDS + (CH + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
 
     @cuda.jit
     def attn(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask, causal, window, scale, direct,
@@ -359,13 +359,13 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
             cp_async_commit()
         for ci in range(c_lo, c_hi):
             j0 = ci * CH
-            sb = 0
+            stage = 0
             if STAGES == 2:
-                sb = (ci - c_lo) & 1
+                stage = (ci - c_lo) & 1
                 if ci + 1 < c_hi and not skipped(ci + 1, window, n_ctx, kv_pos, min_qpos):
                     # into the other stage, whose last readers passed the barrier ending
                     # the previous chunk
-                    load_chunk(ci + 1, 1 - sb, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
+                    load_chunk(ci + 1, 1 - stage, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
                 cp_async_commit()
                 cp_async_wait_prior()  # this chunk's copies (this thread's) are done
             if skipped(ci, window, n_ctx, kv_pos, min_qpos):
@@ -374,7 +374,7 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                 load_chunk(ci, 0, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
                 cp_async_wait()
             cuda.syncthreads()
-            kv0 = sb * STAGE_WORDS  # this chunk's K rows, then CH V rows
+            kv0 = stage * STAGE_WORDS  # this chunk's K rows, then CH V rows
             masked = j0 + CH > n_ctx or window > 0  # chunks reaching the new keys, or under a window
 
             # 16 keys at a time: scores of two 8-key column blocks (sa: keys +0..7, sb: +8..15)

@@ -47,7 +47,7 @@ def _rms_norm_kernel(vpt: int, nt: int, pre: bool = False, quant: bool = False):
     # simulator's jit takes no launch bounds)
     jit = cuda.jit if SIM else cuda.jit(launch_bounds=nt)
     PRE, QUANT = pre, quant
-    RED = max(1, nt // 32 * WARP_RED_SLOTS)
+    RED = max(1, nt // 32 * WARP_RED_SLOTS) if quant else 1  # the int8 form's warp reductions
 
     @jit
     def kernel(x, res, w, out, sum_out, eps, has_res, w_pre, xq_b, xq_f, planes):
