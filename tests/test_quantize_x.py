@@ -248,16 +248,19 @@ def check_split_rms_norm_over_int8_x(qtype_o, qtype_p, groups, planes, d, k_in, 
         matvec_fast_norm(dev(wo), qtype_o, a_dev, h_dev, dev(g), xg, parts, xq_out=xq_out[:-8])
 
 
-@pytest.mark.parametrize("qtype,groups,planes", [(T.Q4_K, 8, 2), (T.Q6_K, 16, 2), (T.Q4_K, 2, 1)], ids=str)
-def test_gated_product_stores_its_int8_form(qtype, groups, planes):
+@pytest.mark.parametrize("qtype,groups,planes,act", [(T.Q4_K, 8, 2, "silu"), (T.Q6_K, 16, 2, "silu"),
+                                                     (T.Q4_K, 2, 1, "silu"), (T.Q6_K, 8, 2, "gelu_tanh")], ids=str)
+def test_gated_product_stores_its_int8_form(qtype, groups, planes, act):
     """swiglu_fast's xq_out: the gated product also stores its output in quantize_x form
     (the down projection's int8 x, no launch of its own), bit for bit quantize_x_ref of the
-    output it wrote; 2 groups asked: 8 taken (whole half blocks a row block)."""
-    check_gated_int8_out(qtype, groups, planes, 96, 256)
+    output it wrote; 2 groups asked: 8 taken (whole half blocks a row block); GeGLU too."""
+    check_gated_int8_out(qtype, groups, planes, 96, 256, act)
 
 
-def check_gated_int8_out(qtype, groups, planes, n_rows, n_cols):
-    """test_gated_product_stores_its_int8_form at n_rows x n_cols (also the GPU tests')."""
+def check_gated_int8_out(qtype, groups, planes, n_rows, n_cols, act="silu"):
+    """test_gated_product_stores_its_int8_form at n_rows x n_cols (also the GPU tests');
+    act="gelu_tanh": Gemma's GeGLU."""
+    from luce.kernels.activation import geglu_ref
     rng = np.random.default_rng(int(qtype) + (groups or 0) + 10 * planes)
     g, u = weights(rng, qtype, n_rows, n_cols), weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal(n_cols).astype(np.float32)
@@ -265,10 +268,10 @@ def check_gated_int8_out(qtype, groups, planes, n_rows, n_cols):
     xq_out = cuda.to_device(np.full(xq_size(n_rows, 1, planes), 0xFFFF, np.uint16))
     out = nan_device(n_rows)
     swiglu_fast(cuda.to_device(g), cuda.to_device(u), qtype, xd, out=out, xq=quantize_x(xd, planes=planes),
-                xq_out=xq_out, groups=groups)
+                xq_out=xq_out, groups=groups, act=act)
     got = out.copy_to_host()
     yg, yu = matvec_x8_ref(g, qtype, x, planes), matvec_x8_ref(u, qtype, x, planes)
-    want = yg * 0.5 * (1 + np.tanh(yg / 2)) * yu
+    want = geglu_ref(yg, yu) if act == "gelu_tanh" else yg * 0.5 * (1 + np.tanh(yg / 2)) * yu
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert_same_form(xq_out.copy_to_host(), quantize_x_ref(got, planes), planes, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="xq_out"):  # two x rows: no

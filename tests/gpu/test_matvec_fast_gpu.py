@@ -209,6 +209,16 @@ def test_gated_int8_out_gpu(qtype, n_rows, n_cols, planes):
     check_gated_int8_out(qtype, None, planes, n_rows, n_cols)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("qtype,n_rows,n_cols", [(T.Q4_K, 10240, 2560), (T.Q6_K, 10240, 2560),
+                                                 (T.Q4_K, 21504, 5376)], ids=ID)
+def test_geglu_int8_out_gpu(qtype, n_rows, n_cols, planes):
+    """Gemma's GeGLU as one gated launch (LUCE_FUSED_GEGLU's decode form) at the Gemma 3 4B
+    and 27B FFN shapes, over int8 x and storing its output's int8 form."""
+    from test_quantize_x import check_gated_int8_out
+    check_gated_int8_out(qtype, None, planes, n_rows, n_cols, act="gelu_tanh")
+
+
 @pytest.mark.parametrize("qtype_o,qtype_p", [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q6_K)], ids=ID)
 def test_split_rms_norm_gpu(qtype_o, qtype_p):
     """The split RMSNorm at the 8B shape with the default grids (shuffle sums of the parts):
