@@ -514,6 +514,9 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
     # reads them a half at a time (word loads covered 2 of a lane's 3 dims: wrong outputs)
     ODD_DL = DL > 1 and DL % 2 == 1
     NACC = R * DL  # array shapes must be plain constants, not expressions
+    NT = W * 32
+    QPT = (dim + NT - 1) // NT  # query dims a thread loads a row
+    QREGS = R * QPT
     PIECES = dim // 8  # 16-byte pieces of a row
     PPL = PIECES // LPK  # pieces a lane of a key
     RW = dim // 2  # uint32 words of a V row
@@ -652,6 +655,16 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         wid = tid // 32
         lane = tid % 32
         n_kvh = cuda.gridDim.y
+        # the queries first: they depend on nothing below, so their loads are in flight
+        # while meta, the block table and the first K/V copies are (their stall was ~10%
+        # of the launch's samples behind those, H200, Nsight Compute, 640 keys). Rows past
+        # the last query load the last one: computed, never stored.
+        qv = cuda.local.array(QREGS, np.float32)
+        if not ROPE:
+            for r in range(R):
+                qi = min(q0 + r // G, q.shape[0] - 1)
+                for k in range(QPT):
+                    qv[r * QPT + k] = q[qi, hkv * G + r % G, min(tid + k * NT, dim - 1)]
         n_past = meta[0]
         n_q = meta[1]
         # the keys the chunks walk: with ROPE the new one is not in the pool yet (split 0
@@ -694,9 +707,9 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                     _store_new_row(kf, vf, qs, table, layer, n_layers, n_kvh, hkv, n_past, kv_pos, pos, tid)
             else:
                 for r in range(R):
-                    qi = min(q0 + r // G, n_q - 1)
-                    for d in range(tid, dim, W * 32):
-                        qs[r, d] = q[qi, hkv * G + r % G, d] * scale
+                    for k in range(QPT):
+                        if tid + k * NT < dim:
+                            qs[r, tid + k * NT] = qv[r * QPT + k] * scale
             rbits = cuda.local.array(R, np.uint64)  # each row's tree-mask word and query position
             rpos = cuda.local.array(R, np.int32)
             for r in range(R):
@@ -813,7 +826,9 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                         lsum[r] = lsum[r] * al + p
                         for i in range(DL):
                             acc[r * DL + i] = acc[r * DL + i] * al + p * _f16(qs[R + 1, lane * DL + i])
-            # merge the block's warps: each leaves (m, l, acc) in shared memory
+            # merge the block's warps: each leaves (m, l, acc) in shared memory, then a warp
+            # a row adds them, a lane the dims lane + 32 d (a thread an output element with
+            # each row's weights recomputed took ~900 instructions a warp: Nsight Compute)
             for r in range(R):
                 for d in range(DL):
                     mo[wid, r, lane * DL + d] = acc[r * DL + d]
@@ -821,36 +836,42 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                     mml[wid, r, 0] = m[r]
                     mml[wid, r, 1] = lsum[r]
             cuda.syncthreads()
-            for e in range(tid, R * dim, W * 32):
-                r = e // dim
-                d = e % dim
+            o = cuda.local.array(DL, np.float32)
+            for rb in range(0, R, W):  # the same trips in every warp (int8_block_store's reductions)
+                r = min(rb + wid, R - 1)
                 qi = q0 + r // G
                 hq = hkv * G + r % G
-                o = np.float32(0.0)
-                ll = np.float32(1.0)
-                if qi < n_q:
-                    big = np.float32(-math.inf)
-                    for w in range(W):
-                        if mml[w, r, 1] > 0:
-                            big = max(big, mml[w, r, 0])
-                    ll = np.float32(0.0)
-                    for w in range(W):
-                        if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
-                            f = math.exp(mml[w, r, 0] - big)
-                            o += mo[w, r, d] * f
-                            ll += mml[w, r, 1] * f
+                ok = rb + wid < R and qi < n_q
+                big = np.float32(-math.inf)
+                for w in range(W):
+                    if mml[w, r, 1] > 0:  # a warp that saw no key: l = 0 and m = -inf
+                        big = max(big, mml[w, r, 0])
+                ll = np.float32(0.0)
+                for d in range(DL):
+                    o[d] = 0.0
+                for w in range(W):
+                    lw = mml[w, r, 1]
+                    if lw > 0:
+                        f = math.exp(mml[w, r, 0] - big)
+                        ll += lw * f
+                        for d in range(DL):
+                            o[d] += mo[w, r, lane + 32 * d] * f
+                if ok:
                     if direct:
-                        out[qi, hq, d] = o / ll
+                        for d in range(DL):
+                            out[qi, hq, lane + 32 * d] = o[d] / ll
                     else:
-                        part_o[split, qi, hq, d] = o
-                        if d == 0:
+                        for d in range(DL):
+                            part_o[split, qi, hq, lane + 32 * d] = o[d]
+                        if lane == 0:
                             part_ml[split, qi, hq, 0] = big
                             part_ml[split, qi, hq, 1] = ll
-                # a warp's 32 consecutive e are 32 columns of one row: one int8 block (direct
-                # is the same for the whole block, so all its lanes take part)
+                # lanes hold 32 consecutive columns of a row for each d: one int8 block
+                # (direct is the same for the whole block, so all its lanes take part)
                 if XQ and direct:
-                    int8_block_store(o / ll, qi < n_q, ((qi * n_kvh * G + hq) * dim + d) >> 5, lane, wid, red, xq_b,
-                                     xq_f, XQ)
+                    for d in range(DL):
+                        int8_block_store(o[d] / ll if ok else np.float32(0.0), ok,
+                                         ((qi * n_kvh * G + hq) * dim + 32 * d) >> 5, lane, wid, red, xq_b, xq_f, XQ)
         # the tile's last block to finish merges the splits (luce.kernels.split_merge)
         if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
             merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
