@@ -60,6 +60,7 @@ from .matvec import silu
 from .quant_types import as_qtype, block_elems, row_bytes
 from .vector_load import SIM, f16_bits_to_f32, ldg_u16_u32, ldg_u16_u32x4, u32_bits_to_f32
 from .pdl import grid_dependency_sync, ready as pdl_ready
+from .split_merge import arrive
 
 __all__ = ["MATMUL_TYPES", "TILE_GPU", "TILE_SIM", "TILES_SMALL_M", "auto_splits", "choose_splits", "matmul", "matmul_ref",
            "pick_tile", "to_f16"]
@@ -533,15 +534,8 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         base = tile_id * nsplit
         for e in range(NACC):  # thread-fastest layout: each store instruction is coalesced
             ws[((base + ks) * NACC + e) * NT + tid] = acc[e]
-        # Release: partials visible device-wide before the count that announces them.
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            flag[0] = cuda.atomic.add(cnt, tile_id, 1)
-        cuda.syncthreads()
-        if flag[0] != nsplit - 1:
+        if not arrive(cnt, tile_id, nsplit, flag, tid):  # luce.kernels.split_merge: it resets the count
             return False
-        cuda.threadfence()
         # Plain (L1-cached) loads are safe: no block of this launch has read these words
         # before, so no SM holds a stale copy. The constant-length loop innermost: it is
         # unrolled and acc stays in registers.
@@ -550,8 +544,6 @@ def _build(qtype, tile, use_mma: bool, x_f16: bool, has_bias: bool, has_res: boo
         for s in range(nsplit):
             for e in range(NACC):
                 acc[e] += ws[((base + s) * NACC + e) * NT + tid]
-        if tid == 0:
-            cnt[tile_id] = 0  # ready for the next launch: no clearing pass between calls
         return True
 
     @_dev
