@@ -308,15 +308,6 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
 
         kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # each stage: K rows, then V rows
         scr = cuda.shared.array(SCR, np.uint32)
-        # the first chunk's copies before the queries: the block table's load and the K/V
-        # rows' then overlap Q's loads instead of following them (a short context's blocks
-        # have one page: the chain before its first mma is most of their time)
-        c_lo = p_lo * CPP
-        c_hi = p_hi * CPP
-        if STAGES == 2:
-            if not skipped(c_lo, window, n_ctx, kv_pos, min_qpos):
-                load_chunk(c_lo, 0, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
-            cp_async_commit()
         qh = cuda.local.array((DK, 4), np.uint32)
         ql = cuda.local.array((DK, 4), np.uint32)
         o = cuda.local.array((DN, 4), np.float32)
@@ -360,6 +351,12 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
 
         # the keys in chunks of CH (a page, or half a page with two stages: the next chunk's
         # copies run while this one is computed)
+        c_lo = p_lo * CPP
+        c_hi = p_hi * CPP
+        if STAGES == 2:
+            if not skipped(c_lo, window, n_ctx, kv_pos, min_qpos):
+                load_chunk(c_lo, 0, kvs, kf, vf, table, layer, n_layers, n_kvh, hkv, key_end, t)
+            cp_async_commit()
         for ci in range(c_lo, c_hi):
             j0 = ci * CH
             stage = 0

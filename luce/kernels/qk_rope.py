@@ -74,15 +74,6 @@ def _make_kernel(write_kv: bool):
             ia = rope_dim + 2 * (t - half)
             ib = ia + 1
         live = ib < dim
-        # the pool row's address first: meta and the block table are two dependent loads
-        # that depend on nothing here, so they run under the q/k loads, the norm's
-        # reduction and the rotation instead of after them
-        slot = 0
-        o = 0
-        if WRITE and not is_q:
-            p = meta[0] + n
-            slot = table[p // BLOCK]
-            o = p % BLOCK
         a = np.float32(0.0)
         b = np.float32(0.0)
         if live:
@@ -103,6 +94,9 @@ def _make_kernel(write_kv: bool):
                 k[n, hh, ia] = a
                 k[n, hh, ib] = b
                 if WRITE:
+                    p = meta[0] + n
+                    slot = table[p // BLOCK]
+                    o = p % BLOCK
                     k_pool[slot, layer, hh, o, ia] = a
                     k_pool[slot, layer, hh, o, ib] = b
                     v_pool[slot, layer, hh, o, ia] = v[n, hh, ia]
