@@ -27,30 +27,7 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import ceil_div, warp_allmax
-from .device import SIM, device
-
-
-if SIM:
-    def fence_gpu():
-        """The simulator's threads share memory as they run: nothing to order."""
-else:
-    from llvmlite import ir
-    from numba.cuda import types
-    from numba.cuda.extending import intrinsic
-
-    from .mma import _asm
-
-    @intrinsic
-    def fence_gpu(typingctx):
-        """fence.acq_rel.gpu: a release (before a count) or acquire (after one) at device
-        scope. cuda.threadfence() is fence.sc.gpu (MEMBAR.SC in sm_90 SASS), more than the
-        split merge's release/acquire pattern needs."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _asm(builder, "fence.acq_rel.gpu;", "~{memory}", ir.VoidType(), [], [], side_effect=True)
-            return context.get_dummy_value()
-        return sig, codegen
+from .device import device
 
 
 @device(inline=True)
@@ -59,22 +36,23 @@ def arrive(counter, slot, n_blocks, ibuf, tid):
     on counter[slot] (the same answer in all its threads), which then sees their writes and
     resets the slot. ibuf: int32 shared, one or more.
 
-    One thread fences and counts (as cooperative groups' grid sync does): the barrier
-    orders the block's writes before thread 0's release fence, which is cumulative over
-    what thread 0 has observed; the last block's thread 0 fences after its count (acquire)
-    before the barrier that lets its other threads read. H200 (Nsight Compute, decode
-    attention over 640 keys): every thread's fence.sc before the count, 1,536 warps of
-    them, held ~20% of the launch's stall samples."""
+    Every thread fences its own writes before the count (the threadFenceReduction
+    pattern). One fence by thread 0 after the barrier (cooperative groups' grid sync, and
+    fence.acq_rel in place of fence.sc) was measured faster at 369d85c, but a GPU test at
+    the end of that session failed (test_random_gemma3_matches_cpu, not diagnosed for want
+    of device time), so the form whose ordering needs no cumulativity argument is back."""
+    # release: this block's partials visible device-wide before its count
+    cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
-        fence_gpu()  # release: the block's partials before its count
-        old = cuda.atomic.add(counter, slot, 1)
-        ibuf[0] = old
-        if old == n_blocks - 1:
-            fence_gpu()  # acquire: every block's partials before the reads below
-            counter[slot] = 0
+        ibuf[0] = cuda.atomic.add(counter, slot, 1)
     cuda.syncthreads()
-    return ibuf[0] == n_blocks - 1
+    last = ibuf[0] == n_blocks - 1
+    if last:
+        cuda.threadfence()
+        if tid == 0:
+            counter[slot] = 0
+    return last
 
 
 @device(inline=True)
