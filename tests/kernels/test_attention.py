@@ -172,6 +172,27 @@ def test_decode_one_query_window_and_graph_grid():
     np.testing.assert_allclose(out.copy_to_host(), ref(q, kv, cpos, npos, one), rtol=2e-4, atol=2e-5)
 
 
+def test_decode_gemma3_shape_window_graph_grid_int8_out():
+    """Gemma 3's decode attention: head dim 256 (2 warps a block, 4 query dims a thread),
+    4 q heads a kv head (more rows than warps: the block merges a row a warp in two trips
+    and leaves the splits to the combine kernel), a 32-token sliding window, a grid sized
+    for the whole cache, and the output's int8 form from the combine."""
+    from luce.kernels.quantize_x import quantize_x_ref, xq_size
+    from tests.test_quantize_x import assert_same_form
+    d, hq, hkv, planes = 256, 4, 1, 2
+    cache, q, kv, cpos, npos = setup(120, 1, hq=hq, hkv=hkv, d=d)
+    plan = A.attention_plan(1, hq, hkv, d, cache.n_ctx)
+    assert plan["kind"] == "row" and plan["warps"] == 2 and not plan["self_merge"] and plan["n_splits"] > 1
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    xq = cuda.to_device(np.full(xq_size(hq * d, 1, planes), 0xFFFF, np.uint16))
+    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           cuda.to_device(npos.astype(np.int32)), window=32, n_keys=cache.n_ctx, out=out, xq_out=xq,
+                           xq_planes=planes)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, ref(q, kv, cpos, npos, np.ones((1, 1), bool), window=32), rtol=2e-4, atol=2e-5)
+    assert_same_form(xq.copy_to_host(), quantize_x_ref(got.reshape(1, -1), planes), planes, rtol=1e-5, atol=1e-6)
+
+
 def run_in_graph_grid(cache, q, npos):
     """Decode over the keys present in a grid sized for the whole cache (as a captured graph
     runs it), the split scratch NaN-filled: (output, the splits' (m, l), splits)."""
