@@ -1077,7 +1077,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     group = n_heads // n_kv_heads
     row_kernel = _row_kernel_applies(n_q, head_dim, q8, group, long)
     if not row_kernel and attention_mma.applies(n_q, head_dim, q8, long):
-        p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits)
+        p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits, dim=head_dim)
         return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
                     n_splits=p["n_splits"], pages_per_split=None, half=n_q * group <= 8)
     if row_kernel:
@@ -1162,9 +1162,9 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
         return out
     if plan.get("kind") == "mma":
-        attention_mma.kernel(dim, plan["warps"], plan["half"])[(ns, n_kvh, plan["n_tiles"]), plan["nt"], stream](
-            q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos, mask_bits, causal,
-            window, scale, direct, out, part_o, part_ml)
+        attention_mma.launch(dim, plan["warps"], plan["half"], (ns, n_kvh, plan["n_tiles"]), stream,
+                             q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos,
+                             mask_bits, causal, window, scale, direct, out, part_o, part_ml)
     else:
         k32, v32 = k_pool.view(np.uint32), v_pool.view(np.uint32)
         kd, vd = (k_scale, v_scale) if q8 else (k32, v32)  # f16 pools: never read

@@ -42,11 +42,12 @@ import os
 
 import numpy as np
 from numba import cuda
+from numba import types as nb_types
 
 from ._reduce import ceil_div
 from .device import device
 from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, ex2,
-                  f32x2_to_f16x2, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum)
+                  f32x2_to_f16x2, lds4, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum, sts4)
 from .paging import BLOCK
 from .vector_load import SIM, f16_bits_to_f32
 from .pdl import grid_dependency_sync, ready as pdl_ready
@@ -100,9 +101,11 @@ def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
     return (n_q > 1 or decode_on_mma(long)) and not q8 and dim % 32 == 0 and dim <= 128
 
 
-def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None) -> dict:
+def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None,
+         dim: int = 128) -> dict:
     """Warps a block, query tiles and key splits. Up to 128 rows (a verification tree of
-    32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head."""
+    32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head. The
+    blocks aimed at are one wave: TARGET_BLOCKS times the blocks an SM holds."""
     rows = n_q * (n_heads // n_kv_heads)
     warps = ceil_div(rows, 16)
     warps = warps if warps <= MAX_WARPS else TILE_WARPS
@@ -110,7 +113,8 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
         warps = min(warps, 2)  # every simulated thread is an OS thread
     n_tiles = ceil_div(rows, 16 * warps)
     n_pages = max(1, ceil_div(n_keys, KEYS))
-    target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else TARGET_BLOCKS)
+    target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else
+                               TARGET_BLOCKS * blocks_per_sm(dim, warps, n_q * (n_heads // n_kv_heads) <= 8))
     ns = max(1, min(n_pages, ceil_div(target, n_kv_heads * n_tiles), 512))
     if max_splits is not None:
         ns = max(1, min(ns, max_splits))
@@ -226,13 +230,50 @@ LN2 = np.float32(math.log(2.0))
 LOG2E = np.float32(1.0 / math.log(2.0))
 
 
+# Q's fragments in shared memory instead of registers (LUCE_ATTN_Q_SHARED=0: registers),
+# for tiles of more than one warp: a lane reads its k step's hi and lo words with two
+# 16-byte loads, so the kernel fits Q_SHARED_REGS registers and two or more blocks an SM
+# (sm_90 ptxas, head dim 128, 6 warps: 251 registers and 1,284 bytes spilled with Q in
+# registers, one block an SM; 168 and 72 bytes at two blocks). The K/V stages and Q then
+# pass numba's 48 KB of static shared memory: both live in the dynamic shared memory
+# that launch() sizes and opts the kernel into.
+Q_SHARED = os.environ.get("LUCE_ATTN_Q_SHARED", "1") not in ("", "0")
+Q_SHARED_REGS = 168  # registers a thread the launch bounds aim at (a warp's are allocated 8 at a time)
+SMEM_PER_SM = 227 * 1024  # shared memory an H100/H200 SM gives its blocks (the opt-in maximum)
+
+
+def q_shared(warps: int, half: bool) -> bool:
+    """Whether a tile of `warps` warps keeps Q in shared memory (Q_SHARED; one-warp tiles
+    hold few enough registers as they are)."""
+    return Q_SHARED and not half and warps > 1
+
+
+def shared_words(dim: int, warps: int, half: bool = False) -> tuple[int, int]:
+    """(words of the K/V stages, words of Q's fragments) of kernel(dim, warps, half)'s
+    dynamic shared memory: two half-page stages of K and V rows, padded (see kernel), and
+    per warp dim/16 k steps of hi and lo fragments, 128 words each."""
+    kv = 2 * KEYS * (dim // 2 + 4)
+    return kv, (warps * (dim // 16) * 256 if q_shared(warps, half) else 0)
+
+
+def blocks_per_sm(dim: int, warps: int, half: bool = False) -> int:
+    """Blocks an SM the launch bounds ask for: as many as Q_SHARED_REGS registers and the
+    shared memory allow (one with Q in registers)."""
+    if not q_shared(warps, half):
+        return 1
+    words = sum(shared_words(dim, warps, half))
+    return max(1, min(65536 // (32 * warps * Q_SHARED_REGS), SMEM_PER_SM // (4 * words + 1024)))
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
     """half: a tile's rows are at most 8 (one warp; decode of a GQA group of up to 8), so
     every lane's second row (g + 8) is padding: its Q fragments are constant zeros and its
-    accumulators are neither kept nor written, ~60 registers fewer."""
+    accumulators are neither kept nor written, ~60 registers fewer. Launch it through
+    launch(), which gives it its dynamic shared memory."""
     assert not half or warps == 1, warps
     HALF = half
+    QSH = q_shared(warps, half)
     STAGES = stages or STAGES_DEFAULT
     assert STAGES in (1, 2), STAGES
     NT = 32 * warps
@@ -246,7 +287,10 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
     PIECES = CH * dim // 8  # 16-byte pieces of a chunk's K (V)
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each chunk
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
-    KV_WORDS = 2 * KEYS * RS  # STAGES x (CH K rows, CH V rows); array shapes must be plain constants
+    KV_WORDS, Q_WORDS = shared_words(dim, warps, half)  # STAGES x (CH K rows, CH V rows); then Q
+    assert KV_WORDS == 2 * KEYS * RS
+    QW = (dim // 16) * 256  # a warp's Q words: per k step 128 hi words, then 128 lo, 4 a lane
+    BOUNDS = (NT, blocks_per_sm(dim, warps, half)) if QSH else NT
     U0 = np.uint32(0)
     F0 = np.float32(0.0)
     NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
@@ -274,7 +318,7 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                 cp_async16(kvs, stage * STAGE_WORDS + kk * RS + w4, kf, base + kk * dim + 2 * w4, nb)
                 cp_async16(kvs, stage * STAGE_WORDS + (CH + kk) * RS + w4, vf, base + kk * dim + 2 * w4, nb)
 
-    @cuda.jit
+    @cuda.jit(**({} if SIM else dict(launch_bounds=BOUNDS)))  # the simulator takes no launch bounds
     def attn(q, kf, vf, table, layer, n_layers, meta, kv_pos, q_pos, mask, causal, window, scale, direct,
              out, part_o, part_ml):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
@@ -306,10 +350,12 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                 mark_empty_split(part_ml, split, hkv, G, r0, ROWS, n_rows, t, NT)
             return
 
-        kvs = cuda.shared.array(KV_WORDS, np.uint32, alignment=SHARED16)  # each stage: K rows, then V rows
+        # dynamic (launch() sizes it): each stage K rows, then V rows; then Q's fragments
+        kvs = cuda.shared.array(0, nb_types.uint32, alignment=SHARED16)  # (numpy's type trips the simulator)
         scr = cuda.shared.array(SCR, np.uint32)
         qh = cuda.local.array((DK, 4), np.uint32)
         ql = cuda.local.array((DK, 4), np.uint32)
+        qb0 = KV_WORDS + wid * QW + 4 * lane  # this lane's Q words (QSH)
         o = cuda.local.array((DN, 4), np.float32)
 
         # this lane's two rows (g and g + 8 of the warp's 16): query, position, tree mask
@@ -341,6 +387,9 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
             else:
                 qh[ks, 1], ql[ks, 1] = _q_pair(q, row_b, n_rows, qb, hb, col, scale)
                 qh[ks, 3], ql[ks, 3] = _q_pair(q, row_b, n_rows, qb, hb, col + 8, scale)
+            if QSH:  # each lane reads back only its own words: no barrier
+                sts4(kvs, qb0 + ks * 256, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3])
+                sts4(kvs, qb0 + ks * 256 + 128, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3])
         m_a = NEG
         m_b = NEG
         l_a = np.float32(0.0)
@@ -392,14 +441,16 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
                         bh = b1 if h == 0 else b3
                         cl = c0 if h == 0 else c2
                         ch = c1 if h == 0 else c3
-                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
-                                                     bl, bh, sa0, sa1, sa2, sa3)
-                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                     bl, bh, sa0, sa1, sa2, sa3)
-                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3],
-                                                     cl, ch, sb0, sb1, sb2, sb3)
-                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3],
-                                                     cl, ch, sb0, sb1, sb2, sb3)
+                        if QSH:
+                            h0, h1, h2, h3 = lds4(kvs, qb0 + ks * 256)
+                            l0, l1, l2, l3 = lds4(kvs, qb0 + ks * 256 + 128)
+                        else:
+                            h0, h1, h2, h3 = qh[ks, 0], qh[ks, 1], qh[ks, 2], qh[ks, 3]
+                            l0, l1, l2, l3 = ql[ks, 0], ql[ks, 1], ql[ks, 2], ql[ks, 3]
+                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, h0, h1, h2, h3, bl, bh, sa0, sa1, sa2, sa3)
+                        sa0, sa1, sa2, sa3 = mma_f16(scr, wid, lane, l0, l1, l2, l3, bl, bh, sa0, sa1, sa2, sa3)
+                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, h0, h1, h2, h3, cl, ch, sb0, sb1, sb2, sb3)
+                        sb0, sb1, sb2, sb3 = mma_f16(scr, wid, lane, l0, l1, l2, l3, cl, ch, sb0, sb1, sb2, sb3)
                 if masked:
                     ja = j0 + kb * 16 + 2 * c4
                     sa0 = seen(sa0, ja, row_a, n_rows, n_ctx, key_end, qa, causal, bits_a, window, pos_a, kv_pos)
@@ -483,3 +534,31 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
             _write_row(o, 2, row_b, n_rows, G, hkv, split, c4, m_b, l_b, direct, out, part_o, part_ml, DN)
 
     return pdl_ready(attn)
+
+
+# (id of a compiled kernel) of those whose dynamic shared memory limit is raised
+_OPTED_IN: set = set()
+
+
+def _opt_in(nbytes: int):
+    """A pre-launch callback raising a kernel's dynamic shared memory limit to nbytes (past
+    the 48 KB a launch gets without it), once a kernel."""
+    def callback(kern, _config):
+        if id(kern) in _OPTED_IN:
+            return
+        from numba.cuda.cudadrv.driver import binding, driver
+        f = kern._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, nbytes, f.handle, f.device.id)
+        _OPTED_IN.add(id(kern))
+    return callback
+
+
+def launch(dim: int, warps: int, half: bool, grid, stream, *args):
+    """kernel(dim, warps, half) over `grid` with its dynamic shared memory (the K/V stages
+    and, where q_shared, Q's fragments), opted in where that passes 48 KB."""
+    nbytes = 4 * sum(shared_words(dim, warps, half))
+    cfg = kernel(dim, warps, half)[grid, 32 * warps, stream, nbytes]
+    if nbytes > 48 * 1024 and not SIM:
+        cfg.pre_launch_callbacks.append(_opt_in(nbytes))
+    cfg(*args)
