@@ -158,6 +158,10 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
              (f"tree{tree_nodes}_two_waves", tree_nodes, tree, None, False, "two_waves"),
              (f"tree{tree_nodes}_{SHORT}_in_grid_two_waves", tree_nodes, tree, None, False, "two_waves"),
              (f"tree{tree_nodes}_splits8", tree_nodes, tree, 8, False, None)]
+    # Q's fragments in registers (attention_mma.Q_SHARED off), and with Q in shared memory
+    # splits for one wave of blocks (attention_mma.TREE_WAVES 1) instead of two
+    cases += [(f"tree{tree_nodes}{s}_{v}", tree_nodes, tree, None, False, v)
+              for v in ("qreg", "waves1") for s in ("", f"_{SHORT}_in_grid")]
     # the tree's query rows in tiles of N warps (N x 16 rows; attention_mma.TILE_WARPS): more
     # blocks, each a shorter chain of mma over a page, the K/V pages read once a tile
     cases += [(f"tree{tree_nodes}{s}_tilewarps{w}", tree_nodes, tree, None, False, f"tilewarps{w}")
@@ -173,6 +177,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     default_tile = M.MAX_WARPS, M.TILE_WARPS
     default_chunks, default_warps = (A.DECODE_CHUNK, A.DECODE_CHUNK_WIDE), A.DECODE_TARGET_WARPS
     default_mma = M.DECODE, M.DECODE_TARGET_BLOCKS
+    default_qsh = M.Q_SHARED, M.TREE_WAVES
 
     def number(prefix):  # of a variant named prefix + N, or None
         return int(variant[len(prefix):]) if variant and variant.startswith(prefix) else None
@@ -186,6 +191,8 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             A.DECODE_TARGET_WARPS = number("warps") or default_warps
             M.MAX_WARPS, M.TILE_WARPS = (number("tilewarps"),) * 2 if number("tilewarps") else default_tile
             M.DECODE, M.DECODE_TARGET_BLOCKS = ("mma", number("mma")) if number("mma") else default_mma
+            M.Q_SHARED = default_qsh[0] and variant != "qreg"
+            M.TREE_WAVES = number("waves") or default_qsh[1]
             kp, vp, ks, vs = (k_q8, v_q8, k_sc, v_sc) if q8 else (k_pool, v_pool, None, None)
             q = cuda.to_device(rng.standard_normal((n, hq, d)).astype(np.float32), stream=stream)
             # decode over SHORT keys in a grid planned for the whole context, as a captured
@@ -223,6 +230,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         A.DECODE_MERGE_PER_TRIP, A.DECODE_TARGET_WARPS = None, default_warps
         M.MAX_WARPS, M.TILE_WARPS = default_tile
         M.DECODE, M.DECODE_TARGET_BLOCKS = default_mma
+        M.Q_SHARED, M.TREE_WAVES = default_qsh
     return rows
 
 

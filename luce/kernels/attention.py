@@ -1079,7 +1079,7 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     if not row_kernel and attention_mma.applies(n_q, head_dim, q8, long):
         p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits, dim=head_dim)
         return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
-                    n_splits=p["n_splits"], pages_per_split=None, half=n_q * group <= 8)
+                    n_splits=p["n_splits"], pages_per_split=None, half=n_q * group <= 8, qsh=p["qsh"])
     if row_kernel:
         qt = row_tile(n_q, group)
         n_tiles = ceil_div(n_q, qt)
@@ -1162,7 +1162,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
         return out
     if plan.get("kind") == "mma":
-        attention_mma.launch(dim, plan["warps"], plan["half"], (ns, n_kvh, plan["n_tiles"]), stream,
+        attention_mma.launch(dim, plan["warps"], plan["half"], plan["qsh"], (ns, n_kvh, plan["n_tiles"]), stream,
                              q, flat(k_pool), flat(v_pool), table, layer, k_pool.shape[1], meta, kv_pos, q_pos,
                              mask_bits, causal, window, scale, direct, out, part_o, part_ml)
     else:

@@ -104,8 +104,9 @@ def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
 def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None,
          dim: int = 128) -> dict:
     """Warps a block, query tiles and key splits. Up to 128 rows (a verification tree of
-    32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head. The
-    blocks aimed at are one wave: TARGET_BLOCKS times the blocks an SM holds."""
+    32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head.
+    qsh: the tile keeps Q in shared memory (a tree in one tile of 2+ warps, Q_SHARED).
+    The splits aim at TARGET_BLOCKS blocks (with qsh, times TREE_WAVES)."""
     rows = n_q * (n_heads // n_kv_heads)
     warps = ceil_div(rows, 16)
     warps = warps if warps <= MAX_WARPS else TILE_WARPS
@@ -113,12 +114,13 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
         warps = min(warps, 2)  # every simulated thread is an OS thread
     n_tiles = ceil_div(rows, 16 * warps)
     n_pages = max(1, ceil_div(n_keys, KEYS))
+    qsh = Q_SHARED and n_q > 1 and warps > 1 and n_tiles == 1
     target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else
-                               TARGET_BLOCKS * blocks_per_sm(dim, warps, n_q * (n_heads // n_kv_heads) <= 8))
+                               TARGET_BLOCKS * (min(TREE_WAVES, blocks_per_sm(dim, warps, True)) if qsh else 1))
     ns = max(1, min(n_pages, ceil_div(target, n_kv_heads * n_tiles), 512))
     if max_splits is not None:
         ns = max(1, min(ns, max_splits))
-    return dict(warps=warps, n_tiles=n_tiles, n_splits=ns)
+    return dict(warps=warps, n_tiles=n_tiles, n_splits=ns, qsh=qsh)
 
 
 @device(inline=True)
@@ -231,49 +233,48 @@ LOG2E = np.float32(1.0 / math.log(2.0))
 
 
 # Q's fragments in shared memory instead of registers (LUCE_ATTN_Q_SHARED=0: registers),
-# for tiles of more than one warp: a lane reads its k step's hi and lo words with two
+# for a verification tree in one tile of more than one warp (plan): a lane reads its k step's hi and lo words with two
 # 16-byte loads, so the kernel fits Q_SHARED_REGS registers and two or more blocks an SM
 # (sm_90 ptxas, head dim 128, 6 warps: 251 registers and 1,284 bytes spilled with Q in
 # registers, one block an SM; 168 and 72 bytes at two blocks). The K/V stages and Q then
 # pass numba's 48 KB of static shared memory: both live in the dynamic shared memory
-# that launch() sizes and opts the kernel into.
+# that launch() sizes and opts the kernel into. Prefill's many tiles keep Q in registers:
+# H200, 512 queries over 8K keys, 872 us with Q in shared memory against 526.
 Q_SHARED = os.environ.get("LUCE_ATTN_Q_SHARED", "1") not in ("", "0")
+# waves of one-block-an-SM blocks a tree with Q in shared memory splits its keys for
+TREE_WAVES = int(os.environ.get("LUCE_ATTN_TREE_WAVES", "2") or 2)
 Q_SHARED_REGS = 168  # registers a thread the launch bounds aim at (a warp's are allocated 8 at a time)
 SMEM_PER_SM = 227 * 1024  # shared memory an H100/H200 SM gives its blocks (the opt-in maximum)
 
 
-def q_shared(warps: int, half: bool) -> bool:
-    """Whether a tile of `warps` warps keeps Q in shared memory (Q_SHARED; one-warp tiles
-    hold few enough registers as they are)."""
-    return Q_SHARED and not half and warps > 1
-
-
-def shared_words(dim: int, warps: int, half: bool = False) -> tuple[int, int]:
-    """(words of the K/V stages, words of Q's fragments) of kernel(dim, warps, half)'s
+def shared_words(dim: int, warps: int, qsh: bool = False) -> tuple[int, int]:
+    """(words of the K/V stages, words of Q's fragments) of kernel(dim, warps, qsh=qsh)'s
     dynamic shared memory: two half-page stages of K and V rows, padded (see kernel), and
-    per warp dim/16 k steps of hi and lo fragments, 128 words each."""
+    with qsh per warp dim/16 k steps of hi and lo fragments, 128 words each."""
     kv = 2 * KEYS * (dim // 2 + 4)
-    return kv, (warps * (dim // 16) * 256 if q_shared(warps, half) else 0)
+    return kv, (warps * (dim // 16) * 256 if qsh else 0)
 
 
-def blocks_per_sm(dim: int, warps: int, half: bool = False) -> int:
-    """Blocks an SM the launch bounds ask for: as many as Q_SHARED_REGS registers and the
-    shared memory allow (one with Q in registers)."""
-    if not q_shared(warps, half):
+def blocks_per_sm(dim: int, warps: int, qsh: bool = False) -> int:
+    """Blocks an SM the launch bounds ask for: with qsh as many as Q_SHARED_REGS registers
+    and the shared memory allow, else one."""
+    if not qsh:
         return 1
-    words = sum(shared_words(dim, warps, half))
+    words = sum(shared_words(dim, warps, qsh))
     return max(1, min(65536 // (32 * warps * Q_SHARED_REGS), SMEM_PER_SM // (4 * words + 1024)))
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
+def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None, qsh: bool = False):
     """half: a tile's rows are at most 8 (one warp; decode of a GQA group of up to 8), so
     every lane's second row (g + 8) is padding: its Q fragments are constant zeros and its
-    accumulators are neither kept nor written, ~60 registers fewer. Launch it through
-    launch(), which gives it its dynamic shared memory."""
+    accumulators are neither kept nor written, ~60 registers fewer. qsh: Q's fragments in
+    shared memory (Q_SHARED). Launch it through launch(), which gives it its dynamic shared
+    memory."""
     assert not half or warps == 1, warps
+    assert not (qsh and half), "a half tile's Q is in registers"
     HALF = half
-    QSH = q_shared(warps, half)
+    QSH = qsh
     STAGES = stages or STAGES_DEFAULT
     assert STAGES in (1, 2), STAGES
     NT = 32 * warps
@@ -287,10 +288,10 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None):
     PIECES = CH * dim // 8  # 16-byte pieces of a chunk's K (V)
     PT = ceil_div(PIECES, NT)  # a thread's pieces of each chunk
     SCR = (warps, 32, SCRATCH) if SIM else (1,)
-    KV_WORDS, Q_WORDS = shared_words(dim, warps, half)  # STAGES x (CH K rows, CH V rows); then Q
+    KV_WORDS, Q_WORDS = shared_words(dim, warps, qsh)  # STAGES x (CH K rows, CH V rows); then Q
     assert KV_WORDS == 2 * KEYS * RS
     QW = (dim // 16) * 256  # a warp's Q words: per k step 128 hi words, then 128 lo, 4 a lane
-    BOUNDS = (NT, blocks_per_sm(dim, warps, half)) if QSH else NT
+    BOUNDS = (NT, blocks_per_sm(dim, warps, qsh)) if QSH else NT
     U0 = np.uint32(0)
     F0 = np.float32(0.0)
     NEG = np.float32(-math.inf)  # a Python float would make the softmax state float64 (DFMA exp)
@@ -554,11 +555,11 @@ def _opt_in(nbytes: int):
     return callback
 
 
-def launch(dim: int, warps: int, half: bool, grid, stream, *args):
-    """kernel(dim, warps, half) over `grid` with its dynamic shared memory (the K/V stages
-    and, where q_shared, Q's fragments), opted in where that passes 48 KB."""
-    nbytes = 4 * sum(shared_words(dim, warps, half))
-    cfg = kernel(dim, warps, half)[grid, 32 * warps, stream, nbytes]
+def launch(dim: int, warps: int, half: bool, qsh: bool, grid, stream, *args):
+    """kernel(dim, warps, half, qsh=qsh) over `grid` with its dynamic shared memory (the
+    K/V stages and, with qsh, Q's fragments), opted in where that passes 48 KB."""
+    nbytes = 4 * sum(shared_words(dim, warps, qsh))
+    cfg = kernel(dim, warps, half, qsh=qsh)[grid, 32 * warps, stream, nbytes]
     if nbytes > 48 * 1024 and not SIM:
         cfg.pre_launch_callbacks.append(_opt_in(nbytes))
     cfg(*args)

@@ -418,13 +418,17 @@ for dim, group, qt, mask, chunk, xq, rope in [
     # shared memory by 32-bit shared-window addresses, none converted from a generic one
     assert "cvta.to.shared" not in code, (dim, group, qt)
 from luce.kernels import attention_mma
-for dim, warps, half in [(128, 4, False), (128, 6, False), (64, 5, False), (32, 8, False), (128, 1, True)]:
+for dim, warps, half, qsh in [(128, 4, False, False), (128, 6, False, False), (64, 5, False, False),
+                              (32, 8, False, False), (128, 1, True, False), (128, 6, False, True),
+                              (64, 3, False, True)]:
     sig = (f"void({F3}, uint16[::1], uint16[::1], {I1}, int64, int64, {I1}, {I1}, {I1}, uint64[::1], int64, "
            f"int64, float32, int64, {F3}, float32[:, :, :, ::1], float32[:, :, :, ::1])")
-    code = ptx(attention_mma.kernel(dim, warps, half), sig)
+    code = ptx(attention_mma.kernel(dim, warps, half, qsh=qsh), sig)
     # registers only, tensor cores, async copies, and no float64 (a float64 softmax once cost ~7x)
     assert ".local" not in code and "mma.sync" in code and "cp.async" in code and ".f64" not in code, (dim, warps)
     assert "cvta.to.shared" not in code, (dim, warps)
+    # Q read back from shared memory with 16-byte loads
+    assert not qsh or "ld.shared.v4.u32" in code and "st.shared.v4.u32" in code, (dim, warps)
 print("PTX OK")
 '''
 
