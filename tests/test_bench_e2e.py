@@ -3,18 +3,21 @@ its summary is measured (greedy, sampled on the host, verification widths)."""
 import numpy as np
 
 
-def test_bench_runs_on_cpu(tmp_path):
+def test_bench_runs_on_cpu(tmp_path, capsys):
     from luce.bench import e2e
     from luce.bench.synthetic import tiny, write_gguf
     path = write_gguf(tmp_path / "t.gguf", tiny("qwen3", 512, n_layers=1, n_embd=64, n_ff=128, n_heads=2,
                                                 n_kv_heads=1, head_dim=32), seed=2)
-    summary, verify, _ = e2e.run(model=str(path), backend="cpu", n_prompt=16, n_gen=8, long_ctx=0,
+    summary, verify, _ = e2e.run(model=str(path), backend="cpu", n_prompt=16, n_gen=8, long_ctx=40, n_long=4,
                                  verify_widths=(1, 4), record=False, per_op=False)
     row = summary[0]
     for key in ("prefill tok/s", "decode tok/s", "decode tok/s, sampled (default sampling)",
-                "first prefill + 4 decode steps s"):
+                "first prefill + 4 decode steps s", "decode tok/s @40"):
         assert np.isfinite(row[key]) and row[key] > 0, (key, row[key])
     assert [r["nodes"] for r in verify] == [1, 4] and verify[0]["x decode step"] == 1.0
+    # the widths again over the long context, in a table of their own
+    out = capsys.readouterr()
+    assert "verify 4 nodes @40:" in out.err and "tree verification cost (40 tokens in context)" in out.out
 
 
 def test_bench_spec_synthetic(tmp_path, monkeypatch):

@@ -252,9 +252,9 @@ class CudaOps:
         self.stream = backend.stream
         self.mask_bits = None
         self.n_keys = 0
-        # decode over a context of attention_mma.DECODE_LONG_KEYS+ keys: its attention on
-        # tensor cores (a graph of its own: see CUDABackend._launch)
-        self.long_decode = False
+        # a context of attention_mma.DECODE_LONG_KEYS+ keys: decode's attention on tensor
+        # cores, a tree's Q in shared memory (a graph of its own: see CUDABackend._launch)
+        self.long_context = False
         self._xq = None  # (x, its int8 form): q, k (and gate with up) share one quantize_x
         # whether the model's projections take int8 x (MATVEC_X8 and a Q4_K or Q6_K layer
         # projection: set with the weights); other models' norms and products make none
@@ -677,7 +677,7 @@ class CudaOps:
         kv = self.kv_ref() if self.kv_ref is not None else None
         if (self.fuse_rope and kv is not None and kv.k_scale is None and self._v_for is not None
                 and self._v_for[0] == _addr(k) and rope_fuses(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                                                              self.n_keys, long=self.long_decode)):
+                                                              self.n_keys, long=self.long_context)):
             # decode: attention norms and rotates q and k itself (and stores k and v)
             v = self._v_for[1].reshape(tuple(k.shape))
             self._rope_for = (_addr(q), _addr(k), rope_args(k, v, q_norm, k_norm, eps, rope_dim, base, style,
@@ -706,7 +706,7 @@ class CudaOps:
             raise RuntimeError(f"qk_rope wrote the K/V rows of layer {written} into the cache, attention is at layer "
                                f"{layer}: set LUCE_FUSED_KV_WRITE=0")
         n, hq, d = q.shape
-        plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys, long=self.long_decode)
+        plan = attention_plan(n, hq, kv.n_kv_heads, d, self.n_keys, long=self.long_context)
         ns = plan["n_splits"]
         scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
         out = self._out((n, hq, d))
@@ -714,7 +714,7 @@ class CudaOps:
         out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
                                    self.mask_bits, window=window or 0, n_keys=self.n_keys, out=out, scratch=scratch,
                                    xq_out=xq, xq_planes=MATVEC_X8, rope=None if rope is None else rope[2],
-                                   long=self.long_decode, stream=self.stream)
+                                   long=self.long_context, stream=self.stream)
         if xq is not None:
             self._xq = (out, xq)  # merge_heads passes it on to its view
         if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
@@ -786,14 +786,15 @@ class CUDABackend:
             kv.commit([])
         self.forward_next_token(family, cfg, weights, kv, 0, 0).result()  # greedy decode: + the argmax
         kv.commit([])
-        from ..kernels.attention_mma import long_decode_differs
-        if long_decode_differs(cfg.head_dim, kv.k_scale is not None):
-            self._warm_long = True  # decode's long-context attention, on this short cache
-            try:
-                self.forward(family, cfg, weights, kv, np.zeros(1, np.int64), np.arange(1), None, [0])
-            finally:
-                self._warm_long = False
-            kv.commit([])
+        from ..kernels.attention import long_context_differs
+        for n in widths:  # long-context attention (attention_plan's long), on this short cache
+            if long_context_differs(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx, kv.k_scale is not None):
+                self._warm_long = True
+                try:
+                    self.forward(family, cfg, weights, kv, np.zeros(n, np.int64), np.arange(n), None, [n - 1])
+                finally:
+                    self._warm_long = False
+                kv.commit([])
         self._forget((id(weights), id(kv)))
 
     def new_cache(self, cfg, n_ctx: int) -> PagedKVCache:
@@ -830,10 +831,11 @@ class CUDABackend:
         from ..kernels.attention import attention_plan
         n = max(n_tokens, 1)
         per_tok = 4 * (9 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
-        # the widest forward's split scratch, or decode's (its own kernels, more splits)
+        # the widest forward's split scratch, or decode's (its own kernels, more splits), over
+        # a short and a long context (a tree's Q in shared memory: more splits)
         attn = max(4 * p["n_splits"] * m * cfg.n_heads * (cfg.head_dim + 2) if p["n_splits"] > 1 else 0
                    for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx, long=lg))
-                                for m, lg in ((1, False), (1, True), (n, False))))
+                                for m, lg in ((1, False), (1, True), (n, False), (n, True))))
         logits = 4 * n * cfg.vocab_size
         size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
         st["ops"].arena = Arena(size)
@@ -1015,12 +1017,14 @@ class CUDABackend:
         rows = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
         ops = st["ops"]
         run_ops = st["run_ops"]
-        # decode's attention kernel may depend on the context's length (attention_mma.decode_on_mma):
-        # then a graph for each side of DECODE_LONG_KEYS
+        # attention's kernel or plan may depend on the context's length (decode's kernel, a
+        # tree's Q: attention_plan's long): then a graph for each side of DECODE_LONG_KEYS
         from ..kernels import attention_mma
-        long = (n == 1 and (kv.n_past >= attention_mma.DECODE_LONG_KEYS or self._warm_long)
-                and attention_mma.long_decode_differs(cfg.head_dim, kv.k_scale is not None))
-        ops.long_decode = long
+        from ..kernels.attention import long_context_differs
+        long = ((kv.n_past >= attention_mma.DECODE_LONG_KEYS or self._warm_long)
+                and long_context_differs(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.n_keys,
+                                         kv.k_scale is not None))
+        ops.long_context = long
 
         def run():
             ops.begin_forward(mask_d if tree else None)

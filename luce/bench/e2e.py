@@ -135,7 +135,45 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         prefill_host = host_profile(eager_prefill, n_steps=2, top=15)
         _say(t_start, "decode breakdown done")
 
+    def verify_costs(where):
+        """Tree verification over what the cache holds now: per width N two chains of N nodes
+        from the context, rolled back each time; ms and x one node."""
+        rows = []
+        for n in verify_widths:
+            if n > 64:
+                continue
+            h = (n + 1) // 2  # two chains: nodes 0..h-1 and h..n-1, both from the context
+            parents = np.array([i - 1 if i < h else i - h - 1 for i in range(n)])
+            mask = tree_mask(parents)
+            depth = mask.sum(1) - 1
+            toks = rng.integers(0, vocab, n)
+            pos = kv.n_past + depth
+            for _ in range(2):  # first sight runs eagerly, the second records the width's graph
+                forward(toks, pos, mask)
+                kv.commit([])
+            reps = 20 if be.name == "cuda" else 2
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                forward(toks, pos, mask)
+                kv.commit([])
+            full_ms = (time.perf_counter() - t0) / reps * 1e3
+            greedy = getattr(be, "forward_greedy", None)  # what greedy speculative decoding runs
+            ms = None
+            if greedy is not None:
+                for i in range(reps + 2):  # two to record its graph
+                    if i == 2:
+                        t0 = time.perf_counter()
+                    greedy(fam, cfg, w, kv, toks, pos, mask)
+                    kv.commit([])
+                ms = (time.perf_counter() - t0) / reps * 1e3
+            rows.append({"nodes": n, "ms": ms if ms is not None else full_ms, "ms, all logits to host": full_ms})
+            _say(t_start, f"verify {n} nodes{where}: {rows[-1]['ms']:.3f} ms ({rows[-1]['ms'] / rows[0]['ms']:.2f}x)")
+        for r in rows:
+            r["x decode step"] = r["ms"] / rows[0]["ms"]
+        return rows
+
     long_tok_s = None
+    verify_long = []
     if long_ctx and n_ctx >= long_ctx + n_long:
         kv.truncate(0)
         prefill(rng.integers(0, vocab, long_ctx))
@@ -144,42 +182,12 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
         decode(n_long, 1)
         long_tok_s = n_long / (time.perf_counter() - t0)
         _say(t_start, f"decode @{long_ctx}: {long_tok_s:,.1f} tok/s ({long_tok_s * decode_s / n_gen:.1%} of short)")
+        # the verify widths over the long context (attention's plan for it: attention_plan's long)
+        verify_long = verify_costs(f" @{long_ctx}")
 
-    # tree verification: a chain of N nodes after 512 committed tokens, rolled back each time
-    verify = []
     kv.truncate(0)
     prefill(prompt)
-    for n in verify_widths:
-        if n > 64:
-            continue
-        h = (n + 1) // 2  # two chains: nodes 0..h-1 and h..n-1, both from the context
-        parents = np.array([i - 1 if i < h else i - h - 1 for i in range(n)])
-        mask = tree_mask(parents)
-        depth = mask.sum(1) - 1
-        toks = rng.integers(0, vocab, n)
-        pos = kv.n_past + depth
-        for _ in range(2):  # first sight runs eagerly, the second records the width's graph
-            forward(toks, pos, mask)
-            kv.commit([])
-        reps = 20 if be.name == "cuda" else 2
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            forward(toks, pos, mask)
-            kv.commit([])
-        full_ms = (time.perf_counter() - t0) / reps * 1e3
-        greedy = getattr(be, "forward_greedy", None)  # what greedy speculative decoding runs
-        ms = None
-        if greedy is not None:
-            for i in range(reps + 2):  # two to record its graph
-                if i == 2:
-                    t0 = time.perf_counter()
-                greedy(fam, cfg, w, kv, toks, pos, mask)
-                kv.commit([])
-            ms = (time.perf_counter() - t0) / reps * 1e3
-        verify.append({"nodes": n, "ms": ms if ms is not None else full_ms, "ms, all logits to host": full_ms})
-        _say(t_start, f"verify {n} nodes: {verify[-1]['ms']:.3f} ms ({verify[-1]['ms'] / verify[0]['ms']:.2f}x)")
-    for r in verify:
-        r["x decode step"] = r["ms"] / verify[0]["ms"]
+    verify = verify_costs("")
     if be.name == "cuda" and per_op:
         if 23 in verify_widths:
             verify_ops = _by_op(be, fam, cfg, w, kv, 23, 20)
@@ -221,6 +229,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     table = [{"metric": k, "value": v} for k, v in summary[0].items()]
     print_table(f"luce bench: {label}", table)
     print_table(f"tree verification cost ({n_prompt} tokens in context)", verify)
+    if verify_long:
+        print_table(f"tree verification cost ({long_ctx} tokens in context)", verify_long)
     cols = ["op", "calls", "us per forward", "us per call", "% of ops"]
     host_cols = ["function", "calls per step", "own us per step", "cum us per step"]
     if breakdown:
@@ -237,6 +247,8 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
                        [("end to end", table, ["metric", "value"]),
                         ("verification width (ms: argmaxes on the device, as greedy speculative decoding runs it)", verify,
                          ["nodes", "ms", "x decode step", "ms, all logits to host"])]
+                       + ([(f"verification width at {long_ctx} tokens of context", verify_long,
+                            ["nodes", "ms", "x decode step", "ms, all logits to host"])] if verify_long else [])
                        + ([("decode step by op (GPU time of each op, graph-replayed)", breakdown, cols),
                            ("host time of a decode step (cProfile; own time includes waits on the GPU)", host,
                             host_cols)] if breakdown else [])

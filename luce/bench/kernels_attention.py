@@ -135,9 +135,11 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
     # (name, queries, mask, max_splits, q8, variant): "rowkernel" takes a tree through the
     # one-query kernel's structure (not the default: attention.py), "two_waves" plans the
     # tensor-core kernel's splits for two waves of blocks, "chunkN" gives the decode kernel
-    # N keys a warp's step, "tripN" N splits a trip of its merge, "warpsN" N warps its grid;
-    # names with _in_grid attend over SHORT keys
+    # N keys a warp's step, "tripN" N splits a trip of its merge, "warpsN" N warps its grid,
+    # "shortplan" the kernel and plan of a short context; names with _in_grid attend over
+    # SHORT keys
     cases = [("decode", 1, one, None, False, None),
+             ("decode_shortplan", 1, one, None, False, "shortplan"),
              ("decode_nosplit", 1, one, 1, False, None),
              (f"decode{SHORT}_in_grid", 1, one, None, False, None)]
     # the decode kernel's keys a step against this shape's default (attention.decode_chunk)
@@ -202,14 +204,18 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
             meta = cuda.to_device(np.array([now, n, 0, 0], np.int32), stream=stream)
             bits = None if mask is None else cuda.to_device(tree_mask_bits(mask), stream=stream)
             out = cuda.device_array((n, hq, d), np.float32, stream=stream)
-            plan = attention_plan(n, hq, hkv, d, context + n, max_splits, q8=q8)
+            # the kernel and plan a backend takes at this context (attention_plan's long); the
+            # one-query kernel's variants and "shortplan" as over a short one
+            long = now >= M.DECODE_LONG_KEYS and not (variant or "").startswith(("chunk", "trip", "warps", "shortplan"))
+            plan = attention_plan(n, hq, hkv, d, context + n, max_splits, q8=q8, long=long)
             ns = plan["n_splits"]
             scratch = (cuda.device_array((ns, n, hq, d), np.float32, stream=stream),
                        cuda.device_array((ns, n, hq, 2), np.float32, stream=stream))
 
             def launch():
                 paged_attention_cuda(q, kp, vp, table, 0, meta, kv_pos, q_pos, bits, n_keys=context + n, out=out,
-                                     scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, stream=stream)
+                                     scratch=scratch, max_splits=max_splits, k_scale=ks, v_scale=vs, long=long,
+                                     stream=stream)
 
             us, mode = time_launch(launch, stream, reps)
             kv_bytes = (now + n) * hkv * (d + d // 16 if q8 else 2 * d) * 2

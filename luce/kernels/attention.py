@@ -1065,19 +1065,27 @@ def _no_rope(q) -> RopeArgs:
     return RopeArgs(q, q, r[0], r[0], 0, 1e-6, r[1], 0, 0)
 
 
+def long_context_differs(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
+                         q8: bool = False) -> bool:
+    """Whether n_q queries over a long context (attention_plan's long) take another kernel
+    or plan than over a short one: only then does a backend need a graph of each kind."""
+    return (attention_plan(n_q, n_heads, n_kv_heads, head_dim, n_keys, q8=q8, long=True)
+            != attention_plan(n_q, n_heads, n_kv_heads, head_dim, n_keys, q8=q8, long=False))
+
+
 def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
                    max_splits: int | None = None, q8: bool = False, long: bool = False) -> dict:
     """Launch geometry for n_q queries over up to n_keys keys (for a captured graph: the
     whole context). pages_per_split is what each split reads at n_keys; the kernel
     re-divides the pages actually present among the n_splits at run time. long: the
     context holds at least attention_mma.DECODE_LONG_KEYS keys now (decode's choice of
-    kernel: attention_mma.decode_on_mma)."""
+    kernel, attention_mma.decode_on_mma; a tree's Q in shared memory, attention_mma.plan)."""
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim}: need a multiple of 16 in [16, 256]")
     group = n_heads // n_kv_heads
     row_kernel = _row_kernel_applies(n_q, head_dim, q8, group, long)
     if not row_kernel and attention_mma.applies(n_q, head_dim, q8, long):
-        p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits, dim=head_dim)
+        p = attention_mma.plan(n_q, n_heads, n_kv_heads, n_keys, max_splits, dim=head_dim, long=long)
         return dict(kind="mma", qt=None, nt=32 * p["warps"], warps=p["warps"], n_tiles=p["n_tiles"],
                     n_splits=p["n_splits"], pages_per_split=None, half=n_q * group <= 8, qsh=p["qsh"])
     if row_kernel:

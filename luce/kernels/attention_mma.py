@@ -70,7 +70,8 @@ TARGET_BLOCKS = 132
 # (630ea2b, `python -m luce.bench.kernels_attention decode,...`): over 8K keys 25.6 us (528 blocks,
 # combine 7.5 of it) against 30.5; over 640 keys in an 8K grid 15.7 against 12.0: they
 # cross near 3.9K keys. LUCE_DECODE_ATTN: auto (this kernel from DECODE_LONG_KEYS keys
-# on: the CUDA backend captures a decode graph for each side), mma or row (always).
+# on: the CUDA backend captures a decode graph for each side, where
+# attention.long_context_differs), mma or row (always).
 DECODE = os.environ.get("LUCE_DECODE_ATTN", "auto").strip().lower()
 if DECODE not in ("auto", "mma", "row"):
     raise ValueError(f"LUCE_DECODE_ATTN={DECODE}: auto, mma or row")
@@ -87,13 +88,6 @@ def decode_on_mma(long: bool) -> bool:
     return DECODE == "mma" or (DECODE == "auto" and long)
 
 
-def long_decode_differs(dim: int, q8: bool) -> bool:
-    """Whether decode over a long context takes another kernel than over a short one
-    (LUCE_DECODE_ATTN=auto, and this kernel applies): only then does a backend need a
-    second decode graph."""
-    return DECODE == "auto" and applies(1, dim, q8, True)
-
-
 def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
     """Several queries (or one, where decode_on_mma(long)) over an f16 pool with head dims
     of 32, 64 or 128 (mma's k of 16, two k steps an ldmatrix; larger dims would not keep Q,
@@ -102,10 +96,11 @@ def applies(n_q: int, dim: int, q8: bool, long: bool = False) -> bool:
 
 
 def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int | None, target_blocks=None,
-         dim: int = 128) -> dict:
+         dim: int = 128, long: bool = False) -> dict:
     """Warps a block, query tiles and key splits. Up to 128 rows (a verification tree of
     32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head.
-    qsh: the tile keeps Q in shared memory (a tree in one tile of 2+ warps, Q_SHARED).
+    qsh: the tile keeps Q in shared memory (Q_SHARED: a tree in one tile of 2+ warps over a
+    long context, DECODE_LONG_KEYS+ keys).
     The splits aim at TARGET_BLOCKS blocks (with qsh, times TREE_WAVES)."""
     rows = n_q * (n_heads // n_kv_heads)
     warps = ceil_div(rows, 16)
@@ -114,7 +109,7 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
         warps = min(warps, 2)  # every simulated thread is an OS thread
     n_tiles = ceil_div(rows, 16 * warps)
     n_pages = max(1, ceil_div(n_keys, KEYS))
-    qsh = Q_SHARED and n_q > 1 and warps > 1 and n_tiles == 1
+    qsh = Q_SHARED and long and n_q > 1 and warps > 1 and n_tiles == 1
     target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else
                                TARGET_BLOCKS * (min(TREE_WAVES, blocks_per_sm(dim, warps, True)) if qsh else 1))
     ns = max(1, min(n_pages, ceil_div(target, n_kv_heads * n_tiles), 512))
@@ -238,8 +233,12 @@ LOG2E = np.float32(1.0 / math.log(2.0))
 # (sm_90 ptxas, head dim 128, 6 warps: 251 registers and 1,284 bytes spilled with Q in
 # registers, one block an SM; 168 and 72 bytes at two blocks). The K/V stages and Q then
 # pass numba's 48 KB of static shared memory: both live in the dynamic shared memory
-# that launch() sizes and opts the kernel into. Prefill's many tiles keep Q in registers:
-# H200, 512 queries over 8K keys, 872 us with Q in shared memory against 526.
+# that launch() sizes and opts the kernel into. Only over long contexts (DECODE_LONG_KEYS+
+# keys: the CUDA backend captures a graph for each side), where two blocks an SM pay;
+# H200, Qwen3-8B shape, a 23-node tree: 51.8 us against 59.5 over 8K keys, but 30.2
+# against 21.0 over 640 keys in an 8K grid (one page a block: latency, and twice the
+# splits to combine); verifying 23 nodes at 512 tokens of context 5.78 ms against 5.45.
+# Prefill's many tiles keep Q in registers (512 queries over 8K keys: 872 us against 526).
 Q_SHARED = os.environ.get("LUCE_ATTN_Q_SHARED", "1") not in ("", "0")
 # waves of one-block-an-SM blocks a tree with Q in shared memory splits its keys for
 TREE_WAVES = int(os.environ.get("LUCE_ATTN_TREE_WAVES", "2") or 2)
