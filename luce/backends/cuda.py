@@ -831,11 +831,12 @@ class CUDABackend:
         from ..kernels.attention import attention_plan
         n = max(n_tokens, 1)
         per_tok = 4 * (9 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 3 * cfg.n_ff) + 64
-        # the widest forward's split scratch, or decode's (its own kernels, more splits), over
-        # a short and a long context (a tree's Q in shared memory: more splits)
+        # the largest split scratch of a forward up to n tokens over a short or a long
+        # context: decode's kernels and a one-tile tree's (Q in shared memory) take more
+        # splits than wider forwards (attention_plan: ~2 us a call)
         attn = max(4 * p["n_splits"] * m * cfg.n_heads * (cfg.head_dim + 2) if p["n_splits"] > 1 else 0
                    for m, p in ((m, attention_plan(m, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv.n_ctx, long=lg))
-                                for m, lg in ((1, False), (1, True), (n, False), (n, True))))
+                                for m in {n} | set(range(1, min(n, 64) + 1)) for lg in (False, True)))
         logits = 4 * n * cfg.vocab_size
         size = per_tok * n + attn + logits + n * 8192 + 16 * ALIGN * (cfg.n_layers + 16) + (1 << 20)
         st["ops"].arena = Arena(size)
