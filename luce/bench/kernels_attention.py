@@ -93,9 +93,22 @@ def selected(name: str, only: str) -> bool:
     return any(name == p[:-1] if p.endswith("$") else name.startswith(p) for p in pats)
 
 
+def against_decode(rows: list[dict]) -> list[dict]:
+    """Adds "x decode" to each row: its time over the decode row's at the same context
+    (attention_decode, or attention_decode{SHORT}_in_grid for the _in_grid rows; the
+    kernels issue's tree target is <= 2x); None for combine-only rows and where that decode
+    row was not run."""
+    base = {grid: next((r["time_us"] for r in rows if r["name"] == name), None)
+            for grid, name in ((False, "attention_decode"), (True, f"attention_decode{SHORT}_in_grid"))}
+    for r in rows:
+        b = base["_in_grid" in r["name"]]
+        r["x decode"] = round(r["time_us"] / b, 2) if b and not r["name"].endswith("_combine_only") else None
+    return rows
+
+
 def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, shape: dict | None = None,
                     prefill: int = 512, seed: int = 0, only: str | None = None) -> list[dict]:
-    """Rows {name, shape, time_us, GB/s, mode, n_splits}: decode (1 query), decode without
+    """Rows {name, shape, time_us, GB/s, mode, n_splits, x decode}: decode (1 query), decode without
     sequence splits, decode and the tree over SHORT keys in a grid sized for the context
     (as a captured graph runs early in a conversation), the split combine of those rows
     alone, tree verification (tree_nodes queries, a random tree; with two waves of blocks
@@ -237,7 +250,7 @@ def bench_attention(context: int = 8192, tree_nodes: int = 23, reps: int = 50, s
         M.MAX_WARPS, M.TILE_WARPS = default_tile
         M.DECODE, M.DECODE_TARGET_BLOCKS = default_mma
         M.Q_SHARED, M.TREE_WAVES = default_qsh
-    return rows
+    return against_decode(rows)
 
 
 if __name__ == "__main__":
