@@ -9,8 +9,8 @@ cores. This is the flash-attention-2 structure with `mma.sync` m16n8k16 (f16 in,
 - a block is (split of the keys, kv head, tile of 16 x WARPS query rows); query row r is
   query r // G, q head r % G of the kv head (G = the GQA group), so the rows of a group
   share every K/V tile the block loads;
-- each warp keeps its 16 rows of Q (scaled) as mma A fragments in registers for the whole
-  kernel, and per 16 keys of a 64-key page: S = Q K^T (f32, in scalars), the mask (only on
+- each warp keeps its 16 rows of Q (scaled) as mma A fragments for the whole kernel (in
+  registers; a tree over a long context in shared memory, see Q_SHARED), and per 16 keys of a 64-key page: S = Q K^T (f32, in scalars), the mask (only on
   pages that hold new keys or under a sliding window), the online softmax (row max and sums
   over the four lanes of a row), then O += P V with P re-packed from the S registers as A
   fragments (no trip through shared memory) and V read by `ldmatrix.trans`;
@@ -24,7 +24,8 @@ cores. This is the flash-attention-2 structure with `mma.sync` m16n8k16 (f16 in,
   max moved. The kernel is a latency chain (one block of 6 warps an SM at 254 registers;
   Nsight Compute: 0.29 eligible warps a scheduler, an instruction every 6.2 cycles a
   warp), so fewer instructions a 16-key step is time: a 23-node tree over 8K keys 74.5 ->
-  63.3 us (H200, f346945);
+  63.3 us (H200, f346945); with Q in shared memory two blocks an SM share the latency
+  (over 8K keys 59.5 -> 51.8 us, 9fbea49);
 - K and V are copied by the whole block with cp.async (16 bytes a copy, no registers)
   into padded shared rows (ldmatrix reads 8 rows at once: a stride of dim/2 + 4 words puts
   them in distinct banks), in two stages of half a page: the next half's copies run while
