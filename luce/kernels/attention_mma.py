@@ -25,7 +25,7 @@ cores. This is the flash-attention-2 structure with `mma.sync` m16n8k16 (f16 in,
   Nsight Compute: 0.29 eligible warps a scheduler, an instruction every 6.2 cycles a
   warp), so fewer instructions a 16-key step is time: a 23-node tree over 8K keys 74.5 ->
   63.3 us (H200, f346945); with Q in shared memory two blocks an SM share the latency
-  (over 8K keys 59.5 -> 51.8 us, 9fbea49);
+  (over 8K keys 59.5 -> 51.8 us, eb76d54);
 - K and V are copied by the whole block with cp.async (16 bytes a copy, no registers)
   into padded shared rows (ldmatrix reads 8 rows at once: a stride of dim/2 + 4 words puts
   them in distinct banks), in two stages of half a page: the next half's copies run while
