@@ -25,16 +25,21 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("d,hq,hkv,n_ctx,window,max_splits", [
-    (32, 4, 1, 70, None, None),   # 7 nodes x GQA 4 = 28 rows: two warps, splits + combine
-    (64, 4, 2, 30, None, 1),      # direct write, context inside the first page
-    (32, 2, 2, 100, 40, None),    # sliding window over the committed rows
-    (32, 3, 1, 40, None, None),   # GQA 3 (SmolLM2): rows of a query straddle the 8-row halves
+@pytest.mark.parametrize("d,hq,hkv,n_ctx,window,max_splits,long", [
+    (32, 4, 1, 70, None, None, False),   # 7 nodes x GQA 4 = 28 rows: two warps, splits + combine
+    (32, 4, 1, 70, None, None, True),    # the same over a "long" context: Q in shared memory
+    (64, 4, 2, 30, None, 1, False),      # direct write, context inside the first page
+    (32, 2, 2, 100, 40, None, False),    # sliding window over the committed rows
+    (32, 6, 2, 100, 40, None, True),     # (GQA 3: 21 rows, two warps)
+    (32, 3, 1, 40, None, None, True),    # GQA 3 (SmolLM2): rows of a query straddle the 8-row halves
 ])
-def test_tree(d, hq, hkv, n_ctx, window, max_splits):
+def test_tree(monkeypatch, d, hq, hkv, n_ctx, window, max_splits, long):
     parents = np.array([-1, 0, 0, 1, 1, 2, 3])
     mask = tree_mask(parents)
-    assert A.attention_plan(7, hq, hkv, d, n_ctx + 7)["kind"] == "mma"
+    # long: the cache's committed keys count as a long context (attention_cache_cuda's long)
+    monkeypatch.setattr(M, "DECODE_LONG_KEYS", n_ctx if long else 10 ** 9)
+    plan = A.attention_plan(7, hq, hkv, d, n_ctx + 7, long=long)
+    assert plan["kind"] == "mma" and plan["qsh"] == long
     cache, q, kv, cpos, npos = setup(n_ctx, 7, hq=hq, hkv=hkv, d=d, new_pos=n_ctx + _depths(parents))
     got = run(cache, q, npos, mask, window=window, max_splits=max_splits)
     _close(got, ref(q, kv, cpos, npos, mask, window=window))
