@@ -101,7 +101,8 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
     """Warps a block, query tiles and key splits. Up to 128 rows (a verification tree of
     32 nodes at GQA 4) stay in one tile, so every K/V byte is read once per kv head.
     qsh: the tile keeps Q in shared memory (Q_SHARED: a tree in one tile of 2+ warps over a
-    long context, DECODE_LONG_KEYS+ keys).
+    long context, DECODE_LONG_KEYS+ keys, where that fits two or more blocks an SM: not 8
+    warps of head dim 128, 197 registers a thread).
     The splits aim at TARGET_BLOCKS blocks (with qsh, times TREE_WAVES)."""
     rows = n_q * (n_heads // n_kv_heads)
     warps = ceil_div(rows, 16)
@@ -110,7 +111,7 @@ def plan(n_q: int, n_heads: int, n_kv_heads: int, n_keys: int, max_splits: int |
         warps = min(warps, 2)  # every simulated thread is an OS thread
     n_tiles = ceil_div(rows, 16 * warps)
     n_pages = max(1, ceil_div(n_keys, KEYS))
-    qsh = Q_SHARED and long and n_q > 1 and warps > 1 and n_tiles == 1
+    qsh = Q_SHARED and long and n_q > 1 and warps > 1 and n_tiles == 1 and blocks_per_sm(dim, warps, True) > 1
     target = target_blocks or (DECODE_TARGET_BLOCKS if n_q == 1 else
                                TARGET_BLOCKS * (min(TREE_WAVES, blocks_per_sm(dim, warps, True)) if qsh else 1))
     ns = max(1, min(n_pages, ceil_div(target, n_kv_heads * n_tiles), 512))
@@ -240,6 +241,9 @@ LOG2E = np.float32(1.0 / math.log(2.0))
 # against 21.0 over 640 keys in an 8K grid (one page a block: latency, and twice the
 # splits to combine); verifying 23 nodes at 512 tokens of context 5.78 ms against 5.45.
 # Prefill's many tiles keep Q in registers (512 queries over 8K keys: 872 us against 526).
+# Q in shared memory without the second block an SM was slower too (the tree over 8K keys
+# with one wave of splits: 67.8 us), so a tile that still fits one block an SM (sm_90
+# ptxas, head dim 128, 8 warps: 197 registers) keeps Q in registers (253, no spills).
 Q_SHARED = os.environ.get("LUCE_ATTN_Q_SHARED", "1") not in ("", "0")
 # waves of one-block-an-SM blocks a tree with Q in shared memory splits its keys for
 TREE_WAVES = int(os.environ.get("LUCE_ATTN_TREE_WAVES", "2") or 2)

@@ -59,3 +59,20 @@ def test_rows_past_the_queries_and_empty_splits():
     cache, q, kv, cpos, npos = setup(8, 2, hq=4, hkv=2, d=32)
     out = run(cache, q, npos, None, None, max_splits=None)
     _close(out, ref(q, kv, cpos, npos, causal_mask(2)))
+
+
+def test_q_in_shared_memory_where_two_blocks_fit(monkeypatch):
+    """attention_mma.plan keeps Q in shared memory for a one-tile tree over a long context
+    where that fits two blocks an SM, and splits for two waves of blocks then; registers
+    for short contexts, prefill tiles and 8-warp tiles (one block an SM either way). The
+    GPU's warps: the simulator's plan caps them at two."""
+    monkeypatch.setattr(M, "SIM", False)
+    monkeypatch.setattr(M, "Q_SHARED", True)
+    # Qwen3-8B heads (GQA 4, head dim 128): 23 nodes are 92 rows, 6 warps
+    long, short = (M.plan(23, 32, 8, 8192 + 23, None, dim=128, long=lg) for lg in (True, False))
+    assert (long["warps"], long["qsh"], long["n_splits"]) == (6, True, 33)
+    assert (short["warps"], short["qsh"], short["n_splits"]) == (6, False, 17)
+    assert not M.plan(32, 32, 8, 8192 + 32, None, dim=128, long=True)["qsh"]  # 8 warps: 197 registers
+    assert not M.plan(512, 32, 8, 8192 + 512, None, dim=128, long=True)["qsh"]  # prefill: many tiles
+    monkeypatch.setattr(M, "Q_SHARED", False)
+    assert not M.plan(23, 32, 8, 8192 + 23, None, dim=128, long=True)["qsh"]
