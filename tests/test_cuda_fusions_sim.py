@@ -222,9 +222,10 @@ def test_long_context_decode_on_tensor_cores(tmp_path, monkeypatch):
 
 
 def test_long_context_tree_keeps_q_in_shared_memory(tmp_path, monkeypatch):
-    """A verification tree over DECODE_LONG_KEYS+ committed keys (lowered to 3 here) keeps
-    its Q fragments in shared memory (attention_mma.plan's qsh), one over fewer keys in
-    registers; the logits are those of Q in registers throughout (LUCE_ATTN_Q_SHARED=0),
+    """A verification tree over DECODE_LONG_KEYS+ committed keys (lowered to 3 here) runs
+    with attention's long-context plan, which keeps its Q fragments in shared memory
+    (attention_mma.plan's qsh), a decode step over fewer keys with the short one; the
+    tree's logits are those of the same forward with Q in registers (LUCE_ATTN_Q_SHARED=0),
     bit for bit: the same values into the same mma, over the same single split."""
     import gguf
     from luce.backends.cuda import CUDABackend
@@ -235,35 +236,32 @@ def test_long_context_tree_keeps_q_in_shared_memory(tmp_path, monkeypatch):
     # 4 query heads a kv head: a 5-node tree is 20 rows, two simulated warps in one tile
     f, fam, cfg = model_file(tmp_path / "t.gguf", "qwen3", gguf.GGMLQuantizationType.Q8_0, seed=9, n_heads=4)
     monkeypatch.setattr(M, "DECODE_LONG_KEYS", 3)
-    monkeypatch.setattr(M, "DECODE", "row")  # decode's kernel as over a short context: only the tree's differs
-    qsh = []
+    plans = []
     launch = A.paged_attention_cuda
 
     def record(q, k_pool, *a, **kw):
-        qsh.append(A.attention_plan(q.shape[0], q.shape[1], k_pool.shape[2], q.shape[2], kw["n_keys"],
-                                    long=kw.get("long", False)).get("qsh", False))
+        long = kw.get("long", False)
+        plans.append((long, A.attention_plan(q.shape[0], q.shape[1], k_pool.shape[2], q.shape[2], kw["n_keys"],
+                                             long=long).get("qsh", False)))
         return launch(q, k_pool, *a, **kw)
     monkeypatch.setattr(A, "paged_attention_cuda", record)
-    parents = np.array([-1, 0, 0, 1, 3])
+    tree = tree_mask(np.array([-1, 0, 0, 1, 3]))
     depth = np.array([0, 1, 1, 2, 3])
+    gpu = CUDABackend(use_graphs=False)
+    wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
+    gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])
+    kg.commit()
+    gpu.forward(fam, cfg, wg, kg, [4], [2])  # over 2 keys: short (decode's kernels differ, so it is asked)
+    kg.commit()
     runs = {}
     for shared in (True, False):
         monkeypatch.setattr(M, "Q_SHARED", shared)
-        del qsh[:]
-        gpu = CUDABackend(use_graphs=False)
-        wg, kg = build_weights(cfg, f, gpu.load_tensor), gpu.new_cache(cfg, 32)
-        gpu.forward(fam, cfg, wg, kg, [3, 17], [0, 1], None, [1])
-        kg.commit()
-        short = gpu.forward(fam, cfg, wg, kg, [5, 6, 7, 8, 9], 2 + depth, tree_mask(parents))
+        runs[shared] = gpu.forward(fam, cfg, wg, kg, [5, 6, 7, 8, 9], 3 + depth, tree)
         kg.commit([])
-        gpu.forward(fam, cfg, wg, kg, [4], [2])
-        kg.commit()
-        long = gpu.forward(fam, cfg, wg, kg, [5, 6, 7, 8, 9], 3 + depth, tree_mask(parents))
-        runs[shared] = short, long
-        # prefill, the short tree, decode (2 keys), the long tree: only the last keeps Q in shared memory
-        assert qsh == [False, False, False, shared], qsh
-    for a, b in zip(runs[True], runs[False]):
-        np.testing.assert_array_equal(a, b)
+    # (long, Q in shared memory): the prefill, decode over 2 keys, the tree over 3 twice
+    # (with Q_SHARED off the tree's plans agree, so it is not asked for the long one)
+    assert plans == [(False, False), (False, False), (True, True), (False, False)], plans
+    np.testing.assert_array_equal(runs[True], runs[False])
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
