@@ -1020,11 +1020,16 @@ class CUDABackend:
         run_ops = st["run_ops"]
         # attention's kernel or plan may depend on the context's length (decode's kernel, a
         # tree's Q: attention_plan's long): then a graph for each side of DECODE_LONG_KEYS
+        # (whether they differ is fixed for a state and width: asked once, not every step)
         from ..kernels import attention_mma
-        from ..kernels.attention import long_context_differs
-        long = ((kv.n_past >= attention_mma.DECODE_LONG_KEYS or self._warm_long)
-                and long_context_differs(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.n_keys,
-                                         kv.k_scale is not None))
+        long = kv.n_past >= attention_mma.DECODE_LONG_KEYS or self._warm_long
+        if long:
+            differs = st.setdefault("long_differs", {})
+            if n not in differs:
+                from ..kernels.attention import long_context_differs
+                differs[n] = long_context_differs(n, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.n_keys,
+                                                  kv.k_scale is not None)
+            long = differs[n]
         ops.long_context = long
 
         def run():

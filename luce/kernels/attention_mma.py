@@ -10,8 +10,9 @@ cores. This is the flash-attention-2 structure with `mma.sync` m16n8k16 (f16 in,
   query r // G, q head r % G of the kv head (G = the GQA group), so the rows of a group
   share every K/V tile the block loads;
 - each warp keeps its 16 rows of Q (scaled) as mma A fragments for the whole kernel (in
-  registers; a tree over a long context in shared memory, see Q_SHARED), and per 16 keys of a 64-key page: S = Q K^T (f32, in scalars), the mask (only on
-  pages that hold new keys or under a sliding window), the online softmax (row max and sums
+  registers; a tree over a long context in shared memory, see Q_SHARED), and per 16 keys
+  of a 64-key page: S = Q K^T (f32, in scalars), the mask (only on pages that hold new
+  keys or under a sliding window), the online softmax (row max and sums
   over the four lanes of a row), then O += P V with P re-packed from the S registers as A
   fragments (no trip through shared memory) and V read by `ldmatrix.trans`;
 - Q and P enter the mma as f16 hi + lo pairs (two mma each): one f16 rounding moves a score
@@ -230,10 +231,11 @@ LOG2E = np.float32(1.0 / math.log(2.0))
 
 
 # Q's fragments in shared memory instead of registers (LUCE_ATTN_Q_SHARED=0: registers),
-# for a verification tree in one tile of more than one warp (plan): a lane reads its k step's hi and lo words with two
-# 16-byte loads, so the kernel fits Q_SHARED_REGS registers and two or more blocks an SM
-# (sm_90 ptxas, head dim 128, 6 warps: 251 registers and 1,284 bytes spilled with Q in
-# registers, one block an SM; 168 and 72 bytes at two blocks). The K/V stages and Q then
+# for a verification tree in one tile of more than one warp (plan): a lane reads its k
+# step's hi and lo words with two 16-byte loads, so the kernel fits Q_SHARED_REGS
+# registers and two or more blocks an SM (sm_90 ptxas 13, head dim 128, 6 warps: 251
+# registers with Q in registers, one block an SM; 168 registers and 8 bytes of spill
+# stores at two blocks, `launch_bounds=(192, 2)`). The K/V stages and Q then
 # pass numba's 48 KB of static shared memory: both live in the dynamic shared memory
 # that launch() sizes and opts the kernel into. Only over long contexts (DECODE_LONG_KEYS+
 # keys: the CUDA backend captures a graph for each side), where two blocks an SM pay;
