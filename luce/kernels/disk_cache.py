@@ -11,7 +11,8 @@ kernels' closure hashes differ between two interpreters).
 How: `enable(kernel)` (luce.kernels.pdl.ready calls it: every forward kernel passes there)
 gives the dispatcher a numba CUDACache whose index key describes the closure by value
 instead: numbers, strings and enums by repr, device functions and plain functions by
-their code (constants and nested code included) and their own closures, recursively.
+their code (constants and nested code included) and their own closures, recursively;
+with the dispatcher's compile options (launch bounds) beside it (kernel_key).
 What that key does not see is in the stamp of the whole cache: the source of every
 luce.kernels module (globals and called device functions), the LUCE_* and NUMBA_*
 settings (read at compile time: LUCE_PDL, LUCE_WEIGHT_HINT, ...), numba-cuda's version.
@@ -117,6 +118,26 @@ def closure_key(py_func) -> str:
     return hashlib.sha256(_function(py_func, set()).encode()).hexdigest()
 
 
+def kernel_key(py_func, targetoptions) -> str:
+    """closure_key with the options the dispatcher compiles with (cuda.jit's launch_bounds,
+    fastmath, ...). Why: a factory may pass its argument only as an option (the RMSNorm
+    kernel's threads a block as its launch bound), and then two kernels share one closure;
+    keyed by the closure alone, the one compiled for 256 threads was loaded for a
+    1024-thread launch, which the driver refused (CUDA_ERROR_INVALID_VALUE; H200, a
+    Gemma-shaped test after a Qwen-shaped one in one process). An option that cannot be
+    described and is set leaves the kernel uncached (Undescribable)."""
+    parts = []
+    for k in sorted(targetoptions or {}):
+        v = targetoptions[k]
+        try:
+            parts.append(f"{k}={describe(v)}")
+        except Undescribable:
+            if v:
+                raise
+            parts.append(f"{k}=<empty {type(v).__name__}>")
+    return hashlib.sha256((_function(py_func, set()) + "|" + ";".join(parts)).encode()).hexdigest()
+
+
 if not SIM:
     from numba.cuda.core.caching import _CacheLocator
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
@@ -204,7 +225,7 @@ def enable(kernel):
     if where is None or not _writable(where):
         return kernel
     try:
-        key = closure_key(kernel.py_func)
+        key = kernel_key(kernel.py_func, getattr(kernel, "targetoptions", None))
     except Undescribable:
         return kernel
     kernel._cache = KernelCache(kernel.py_func, key)

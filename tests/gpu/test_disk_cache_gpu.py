@@ -53,3 +53,30 @@ def test_a_kernel_compiled_once_is_loaded_by_the_next_interpreter(tmp_path):
     assert hits1 == 0 and misses1 == 2  # compiled, then saved
     assert hits2 == 2 and misses2 == 0  # loaded
     assert any(tmp_path.glob("*.nbc"))
+
+
+NORMS = r'''
+import numpy as np
+from numba import cuda
+from luce.kernels.norm import norm_shape, rms_norm_cuda, rms_norm_ref
+rng = np.random.default_rng(0)
+for d in (200, 640):  # 256 and then 1024 threads a block: one closure, two launch bounds
+    assert norm_shape(d)[1] == (256 if d == 200 else 1024)
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    got = rms_norm_cuda(cuda.to_device(x), cuda.to_device(w), 1e-6).copy_to_host()
+    np.testing.assert_allclose(got, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+print("OK")
+'''
+
+
+def test_kernels_of_one_closure_and_other_launch_bounds_are_kept_apart(tmp_path):
+    """Two RMSNorm kernels whose factory differs only in the launch bound (threads a block)
+    have one closure; the cache keyed by it alone loaded the 256-thread kernel for the
+    1024-thread launch, refused with CUDA_ERROR_INVALID_VALUE. In a fresh cache, in one
+    interpreter and again in the next (loading both)."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", LUCE_KERNEL_CACHE=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", NORMS], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

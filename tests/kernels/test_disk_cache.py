@@ -24,6 +24,11 @@ from luce.kernels.dequant import T
 ks = [attention._decode_kernel(128, 4, 1, 4, 1, 16), attention._decode_kernel(64, 4, 1, 4, 1, 16),
       matvec_fast._kernel(T.Q4_K, True, False, False, 4, True, None, 8, 1, 2), sampling._sample_kernels(64)[1]]
 print("KEYS", " ".join(disk_cache.closure_key(k.py_func) for k in ks))
+from luce.kernels import norm
+# one closure, two launch bounds (the threads a block): kernels that must not share a cache entry
+ns = [norm._rms_norm_kernel(1, 256), norm._rms_norm_kernel(1, 1024)]
+print("NORM", " ".join(disk_cache.closure_key(k.py_func) for k in ns),
+      " ".join(k._cache._closure_key for k in ns))
 ds = [o for o in gc.get_objects() if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device")]
 print("CACHED", sum(type(d._cache).__name__ == "KernelCache" for d in ds), len(ds))
 print("STAMP", disk_cache.stamp())
@@ -42,6 +47,8 @@ def _run(tmp_path, **env):
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:1].isupper())
     assert out["PLUGIN"] != "KernelCache"
+    c256, c1024, k256, k1024 = out["NORM"].split()
+    assert c256 == c1024 and k256 != k1024  # the closures agree; the cache keys see the launch bound
     return out["KEYS"].split(), [int(v) for v in out["CACHED"].split()], out["STAMP"]
 
 
@@ -77,6 +84,13 @@ def test_describe_by_value():
     assert d(np.float32) != d(np.float64) and d((1, 2.0, "a")) == d((1, 2.0, "a"))
     with pytest.raises(disk_cache.Undescribable):
         d(object())
+    f = make(3, one)
+    kk = disk_cache.kernel_key
+    assert kk(f, {"launch_bounds": 256}) != kk(f, {"launch_bounds": 1024})
+    assert kk(f, {"launch_bounds": (192, 2), "link": ()}) == kk(f, {"link": (), "launch_bounds": (192, 2)})
+    assert kk(f, {"extensions": []}) == kk(f, {"extensions": []})
+    with pytest.raises(disk_cache.Undescribable):
+        kk(f, {"extensions": [object()]})
 
 
 def test_an_unwritable_directory_leaves_kernels_uncached(tmp_path):
