@@ -403,3 +403,33 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         ops._frags = {}
         ops.linear(ops.gated_linear(x, gate, gate), down)
         assert calls == want, (on, calls)
+
+
+def test_profile_forward_of_a_tree_runs_its_attention_with_the_mask(tiny_llama, monkeypatch):
+    """The bench's verification breakdown profiles the tree it verifies: every attention
+    call of the recorded and replayed forwards gets the tree's mask bits (before, the
+    profile ran a causal forward of as many tokens), and the cache is left as it was."""
+    from luce.backends.cuda import CUDABackend
+    from luce.bench.e2e import two_chains
+    from luce.bench.profile import profile_forward
+    from luce.kernels import attention as A
+    from luce.models.transformer import build_weights
+    seen = []
+    real = A.paged_attention_cuda
+
+    def spy(*args, **kwargs):
+        seen.append(args[8])  # mask_bits
+        return real(*args, **kwargs)
+    monkeypatch.setattr(A, "paged_attention_cuda", spy)
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    gpu.forward(fam, cfg, w, kv, [3, 4], [0, 1])
+    kv.commit()
+    with pytest.raises(ValueError, match="mask of 3 x 3"):
+        profile_forward(gpu, fam, cfg, w, kv, n_tokens=3, reps=1, mask=two_chains(4))
+    kv.commit([])
+    seen.clear()
+    profile_forward(gpu, fam, cfg, w, kv, n_tokens=3, reps=1, mask=two_chains(3))
+    assert kv.n_past == 2 and len(seen) >= 2 * cfg.n_layers and all(m is not None for m in seen)

@@ -91,21 +91,33 @@ def _time_graph(be, fn, reps: int, arena) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20) -> dict:
+def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20, mask=None) -> dict:
     """Per-op GPU times of one forward over n_tokens new tokens (decode: 1) at the cache's
-    current length. Returns {"rows": [...], "sum_us", "graph_us"}; the cache is left as it
-    was (nothing committed)."""
+    current length. mask: an ancestor mask (n_tokens x n_tokens, luce.kernels.attention.
+    tree_mask) to profile a tree verification as it runs (its attention reads the mask's
+    bits; the positions are the context's length plus each node's depth); None: causal.
+    Returns {"rows": [...], "sum_us", "graph_us"}; the cache is left as it was (nothing
+    committed)."""
     n_past = kv.n_past
     tokens = np.zeros(n_tokens, np.int64)
-    positions = np.arange(n_past, n_past + n_tokens)
-    be.forward(fam, cfg, weights, kv, tokens, positions)  # the arena and inputs for this width
+    if mask is None:
+        positions = np.arange(n_past, n_past + n_tokens)
+    else:
+        mask = np.asarray(mask, bool)
+        if mask.shape != (n_tokens, n_tokens):
+            raise ValueError(f"profile_forward: a mask of {n_tokens} x {n_tokens} nodes, got {mask.shape}")
+        positions = n_past + mask.sum(1) - 1
+    # the arena and inputs for this width (and the mask's bits, for a tree)
+    be.forward(fam, cfg, weights, kv, tokens, positions, mask)
     st = be._model_state(fam, cfg, weights, kv)
     ops = st["ops"]
-    tok_d, pos_d, _ = st["inputs"]["views"][n_tokens]  # the input buffers that forward just filled
+    tok_d, pos_d, mask_d = st["inputs"]["views"][n_tokens]  # the input buffers that forward just filled
+    from ..backends.cuda import _is_causal
+    mask_d = None if mask is None or _is_causal(mask) else mask_d
     rows_out = [n_tokens - 1]
 
     calls: list = []
-    ops.begin_forward()
+    ops.begin_forward(mask_d)
     fam.run_forward(cfg, weights, _Recorder(st["run_ops"], calls), kv, tok_d, pos_d, None, rows_out)
     be.stream.synchronize()
 
@@ -116,7 +128,7 @@ def profile_forward(be, fam, cfg, weights, kv, n_tokens: int = 1, reps: int = 20
         per[label]["us"] += us
 
     def whole():
-        ops.begin_forward()
+        ops.begin_forward(mask_d)
         fam.run_forward(cfg, weights, st["run_ops"], kv, tok_d, pos_d, None, rows_out)
     graph_us = _time_graph(be, whole, max(2, reps // 4), ops.arena)
     kv.commit([])  # drop the rows the timing runs wrote
