@@ -60,7 +60,7 @@ from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from . import pdl
 from .pdl import grid_dependency_sync, l2_prefetch, ready as pdl_ready
 from .quantize_x import FINE, block_bytes, int8_half_store
-from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
+from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, prefetch_l1, u32_bits_to_f32
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
            "bench_matvec_fast"]
@@ -638,6 +638,20 @@ _X8_UNROLLS = {"": None, "1": 1, "2": 2, PIPE: PIPE}
 if os.environ.get("LUCE_X8_UNROLL", "") not in _X8_UNROLLS:
     raise ValueError(f"LUCE_X8_UNROLL={os.environ['LUCE_X8_UNROLL']}: 1, 2 or {PIPE}")
 X8_UNROLL = _X8_UNROLLS[os.environ.get("LUCE_X8_UNROLL", "")]
+# LUCE_MV_PREFETCH=Q6_K (types, comma-separated; 1: every type): each lane of those types'
+# units starts the cache lines of its next loop step's blocks toward
+# L1 (prefetch.global.L1: no register holds them) before this step's loads, so the next
+# step's loads hit L1 instead of waiting on HBM. Why: ptxas sinks a unit's loads to just
+# before their use (see _make_rows), so a lane has one step's bytes in flight and waits a
+# full memory round trip every step, and in the decode down product (Q6_K over int8 x,
+# sm_90 SASS) the scales' 2-byte loads come after the quants have been waited on: a second
+# round trip a step. Holding the next step's words in registers instead (unroll PIPE) cost
+# registers and measured no faster. ptxas 13, sm_90: the decode down product (Q6_K over
+# two int8 planes, norm epilogue) 102 -> 101 registers and 895 -> 931 loop instructions,
+# the prefetches issued with the step's first loads; the gated Q4_K product 106 -> 110
+# and 1,679 -> 1,837. Off by default: not yet measured on a GPU.
+_PF = os.environ.get("LUCE_MV_PREFETCH", "").strip()
+MV_PREFETCH = frozenset(FAST_SPECS if _PF == "1" else (T[n.strip()] for n in _PF.split(",") if n.strip() and n != "0"))
 
 
 
@@ -672,12 +686,31 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
         # else by column (Q4_K's shared sums excepted: one x row only)
         return dot(raw, w, ha + b * BH, hb + b * BH, x, sxs, b * QK + xoff, t)
 
+    # next-step prefetch (MV_PREFETCH): a block's TPB lanes start its lines from TPB points
+    # PO uint16 apart and the last lane also from the block's last uint16, so every line
+    # the block touches is asked for (lines of 128 bytes, points at most 105 bytes apart)
+    PO = BH // TPB
+    PF = qtype in MV_PREFETCH
+
+    @_dev
+    def prefetch_at(w, ha, hb, n_units, u):
+        if PF:
+            b, t = where(n_units, u)  # clamped: the address is always inside the weights
+            o = b * BH + t * PO
+            prefetch_l1(w, ha + o)
+            prefetch_l1(w, hb + o)
+            if t == TPB - 1:
+                o = b * BH + BH - 1
+                prefetch_l1(w, ha + o)
+                prefetch_l1(w, hb + o)
+
     if UN == 1:
         @_dev
         def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
             """acc[2r], acc[2r + 1] += the sums of rows a and b (uint16 starts ha, hb) with x
             row r (x rows xs apart) over units first, first + step, ..."""
             for u in range(first, n_units, step):
+                prefetch_at(w, ha, hb, n_units, u + step)
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 for r in range(NX):  # each weight load serves every x row
                     pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
@@ -702,6 +735,8 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
         def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
             """As above, two units (u and u + step) a loop step."""
             for u in range(first, n_units, 2 * step):
+                prefetch_at(w, ha, hb, n_units, u + 2 * step)
+                prefetch_at(w, ha, hb, n_units, u + 3 * step)
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 r1, b1, t1 = load_at(w, ha, hb, n_units, u + step)
                 more = u + step < n_units
