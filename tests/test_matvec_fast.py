@@ -404,6 +404,17 @@ for on in (False, True):
     if on:
         assert blocks(use["registers"], 8) >= blocks(plain["registers"], 8), (plain, use)
     plain = use
+F.MV_PREFETCH = frozenset()
+# LUCE_MV_BOUNDS: the launch bounds reach ptxas (a kernel under "wave" fits the blocks an
+# SM that hold WAVE_WARPS_PER_SM warps)
+for mode in ("threads", "wave"):
+    F.MV_BOUNDS = mode
+    k = F._make_kernel(F.T.Q6_K, False, False, True, 8, True, None, 8, 1, 2, False, False, True, None, 2)
+    ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0), launch_bounds=k.targetoptions["launch_bounds"])
+    assert ".maxntid 256" in ptx, mode
+    if mode == "wave":
+        assert blocks(ptxas_usage(ptx)["registers"], 8) * 8 >= F.WAVE_WARPS_PER_SM, ptxas_usage(ptx)
+F.MV_BOUNDS = "none"
 print("PTX OK")
 '''
 

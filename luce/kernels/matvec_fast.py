@@ -650,6 +650,20 @@ X8_UNROLL = _X8_UNROLLS[os.environ.get("LUCE_X8_UNROLL", "")]
 # two int8 planes, norm epilogue) 102 -> 101 registers and 895 -> 931 loop instructions,
 # the prefetches issued with the step's first loads; the gated Q4_K product 106 -> 110
 # and 1,679 -> 1,837. Off by default: not yet measured on a GPU.
+# LUCE_MV_BOUNDS: the launch bounds the products compile with. "none" (default): none, and
+# ptxas takes what registers it likes; "threads": the block's threads; "wave": those and
+# the blocks an SM that hold WAVE_WARPS_PER_SM warps, what grid_shape sizes grids for.
+# Why: the decode products have outgrown the 66-80 registers the grid shapes were chosen
+# at. ptxas 13 for sm_90, registers (warps an SM), none / threads / wave: down Q6_K with
+# its norm (8 warps a block) 102 (16) / 78 (24) / 80 (24, 16 bytes spilled); gated Q4_K
+# (4 warps) 106 (16) / 92 (20) / 80 (24, 68 bytes spilled); q/k/v (8 warps) 80 (24) / 90
+# (16) / 80 (24, 24 bytes spilled); o with its norm 72 (24) / 80 (24) / 80 (24, 16
+# spilled); the head Q6_K (4 warps, 16 groups) 77 (24) / 78 (24) / 80 (24). So the gated
+# product (3,072 warps) runs ~1.5 waves of 16 warps an SM as it stands. Not yet measured
+# on a GPU.
+MV_BOUNDS = os.environ.get("LUCE_MV_BOUNDS", "none").strip() or "none"
+if MV_BOUNDS not in ("none", "threads", "wave"):
+    raise ValueError(f"LUCE_MV_BOUNDS={MV_BOUNDS}: none, threads or wave")
 _PF = os.environ.get("LUCE_MV_PREFETCH", "").strip()
 MV_PREFETCH = frozenset(FAST_SPECS if _PF == "1" else (T[n.strip()] for n in _PF.split(",") if n.strip() and n != "0"))
 
@@ -837,7 +851,7 @@ def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, i
     assert not ((XN or NO) and NX > 1) and not (NO and (glu or pair or not has_res or RPB > 32))
     assert not QO or (RPB % 16 == 0 and NX == 1 and not pair)
 
-    @cuda.jit
+    @_bounded(NT)
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
                gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, xo_b, xo_f):
         # LUCE_PDL=2: this block's first row block toward L2 (rows whole 16-byte pieces)
@@ -976,6 +990,16 @@ def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, i
                     ss += nsq[i]
                 parts[lblk] = ss
     return pdl_ready(kernel)
+
+
+def _bounded(nt: int):
+    """cuda.jit with MV_BOUNDS' launch bounds for blocks of nt threads (the simulator's jit
+    takes none)."""
+    if SIM or MV_BOUNDS == "none":
+        return cuda.jit
+    if MV_BOUNDS == "threads":
+        return cuda.jit(launch_bounds=nt)
+    return cuda.jit(launch_bounds=(nt, max(1, WAVE_WARPS_PER_SM // (nt // 32))))
 
 
 _KERNELS: dict = {}
