@@ -245,12 +245,36 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
               help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
+@click.option("--compare", "compare", multiple=True, metavar="'VAR=VALUE ...'",
+              help="run the bench once as set and once with each setting (LUCE_*/NUMBA_* variables, read "
+                   "when kernels compile: a process each), figures side by side; repeatable")
+@click.option("--rounds", type=int, default=1, show_default=True, help="--compare: runs of each setting, alternating")
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, draft_p_min, no_record, no_breakdown, verify_widths):
+          spec_modes, ddtree_budget, draft_max, draft_p_min, no_record, no_breakdown, compare, rounds, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
+    if compare:
+        from .bench import compare as C
+        from .bench.report import print_table
+        if kernels or spec:
+            raise click.UsageError("--compare runs the end-to-end bench: not with --kernels or --spec")
+        if rounds < 1:
+            raise click.BadParameter("at least 1", param_hint="--rounds")
+        try:
+            settings = C.parse_settings(compare)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--compare")
+        args = ([model] if model else []) + (["--synthetic", synthetic] if synthetic else []) + [
+            "--backend", backend, "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
+            "--long-ctx", str(long_ctx), "--verify-widths", verify_widths] + (["--no-breakdown"] if no_breakdown else [])
+        results = C.run_all(args, settings, rounds)
+        for r in results:
+            if r["returncode"] != 0:
+                click.echo(f"-- {r['setting']} (round {r['round']}) failed:\n{r['tail']}", err=True)
+        print_table("luce bench --compare (each round's figure, in run order)", C.table(results))
+        return
     if spec:
         from .bench.report import append_to_docs
         from .bench.spec import run as run_spec, summary
