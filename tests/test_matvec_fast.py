@@ -415,6 +415,12 @@ for mode in ("threads", "wave"):
     if mode == "wave":
         assert blocks(ptxas_usage(ptx)["registers"], 8) * 8 >= F.WAVE_WARPS_PER_SM, ptxas_usage(ptx)
 F.MV_BOUNDS = "none"
+# Q6_K in groups of eight blocks (q6k_groups): aligned loads only, fewer registers than the
+# GGUF layout's down product (ptxas 13: 76 against 102)
+k = F._make_kernel(F.T.Q6_K, False, False, True, 8, True, None, 8, 1, 2, False, False, True, None, 2, True)
+ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0))
+use = ptxas_usage(ptx)
+assert not re.search(r"\.local\b", ptx) and use["spill_bytes"] == 0 and use["registers"] <= 96, use
 print("PTX OK")
 '''
 
@@ -448,3 +454,37 @@ def test_matvec_fast_next_step_prefetch(monkeypatch, qtype, n_rows, n_cols, unro
         matvec_fast(cuda.to_device(raw), qtype, xd, out=out8, unroll=unroll, xq=quantize_x(xd, planes=2))
         np.testing.assert_allclose(out8.copy_to_host()[0], matvec_x8_ref(raw, qtype, x, planes=2), rtol=1e-4,
                                    atol=1e-4 * np.abs(matvec_x8_ref(raw, qtype, x, planes=2)).max())
+
+
+@pytest.mark.parametrize("n_rows,n_cols,planes", [(5, 2048, 2), (3, 4096, 1)])
+def test_q6_k_in_groups_of_eight_blocks(n_rows, n_cols, planes):
+    """layout="g8" (luce.kernels.q6k_groups: each 8 blocks' ql, qh, scales and d side by
+    side, every piece one aligned load): the same sums in the same order as the GGUF layout,
+    so the same bits; with the split norm's epilogue too (the decode down product)."""
+    from luce.kernels.q6k_groups import g8_ref
+    from luce.kernels.quantize_x import quantize_x
+    rng = np.random.default_rng(11)
+    raw = weights(rng, T.Q6_K, n_rows, n_cols)
+    g8 = g8_ref(raw, n_rows, n_cols)
+    assert g8.shape == raw.reshape(n_rows, -1).shape and sorted(g8.ravel()) == sorted(raw.ravel())
+    x = cuda.to_device(rng.standard_normal((1, n_cols)).astype(np.float32))
+    xq = quantize_x(x, planes=planes)
+    outs = []
+    for w, layout in ((raw, None), (g8, "g8")):
+        out = nan_device((1, n_rows))
+        matvec_fast(cuda.to_device(w), T.Q6_K, x, out=out, xq=xq, layout=layout)
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert not np.isnan(outs[0]).any()
+    # the down product's form: residual += W x, xg and the norm's parts
+    res0 = rng.standard_normal(n_rows).astype(np.float32)
+    gn = cuda.to_device(rng.standard_normal(n_rows).astype(np.float32))
+    got = []
+    for w, layout in ((raw, None), (g8, "g8")):
+        res, xg, parts = cuda.to_device(res0), nan_device((n_rows,)), nan_device((64,))
+        n = F.matvec_fast_norm(cuda.to_device(w), T.Q6_K, x, res, gn, xg, parts, xq=xq, layout=layout)
+        got.append((res.copy_to_host(), xg.copy_to_host(), parts.copy_to_host()[:n]))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="layout"):
+        matvec_fast(cuda.to_device(g8), T.Q6_K, x, xq=None, layout="g8")  # float x: no g8 units

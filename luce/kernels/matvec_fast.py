@@ -60,7 +60,8 @@ from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from . import pdl
 from .pdl import grid_dependency_sync, l2_prefetch, ready as pdl_ready
 from .quantize_x import FINE, block_bytes, int8_half_store
-from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32x4, prefetch_l1, u32_bits_to_f32
+from .vector_load import (f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x2, ldg_u16_u32x4, ldw_u16_u32x4, prefetch_l1,
+                          u32_bits_to_f32)
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
            "bench_matvec_fast"]
@@ -530,6 +531,31 @@ def q6_vals(ql, qh, g):
     return U(q6_bits(ql, qh, g) & U(0x3F3F3F3F))
 
 
+@_dev
+def load_q6_k_g8(w, ha, hb, t):
+    """load_q6_k's words from Q6_K rows in q6k_groups' g8 layout, every piece one aligned
+    load. ha, hb: 8 x (a row's group start, uint16) + the block's place in its group."""
+    n = t >> 1
+    hh = t & 1
+    ga = ha >> 3
+    ja = ha & 7
+    gb = hb >> 3
+    jb = hb & 7
+    o = 32 * n + 8 * hh
+    oh = 512 + 16 * n + 8 * hh
+    la0 = ldw_u16_u32x4(w, ga + 64 * ja + o)             # ql, groups 0 and 2
+    la1 = ldw_u16_u32x4(w, ga + 64 * ja + o + 16)        # ql, groups 1 and 3
+    lha = ldw_u16_u32x4(w, ga + 32 * ja + oh)            # qh
+    lb0 = ldw_u16_u32x4(w, gb + 64 * jb + o)
+    lb1 = ldw_u16_u32x4(w, gb + 64 * jb + o + 16)
+    lhb = ldw_u16_u32x4(w, gb + 32 * jb + oh)
+    sa0, sa1 = ldg_u16_u32x2(w, ga + 768 + 8 * ja + 4 * n)  # scales 8n .. 8n + 7: 8 bytes
+    sb0, sb1 = ldg_u16_u32x2(w, gb + 768 + 8 * jb + 4 * n)
+    sa = (sa0, U(sa0 >> B16), sa1, U(sa1 >> B16), U(w[U64(ga + 832 + ja)]))
+    sb = (sb0, U(sb0 >> B16), sb1, U(sb1 >> B16), U(w[U64(gb + 832 + jb)]))
+    return la0, la1, lha, lb0, lb1, lhb, sa, sb
+
+
 def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
     """Q6_K units over int8 x (`planes` planes): dot_q6_k's loads and scales, each group's
     16 quants times x with four dp4a a row and plane (the float unit: ~100 instructions a
@@ -669,12 +695,19 @@ MV_PREFETCH = frozenset(FAST_SPECS if _PF == "1" else (T[n.strip()] for n in _PF
 
 
 
-def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
+def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0, g8: bool = False):
+    """g8: Q6_K rows in q6k_groups' layout (over int8 x): a unit's block handle is 8 x its
+    group's start + its place in the group instead of the block's start."""
     spec = FAST_SPECS[qtype]
     TPB, QK, BH = spec.tpb, spec.qk, spec.bs // 2
     UN = unroll or spec.unroll
     NX = nx
     load, dot = X8_UNITS[qtype](inline_sums, x8) if x8 else spec.make_unit(inline_sums)
+    G8 = g8
+    assert not g8 or (qtype == T.Q6_K and x8)
+    if G8:
+        load = load_q6_k_g8
+    GH = 8 * BH  # uint16 of a group of 8 blocks
     SH = TPB.bit_length() - 1
     assert TPB == 1 << SH and UN in (1, 2, PIPE)  # 4 was slower for all three types (H200)
 
@@ -692,6 +725,8 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
     @_dev
     def load_at(w, ha, hb, n_units, u):
         b, t = where(n_units, u)
+        if G8:
+            return load(w, ((ha + (b >> 3) * GH) << 3) + (b & 7), ((hb + (b >> 3) * GH) << 3) + (b & 7), t), b, t
         return load(w, ha + b * BH, hb + b * BH, t), b, t
 
     @_dev
@@ -704,7 +739,7 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0):
     # PO uint16 apart and the last lane also from the block's last uint16, so every line
     # the block touches is asked for (lines of 128 bytes, points at most 105 bytes apart)
     PO = BH // TPB
-    PF = qtype in MV_PREFETCH
+    PF = qtype in MV_PREFETCH and not G8  # (its points are the plain layout's)
 
     @_dev
     def prefetch_at(w, ha, hb, n_units, u):
@@ -800,8 +835,8 @@ def _make_parts_total():
 
 def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, inline_sums: bool = True,
                  unroll=None, groups: int = 1, nx: int = 1, x8: int = 0, pair: bool = False,
-                 x_norm: bool = False, norm_out: bool = False, third=None, xq_out: int = 0):
-    """glu: 0, or the gated form act(w x) * (w_up x) with act silu (1) or gelu_tanh (2).
+                 x_norm: bool = False, norm_out: bool = False, third=None, xq_out: int = 0, g8: bool = False):
+    """g8: the weights (not a third's) in q6k_groups' layout. glu: 0, or the gated form act(w x) * (w_up x) with act silu (1) or gelu_tanh (2).
     pair: two weights of the same x in one launch (a model's q and k projections): the row
     blocks of w_up (n_rows_b rows, into out_b with bias_b) follow those of w; not with glu or
     a residual. third (with pair): the qtype of a third weight w_c (the v projection, which
@@ -820,7 +855,7 @@ def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, i
     block's 16 or 32 rows are whole halves of its 32-column blocks (groups >= 8), each
     quantized by 16 lanes of warp 0; quantization is per 16 columns, so the norm's scale (a
     factor of the whole row) can stay with the consumers."""
-    rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8)
+    rows_dot = _make_rows(qtype, inline_sums, unroll, nx, x8, g8)
     TRIO = third is not None
     rows_dot_c = _make_rows(third, inline_sums, unroll, nx, x8) if TRIO else rows_dot
     SUMS = FAST_SPECS[qtype].sums and not inline_sums and not x8
@@ -1044,7 +1079,7 @@ GLU_CODES = {"silu": 1, "gelu_tanh": 2}  # _make_kernel's glu for a gated launch
 
 def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inline_sums=None, blocks_per_sm=0,
             unroll=None, groups=None, xq=None, pair=None, x_norm=None, norm_out=None, third=None, xq_out=None,
-            act="silu"):
+            act="silu", layout=None):
     """pair: (w_b, out_b, bias_b), a second weight of the same type and columns whose
     product with x goes to out_b in the same launch (w_list then holds one weight).
     third (with pair): (w_c, qtype_c, out_c, bias_c), a third weight of the same columns,
@@ -1052,7 +1087,9 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
     x_norm: (parts, n_parts, eps) of the norm_out launch that made x; norm_out: (gn, xg,
     parts) (see _make_kernel). xq_out: where the output's (with norm_out, xg's) quantize_x
     form goes (one x row). act: the activation of a gated launch (w_list of two: gate, up),
-    silu or gelu_tanh. Returns out, or with norm_out the number of parts."""
+    silu or gelu_tanh. layout "g8": Q6_K weights in luce.kernels.q6k_groups' layout, over
+    int8 x, one weight (no pair, third or gated form). Returns out, or with norm_out the
+    number of parts."""
     qtype = as_qtype(qtype)
     if qtype not in FAST_TYPES:
         raise NotImplementedError(f"matvec_fast: {qtype.name} is not supported (Q4_K, Q6_K, Q8_0)")
@@ -1144,8 +1181,13 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
         g = max(g, 8)  # whole half blocks a row block
     # several x rows: registers go to their sums
     un = unroll or (X8_UNROLL if x8 and X8_UNROLL else spec.unroll if nx == 1 else 1)
+    g8 = layout == "g8"
+    if layout not in (None, "g8") or g8 and (qtype != T.Q6_K or not x8 or len(ws) != 1 or pair or third is not None
+                                              or n_cols % 2048):
+        raise ValueError(f"matvec_fast: layout {layout!r}: None, or 'g8' for one Q6_K weight of a multiple of 2048 "
+                         "columns over int8 x (xq)")
     kern = _kernel(qtype, GLU_CODES[act] if len(ws) == 2 else 0, bias is not None, residual is not None, nw, inline,
-                   un, g, nx, x8, bool(pair), x_norm is not None, norm_out is not None, qc, qo)
+                   un, g, nx, x8, bool(pair), x_norm is not None, norm_out is not None, qc, qo, g8)
     grid = -(-n_rows // (ROWS * g)) + -(-n_rows_b // (ROWS * g)) + -(-n_rows_c // (ROWS * g))
     per_sm = BLOCKS_PER_SM if blocks_per_sm == 0 else blocks_per_sm
     if per_sm:
@@ -1173,7 +1215,7 @@ def _launch(w_list, qtype, x_dev, out, bias, residual, stream, warps=None, inlin
 
 
 def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=0, *, warps=None,
-                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None):
+                inline_sums=None, blocks_per_sm=0, unroll=None, groups=None, xq=None, x_norm=None, layout=None):
     """out = W x (+ bias) (+ residual) for Q4_K / Q6_K / Q8_0 W, as luce.kernels.matvec.matvec
     with up to MAX_X_ROWS activation rows, each weight read once for all of them: x (K,)
     gives out (N,), x (n, K) gives (n, N); residual may be out itself. For tuning: warps
@@ -1185,13 +1227,14 @@ def matvec_fast(w_dev, qtype, x_dev, out=None, bias=None, residual=None, stream=
     int8 x with dp4a (x rounded to 8 bits a value, or ~16 with two planes; see
     luce.kernels.quantize_x); other types ignore it.
     x_norm: (parts, n_parts, eps) when x is the xg of matvec_fast_norm: out is then W times
-    the RMSNorm of its result (scaled before the bias)."""
+    the RMSNorm of its result (scaled before the bias). layout: "g8" for Q6_K weights in
+    luce.kernels.q6k_groups' layout (with xq)."""
     return _launch([w_dev], qtype, x_dev, out, bias, residual, stream, warps, inline_sums, blocks_per_sm, unroll,
-                   groups, xq, x_norm=x_norm)
+                   groups, xq, x_norm=x_norm, layout=layout)
 
 
 def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0, *, warps=None, groups=None,
-                     xq=None, xq_out=None) -> int:
+                     xq=None, xq_out=None, layout=None) -> int:
     """residual += W x (one x row), and half of the RMSNorm of the result that follows it in
     a transformer: xg = result * norm_w, and parts[i] = the sum of squares of the result over
     the launch's row block i. Returns the number of parts; the projections of the norm take
@@ -1199,7 +1242,7 @@ def matvec_fast_norm(w_dev, qtype, x_dev, residual, norm_w, xg, parts, stream=0,
     xq: x's quantize_x form (as matvec_fast); xq_out: where xg's goes (uint16, xq_size of
     the rows, 1 or 2 planes), for projections over int8 x (with x_norm as well)."""
     return _launch([w_dev], qtype, x_dev, residual, None, residual, stream, warps, None, 0, None, groups, xq,
-                   norm_out=(norm_w, xg, parts), xq_out=xq_out)
+                   norm_out=(norm_w, xg, parts), xq_out=xq_out, layout=layout)
 
 
 def splits_norm(*ws) -> bool:
@@ -1341,7 +1384,7 @@ TUNING_VARIANTS = ({"inline_sums": False, "blocks_per_sm": None}, {"inline_sums"
                    {"inline_sums": True, "blocks_per_sm": 4}, {"inline_sums": True, "blocks_per_sm": 8},
                    {"inline_sums": True, "blocks_per_sm": 16}, {"warps": 8, "inline_sums": True, "blocks_per_sm": None})
 
-if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--variants|--unroll|--x-rows]: JSON lines
+if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--variants|--unroll|--x-rows|--x8|--g8]
     import json
     import sys
     if "--x8" in sys.argv:  # int8 x with dp4a against float x, the types with x8 units
@@ -1351,6 +1394,10 @@ if __name__ == "__main__":  # python -m luce.kernels.matvec_fast [--baseline|--v
                                            {"gated": True, "x8": 2}, {"x8": 2, "x_rows": 8}, {"x_rows": 8}])
         from .quantize_x import bench_quantize_x
         rows += bench_quantize_x()
+    elif "--g8" in sys.argv:  # Q6_K in luce.kernels.q6k_groups' layout against the GGUF one, over int8 x
+        rows = bench_matvec_fast(shapes=((4096, 12288), (12288, 4096), (1024, 4096), (4096, 4096)), qtypes=("Q6_K",),
+                                 iters=50, variants=[{"x8": 2}, {"x8": 2, "layout": "g8"}, {"x8": 1},
+                                                     {"x8": 1, "layout": "g8"}])
     elif "--x-rows" in sys.argv:  # activation rows a launch (short verification forwards)
         rows = bench_matvec_fast(shapes=((12288, 4096), (4096, 12288), (4096, 4096)), qtypes=("Q4_K", "Q6_K"),
                                  iters=50, variants=[{"x_rows": k} for k in (1, 2, 4, 8)])

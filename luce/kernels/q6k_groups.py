@@ -1,0 +1,44 @@
+"""Q6_K rows regrouped for 16-byte loads: the "g8" layout of matvec_fast's Q6_K units.
+
+Why: a Q6_K block is 210 bytes, so blocks sit at every even offset mod 16 and each
+16-byte piece a lane reads costs two aligned loads and eight selects (matvec_fast.ld16),
+and its scales and d five 2-byte loads: in the decode down product's loop (sm_90 SASS)
+~70 of ~500 instructions a unit are the selects, 36 load instructions where aligned data
+would take 10. Eight blocks are 1,680 bytes, a multiple of 16: regrouped as the eight
+blocks' ql (8 x 128 bytes), then their qh (8 x 64), scales (8 x 16) and d (8 x 2), every
+piece a lane reads is one aligned load. The bytes and the row size are those of Q6_K;
+rows need a multiple of 8 blocks (2,048 columns: Qwen3-8B's 4,096 and 12,288, not
+Qwen3-32B's 5,120).
+
+Status: the kernel side (matvec_fast(..., layout="g8") over int8 x) and this reference
+regrouping are written and checked in the simulator; nothing uploads weights this way yet,
+and it has not been timed on a GPU (`bench_matvec_fast` variants {"x8": 2, "layout": "g8"}).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["G8_COLS", "GROUP_BYTES", "PARTS", "g8_ref", "g8_applies"]
+
+BLOCK = 210
+GROUP = 8                    # blocks a group
+GROUP_BYTES = GROUP * BLOCK  # 1,680 = 105 x 16
+G8_COLS = 256 * GROUP        # columns a group covers
+# (offset, bytes) of each part of a block, and where its group's copies of it start
+PARTS = ((0, 128), (128, 64), (192, 16), (208, 2))
+PART_START = (0, 1024, 1536, 1664)
+
+
+def g8_applies(n_cols: int) -> bool:
+    return n_cols % G8_COLS == 0
+
+
+def g8_ref(raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+    """Q6_K bytes (n_rows rows of n_cols columns, any shape of uint8) regrouped: (n_rows,
+    row bytes) uint8."""
+    if not g8_applies(n_cols):
+        raise ValueError(f"q6k_groups: {n_cols} columns is not a multiple of {G8_COLS}")
+    nb = n_cols // 256
+    b = np.ascontiguousarray(raw, np.uint8).reshape(n_rows, nb // GROUP, GROUP, BLOCK)
+    parts = [b[..., o:o + n].reshape(n_rows, nb // GROUP, GROUP * n) for o, n in PARTS]
+    return np.concatenate(parts, axis=-1).reshape(n_rows, nb * BLOCK)
