@@ -433,3 +433,36 @@ def test_profile_forward_of_a_tree_runs_its_attention_with_the_mask(tiny_llama, 
     seen.clear()
     profile_forward(gpu, fam, cfg, w, kv, n_tokens=3, reps=1, mask=two_chains(3))
     assert kv.n_past == 2 and len(seen) >= 2 * cfg.n_layers and all(m is not None for m in seen)
+
+
+def test_q6_k_groups_copy_feeds_the_decode_down_product(tmp_path, monkeypatch):
+    """LUCE_Q6K_G8: a Q6_K down projection of 2,048 columns gets a copy in q6k_groups'
+    layout at load, and decode's down product (with its split norm, over int8 x) reads
+    that copy; the logits are the GGUF layout's bit for bit (the same sums in the same
+    order)."""
+    import gguf
+    from luce.backends import cuda as C
+    from luce.backends.cuda import CUDABackend
+    from luce.kernels import matvec_fast as F
+    from luce.models.transformer import build_weights
+    Q = gguf.GGMLQuantizationType
+    types = lambda n: Q.F32 if "norm" in n else Q.Q6_K if "ffn_down" in n else Q.Q8_0  # noqa: E731
+    f, fam, cfg = model_file(tmp_path / "g8.gguf", "qwen3", types, seed=5, n_ff=2048)
+    layouts = []
+    real = F._launch
+
+    def spy(*args, **kwargs):
+        layouts.append(kwargs.get("layout"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(F, "_launch", spy)
+    got = []
+    for on in (False, True):
+        monkeypatch.setattr(C, "Q6K_G8", on)
+        gpu = CUDABackend(use_graphs=False)
+        w = build_weights(cfg, f, gpu.load_tensor)
+        assert (w.layers[0].w_down.g8 is not None) == on
+        kv = gpu.new_cache(cfg, 32)
+        layouts.clear()
+        got.append(gpu.forward(fam, cfg, w, kv, [9], [0]))  # one decode step (a prefill is slow here)
+        assert ("g8" in layouts) == on, layouts
+    np.testing.assert_array_equal(got[1], got[0])

@@ -169,11 +169,29 @@ WARMUP_WIDTHS = (1, 2, 4, 8, 16, 23, 32, 64, 96, 128, 256, 512)
 ALIGN = 256
 
 
+# LUCE_Q6K_G8=1: Q6_K weights whose rows hold a multiple of 2,048 columns also get a copy in
+# luce.kernels.q6k_groups' layout (every 16-byte piece one aligned load), which the
+# one-row products over int8 x read (the down projection with its norm, the output head);
+# the other paths keep the GGUF copy. An experiment: twice the memory of those weights
+# (8B: ~2 GB more), not yet measured on a GPU.
+Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "0") == "1"
+
+
 @dataclass
 class DeviceWeight:
     raw: object  # uint8 device array [rows, row_bytes]
     qtype: object
     shape: tuple[int, int]  # (rows, cols)
+    g8: object = None  # Q6K_G8: the same rows in q6k_groups' layout
+
+
+def _g8_copy(cuda, host_rows: np.ndarray, qtype, cols: int):
+    """The device copy of Q6_K rows in q6k_groups' layout, where Q6K_G8 asks and they fit."""
+    import gguf
+    from ..kernels.q6k_groups import g8_applies, g8_ref
+    if not Q6K_G8 or qtype != gguf.GGMLQuantizationType.Q6_K or not g8_applies(cols):
+        return None
+    return cuda.to_device(g8_ref(host_rows, host_rows.shape[0], cols))
 
 
 @dataclass
@@ -475,8 +493,10 @@ class CudaOps:
                 and ("norm" in X8_OUT or not self.x8_weights) and h.shape == residual.shape
                 and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             x = self._plain(x)
-            n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
-                                       xq=self._x8(x, w.qtype), xq_out=xq)
+            xq8 = self._x8(x, w.qtype)
+            g8 = w.g8 is not None and xq8 is not None
+            n_parts = matvec_fast_norm(w.g8 if g8 else w.raw, w.qtype, x, residual, norm_w, h, parts,
+                                       stream=self.stream, xq=xq8, xq_out=xq, layout="g8" if g8 else None)
             return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w, xq)
         residual = self.linear(x, w, residual=residual)
         if self._own("rms_norm") and h.shape == residual.shape:
@@ -493,8 +513,9 @@ class CudaOps:
             from ..kernels.matvec_fast import splits_norm
             if w.qtype in FAST_TYPES and splits_norm(w.raw):
                 out = residual if residual is not None else self._out((n, w.shape[0]))
-                return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual, stream=self.stream,
-                                   x_norm=x.x_norm, xq=x.xq)
+                g8 = w.g8 is not None and x.xq is not None
+                return matvec_fast(w.g8 if g8 else w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual,
+                                   stream=self.stream, x_norm=x.x_norm, xq=x.xq, layout="g8" if g8 else None)
             x = self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
@@ -504,8 +525,10 @@ class CudaOps:
             return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
                               stream=self.stream, frags=self._frags_for(x, w.qtype))
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
-            return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual, stream=self.stream,
-                               xq=self._x8(x, w.qtype))
+            xq8 = self._x8(x, w.qtype)
+            g8 = w.g8 is not None and xq8 is not None
+            return matvec_fast(w.g8 if g8 else w.raw, w.qtype, x, out=out, bias=bias, residual=residual,
+                               stream=self.stream, xq=xq8, layout="g8" if g8 else None)
         if _takes_matmul(n, w.qtype, w.shape[1]):
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
                           stream=self.stream, x_guard=self._guard(x))
@@ -763,19 +786,24 @@ class CUDABackend:
         if info.qtype == Q.F32:  # the kernels read f16/bf16/quantized rows: keep f32 matrices as f16
             raw = dequantize(info.data, info.qtype, info.shape).astype(np.float16).view(np.uint8)
             return DeviceWeight(cuda.to_device(raw.reshape(rows, -1)), Q.F16, (rows, cols))
-        return DeviceWeight(cuda.to_device(np.asarray(info.data).reshape(rows, -1)), info.qtype, (rows, cols))
+        host = np.asarray(info.data).reshape(rows, -1)
+        return DeviceWeight(cuda.to_device(host), info.qtype, (rows, cols), _g8_copy(cuda, host, info.qtype, cols))
 
     def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int) -> DeviceWeight:
         """A [rows, row_bytes] device weight filled by repeating the host rows of `pool`
         (random-weight benchmark models: one small upload, then device copies)."""
         cuda = self.cuda
-        src = cuda.to_device(pool)
-        dst = cuda.device_array((rows, pool.shape[1]), dtype=np.uint8)
-        for r in range(0, rows, pool.shape[0]):
-            n = min(pool.shape[0], rows - r)
-            dst[r:r + n].copy_to_device(src[:n])
+
+        def tiled(src):
+            dst = cuda.device_array((rows, pool.shape[1]), dtype=np.uint8)
+            for r in range(0, rows, pool.shape[0]):
+                n = min(pool.shape[0], rows - r)
+                dst[r:r + n].copy_to_device(src[:n])
+            return dst
+        g8 = _g8_copy(cuda, pool, qtype, cols)  # the layout is by row: the tiling of the pool's
+        w = DeviceWeight(tiled(cuda.to_device(pool)), qtype, (rows, cols), None if g8 is None else tiled(g8))
         cuda.synchronize()
-        return DeviceWeight(dst, qtype, (rows, cols))
+        return w
 
     def warmup(self, family, cfg, weights, widths=WARMUP_WIDTHS) -> None:
         """Compile every kernel specialization the first requests will meet (decode, the

@@ -10,9 +10,10 @@ piece a lane reads is one aligned load. The bytes and the row size are those of 
 rows need a multiple of 8 blocks (2,048 columns: Qwen3-8B's 4,096 and 12,288, not
 Qwen3-32B's 5,120).
 
-Status: the kernel side (matvec_fast(..., layout="g8") over int8 x) and this reference
-regrouping are written and checked in the simulator; nothing uploads weights this way yet,
-and it has not been timed on a GPU (`bench_matvec_fast` variants {"x8": 2, "layout": "g8"}).
+Status: matvec_fast(..., layout="g8") over int8 x and this regrouping, checked in the
+simulator (the same bits as the GGUF layout); the CUDA backend keeps such a copy beside the
+GGUF one under LUCE_Q6K_G8=1 for decode's down projection and output head. Not yet timed
+on a GPU (`python -m luce.kernels.matvec_fast --g8`, `luce bench ... --compare LUCE_Q6K_G8=1`).
 """
 from __future__ import annotations
 
