@@ -171,8 +171,8 @@ ALIGN = 256
 
 # LUCE_Q6K_G8=1: Q6_K weights whose rows hold a multiple of 2,048 columns also get a copy in
 # luce.kernels.q6k_groups' layout (every 16-byte piece one aligned load), which the
-# one-row products over int8 x read (the down projection with its norm, the output head);
-# the other paths keep the GGUF copy. An experiment: twice the memory of those weights
+# decode products over int8 x (the down projection with its norm, the output head) and the
+# verification widths' tensor-core products read; prefill keeps the GGUF copy. An experiment: twice the memory of those weights
 # (8B: ~2 GB more), not yet measured on a GPU.
 Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "0") == "1"
 
@@ -522,8 +522,9 @@ class CudaOps:
         if residual is not None:
             self._written(residual)
         if _takes_mma(n, w.qtype, w.shape[1]):
-            return matvec_mma(w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
-                              stream=self.stream, frags=self._frags_for(x, w.qtype))
+            g8 = w.g8 is not None
+            return matvec_mma(w.g8 if g8 else w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
+                              stream=self.stream, frags=self._frags_for(x, w.qtype), layout="g8" if g8 else None)
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
             xq8 = self._x8(x, w.qtype)
             g8 = w.g8 is not None and xq8 is not None

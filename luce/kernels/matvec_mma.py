@@ -353,14 +353,18 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False):
+def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False,
+            g8: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
     stored in out_b; frags (gated): the outputs also go, as f16, into fragments of both
     layouts for the next product (f4, f6: _scratch's gated_out buffers, not x_frags's; rows
-    reaching F16_SAFE flagged in fl4, fl6 for the fixup)."""
+    reaching F16_SAFE flagged in fl4, fl6 for the fixup). g8: Q6_K weights in
+    luce.kernels.q6k_groups' layout (every piece one aligned load)."""
     NT, TL, W = nt, tiles, warps
+    G8 = g8
+    assert not g8 or qtype == T.Q6_K
     PAIR = pair
     FRAGS = frags
     ROWS8 = 8 * nt
@@ -373,7 +377,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     NQ = 8 if Q4 else 12  # quant words a lane holds a row
     SCR = (W, 32, SCRATCH) if SIM else (1,)
     assert not gated or TL == 2
-    PF = PREFETCH
+    PF = PREFETCH and not G8  # (its points are the GGUF layout's)
     PO = BU // 4  # the block's four lanes of a row prefetch from points PO uint16 apart (< a line)
     # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
     # registers and spilled
@@ -439,18 +443,29 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         m = c & 1
         for i in range(R2):
             w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
-            # a 210-byte block is 2-byte aligned: each 16-byte quant piece from two aligned
-            # 16-byte loads (the second mostly an L1 hit), matvec_fast's way (25.7 us for
-            # 4096x12288 at one row), where five 4-byte loads took 32.7 at one row and 36.9 at
-            # 23 (H200, 5fab17b; this form is measured only inside luce bench's runs)
-            i0, i1, al = pieces((rows[i] * nb + b) * BU)
-            o = 32 * n + 8 * m
-            qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ld16(w, i0 + o, i1 + o, al)
-            qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ld16(w, i0 + o + 16, i1 + o + 16, al)
-            o = 64 + 16 * n + 8 * m
-            qw[i, 8], qw[i, 9], qw[i, 10], qw[i, 11] = ld16(w, i0 + o, i1 + o, al)
-            hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = _ld16_scales(w, (rows[i] * nb + b) * 210 + 192)
-            d = f16_bits_to_f32(U(w[(rows[i] * nb + b) * BU + 104])) * live
+            if G8:  # the block's group of 8 (q6k_groups): ql, qh, scales and d each aligned
+                gs = (rows[i] * nb + (b - (b & 7))) * BU
+                j = b & 7
+                o = gs + 64 * j + 32 * n + 8 * m
+                qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ldw_u16_u32x4(w, o)
+                qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ldw_u16_u32x4(w, o + 16)
+                o = gs + 512 + 32 * j + 16 * n + 8 * m
+                qw[i, 8], qw[i, 9], qw[i, 10], qw[i, 11] = ldw_u16_u32x4(w, o)
+                hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldw_u16_u32x4(w, gs + 768 + 8 * j)
+                d = f16_bits_to_f32(U(w[gs + 832 + j])) * live
+            else:
+                # a 210-byte block is 2-byte aligned: each 16-byte quant piece from two aligned
+                # 16-byte loads (the second mostly an L1 hit), matvec_fast's way (25.7 us for
+                # 4096x12288 at one row), where five 4-byte loads took 32.7 at one row and 36.9 at
+                # 23 (H200, 5fab17b; this form is measured only inside luce bench's runs)
+                i0, i1, al = pieces((rows[i] * nb + b) * BU)
+                o = 32 * n + 8 * m
+                qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ld16(w, i0 + o, i1 + o, al)
+                qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ld16(w, i0 + o + 16, i1 + o + 16, al)
+                o = 64 + 16 * n + 8 * m
+                qw[i, 8], qw[i, 9], qw[i, 10], qw[i, 11] = ld16(w, i0 + o, i1 + o, al)
+                hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = _ld16_scales(w, (rows[i] * nb + b) * 210 + 192)
+                d = f16_bits_to_f32(U(w[(rows[i] * nb + b) * BU + 104])) * live
             # scale byte 8n + 2qq + m: word 2n + (qq >> 1), byte m + 2 (qq & 1); n differs
             # between lanes, and a register array indexed by it would live in local memory
             sw0 = hd[i, 2] if n else hd[i, 0]
@@ -593,7 +608,7 @@ def _check(qtype, x_dev, what):
 
 
 def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=None, stream=0, tiles=None,
-               warps=None, w_up=None, frags=None, guard=True, frags_out=False):
+               warps=None, w_up=None, frags=None, guard=True, frags_out=False, layout=None):
     """y [n_x, n_out] = x [n_x, K] @ W^T (+ bias) (+ residual) for a Q4_K or Q6_K weight (raw
     uint8 rows) and 1..MAX_ROWS rows of x (float32, on the device); residual may be out
     itself. With w_up (same type and shape): silu(x W^T) * (x W_up^T), no bias or residual.
@@ -601,8 +616,11 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     frags: x_frags(x_dev, qtype, stream) already made for this x (products of one x and
     weight type share one conversion); guard: see x_frags. frags_out (gated): the output's
     own fragments for both layouts are written too, all but frags_fixup(out, layout,
-    gated_out=True) (a verification forward's down projection: one launch fewer)."""
+    gated_out=True) (a verification forward's down projection: one launch fewer). layout
+    "g8": a Q6_K weight (not gated) in luce.kernels.q6k_groups' layout."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma")
+    if layout not in (None, "g8") or layout and (qtype != T.Q6_K or w_up is not None or k % 2048):
+        raise ValueError(f"matvec_mma: layout {layout!r}: None, or 'g8' for a Q6_K weight of 2048k columns, not gated")
     gated = w_up is not None
     if frags_out and (not gated or n_out % QK):
         raise ValueError("matvec_mma: frags_out needs the gated form and n_out a multiple of 256")
@@ -614,12 +632,12 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     pt, pw = plan(n_x, n_out, k, gated)
     tiles, warps = (2 if gated else tiles or pt), warps or pw
     _launch(qtype, k, w16, u16, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            frags_out=frags_out)
+            frags_out=frags_out, g8=layout == "g8")
     return out
 
 
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            n_a=None, out_b=None, bias_b=None, frags_out=False):
+            n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False):
     """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
@@ -634,7 +652,7 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
         f4 = f6 = w0
         fl4 = fl6 = unit_flags()
     rows = 16 if gated else 16 * tiles
-    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out)[-(-n_out // rows), 32 * warps, stream](
+    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8)[-(-n_out // rows), 32 * warps, stream](
         w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
         n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6)
 

@@ -232,6 +232,12 @@ for qt, warps, gated, frags in [(T.Q4_K, 4, True, True), (T.Q6_K, 8, False, Fals
     use = ptxas_usage(code)
     assert "prefetch.global.L1" in code and use["spill_bytes"] <= 32, (qt.name, use)
 M.PREFETCH = False
+# Q6_K in q6k_groups' layout: aligned loads only (no local memory, no spills)
+code = cuda.compile_ptx(M._kernel(T.Q6_K, 3, 2, 8, False, False, False, True).py_func, sig, cc=(9, 0),
+                        launch_bounds=(256, M._min_blocks(3, 8, False, False)))[0]
+use = ptxas_usage(code)
+assert ".local" not in code and use["spill_bytes"] == 0, use
+print("Q6_K g8", use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
@@ -273,3 +279,19 @@ def test_matvec_mma_next_block_prefetch(monkeypatch, qtype, gated):
     finally:
         M._kernel.cache_clear()
     np.testing.assert_array_equal(got, want)
+
+
+def test_matvec_mma_q6_k_in_groups_of_eight_blocks():
+    """layout="g8" (luce.kernels.q6k_groups): the same sums as the GGUF layout, bit for bit,
+    at two tiles a warp and K split over two warps."""
+    from luce.kernels.q6k_groups import g8_ref
+    n_x, n_out, k = 1, 32, 2048
+    raw = random_tensor(rng, T.Q6_K, (n_out, k)).reshape(n_out, -1)
+    x = cuda.to_device(rng.standard_normal((n_x, k)).astype(np.float32))
+    got = []
+    for w, layout in ((raw, None), (g8_ref(raw, n_out, k), "g8")):
+        out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
+        got.append(matvec_mma(cuda.to_device(w), T.Q6_K, x, n_out, out=out, tiles=2, warps=2,
+                              layout=layout).copy_to_host())
+    assert not np.isnan(got[0]).any()
+    np.testing.assert_array_equal(got[1], got[0])
