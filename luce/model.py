@@ -59,6 +59,9 @@ class Model:
     def _load_weights(self, progress: bool):
         from .models.transformer import build_weights, tensor_names
         names = tensor_names(self.config)
+        plan = getattr(self.backend, "plan_weights", None)  # a backend that lays weights out by the whole model
+        if plan is not None:
+            plan(self.file.tensors, self.config.tied_output)
         if not progress:
             return build_weights(self.config, self.file, self.backend.load_tensor)
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn

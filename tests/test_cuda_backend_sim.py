@@ -457,8 +457,9 @@ def test_q6_k_groups_copy_feeds_the_decode_down_product(tmp_path, monkeypatch):
     monkeypatch.setattr(F, "_launch", spy)
     got = []
     for on in (False, True):
-        monkeypatch.setattr(C, "Q6K_G8", on)
+        monkeypatch.setattr(C, "Q6K_G8", "1" if on else "0")
         gpu = CUDABackend(use_graphs=False)
+        gpu.plan_weights(f.tensors, cfg.tied_output)
         w = build_weights(cfg, f, gpu.load_tensor)
         assert (w.layers[0].w_down.g8 is not None) == on
         kv = gpu.new_cache(cfg, 32)
@@ -466,3 +467,32 @@ def test_q6_k_groups_copy_feeds_the_decode_down_product(tmp_path, monkeypatch):
         got.append(gpu.forward(fam, cfg, w, kv, [9], [0]))  # one decode step (a prefill is slow here)
         assert ("g8" in layouts) == on, layouts
     np.testing.assert_array_equal(got[1], got[0])
+
+
+def test_q6_k_groups_plan_copies_the_down_projections_and_head_where_they_fit():
+    """g8_plan: under auto, the Q6_K down projections and the head (the embedding table
+    when it is the head) get a copy only if the model, the copies and the reserve fit in
+    free memory; 1 always, 0 never; other Q6_K tensors (attn_v, an untied embedding) and
+    rows not of 2,048k columns never."""
+    import gguf
+    from luce.backends.cuda import g8_plan, g8_reserve
+    from luce.gguf_file import TensorInfo
+    Q = gguf.GGMLQuantizationType
+
+    def t(name, qtype, rows, cols):
+        return name, TensorInfo(name, qtype, (rows, cols), rows * cols // 256 * (210 if qtype == Q.Q6_K else 144), None)
+    tensors = dict([t("blk.0.ffn_down.weight", Q.Q6_K, 4096, 12288), t("blk.1.ffn_down.weight", Q.Q6_K, 4096, 12288),
+                    t("blk.0.attn_v.weight", Q.Q6_K, 1024, 4096), t("blk.0.ffn_up.weight", Q.Q4_K, 12288, 4096),
+                    t("token_embd.weight", Q.Q6_K, 1000, 4096), t("output.weight", Q.Q6_K, 1000, 4096),
+                    t("blk.2.ffn_down.weight", Q.Q6_K, 4096, 1280)])
+    want = {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight", "output.weight"}
+    total = sum(v.n_bytes for v in tensors.values()) + sum(tensors[n].n_bytes for n in want)
+    big = 80 << 30
+    assert g8_plan(tensors, False, big, big, "auto") == want
+    assert g8_plan(tensors, False, total + g8_reserve(big) - 1, big, "auto") == set()
+    assert g8_plan(tensors, False, total + g8_reserve(big), big, "auto") == want
+    assert g8_plan(tensors, False, 0, big, "1") == want
+    assert g8_plan(tensors, False, big, big, "0") == set()
+    tied = {n: v for n, v in tensors.items() if n != "output.weight"}
+    assert g8_plan(tied, True, big, big, "auto") == want - {"output.weight"} | {"token_embd.weight"}
+    assert g8_reserve(1 << 50) == (1 << 50) // 5 and g8_reserve(24 << 30) == 8 << 30

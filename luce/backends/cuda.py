@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import re
 import os
 import weakref
 from dataclasses import dataclass
@@ -169,12 +170,26 @@ WARMUP_WIDTHS = (1, 2, 4, 8, 16, 23, 32, 64, 96, 128, 256, 512)
 ALIGN = 256
 
 
-# LUCE_Q6K_G8=1: Q6_K weights whose rows hold a multiple of 2,048 columns also get a copy in
-# luce.kernels.q6k_groups' layout (every 16-byte piece one aligned load), which the
-# decode products over int8 x (the down projection with its norm, the output head) and the
-# verification widths' tensor-core products read; prefill keeps the GGUF copy. An experiment: twice the memory of those weights
-# (8B: ~2 GB more), not yet measured on a GPU.
-Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "0") == "1"
+# Q6_K regrouped eight blocks at a time (luce.kernels.q6k_groups: every 16-byte piece one
+# aligned load): the down projections and the output head (the embedding table where it is
+# the head) also get a copy in that layout, which the decode products over int8 x and the
+# verification widths' tensor-core products read; prefill, the embedding gather and the
+# q/k/v launch keep the GGUF copy. On the H200 (8B shape, one run each, b6ddcdb) the
+# 23-node verification forward took 5.21 ms against 5.48 and the one-node forward 3.03
+# against 3.22; decode 344.2 against 342.0 tok/s (docs/benchmarks.md, thirty-first session).
+# It costs those weights' memory twice (8B: ~2 GB), so LUCE_Q6K_G8=auto (the default) makes
+# the copies only where the whole model and its copies leave G8_RESERVE of the free memory
+# (plan_weights); 1 always, 0 never.
+Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "auto").strip().lower()
+if Q6K_G8 not in ("auto", "0", "1"):
+    raise ValueError(f"LUCE_Q6K_G8={Q6K_G8!r}: auto, 0 or 1")
+_G8_NAMES = re.compile(r"(blk\.\d+\.ffn_down|output)\.weight")
+
+
+def g8_reserve(total_bytes: int) -> int:
+    """Device memory left free for the KV cache, activations and graphs when deciding on
+    the Q6_K groups copies: a fifth of the device, at least 8 GiB."""
+    return max(8 << 30, total_bytes // 5)
 
 
 @dataclass
@@ -185,11 +200,36 @@ class DeviceWeight:
     g8: object = None  # Q6K_G8: the same rows in q6k_groups' layout
 
 
-def _g8_copy(cuda, host_rows: np.ndarray, qtype, cols: int):
-    """The device copy of Q6_K rows in q6k_groups' layout, where Q6K_G8 asks and they fit."""
+def g8_eligible(qtype, cols: int) -> bool:
     import gguf
-    from ..kernels.q6k_groups import g8_applies, g8_ref
-    if not Q6K_G8 or qtype != gguf.GGMLQuantizationType.Q6_K or not g8_applies(cols):
+    from ..kernels.q6k_groups import g8_applies
+    return qtype == gguf.GGMLQuantizationType.Q6_K and g8_applies(cols)
+
+
+def g8_plan(tensors: dict, tied_output: bool, free_bytes: int, total_bytes: int, setting: str = None) -> set:
+    """The tensors (by name) that get a Q6_K groups copy: the eligible down projections and
+    head, all of them or none (a model whose products differ layer to layer gains nothing
+    over the slowest), and under "auto" only if the model, the copies and g8_reserve fit
+    in free_bytes."""
+    setting = Q6K_G8 if setting is None else setting
+    head = "token_embd.weight" if tied_output else "output.weight"
+    names = {n for n, t in tensors.items() if len(t.shape) == 2 and g8_eligible(t.qtype, t.shape[1])
+             and (_G8_NAMES.fullmatch(n) or n == head) and (n != "output.weight" or not tied_output)}
+    if setting == "0" or not names:
+        return set()
+    if setting == "1":
+        return names
+    need = sum(t.n_bytes for t in tensors.values()) + sum(tensors[n].n_bytes for n in names)
+    return names if need + g8_reserve(total_bytes) <= free_bytes else set()
+
+
+def _g8_copy(cuda, host_rows: np.ndarray, qtype, cols: int, name, planned):
+    """The device copy of Q6_K rows in q6k_groups' layout where the plan names the tensor
+    (planned None, no plan_weights: every eligible tensor under LUCE_Q6K_G8=1)."""
+    from ..kernels.q6k_groups import g8_ref
+    if not g8_eligible(qtype, cols):
+        return None
+    if (Q6K_G8 != "1") if planned is None else (name not in planned):
         return None
     return cuda.to_device(g8_ref(host_rows, host_rows.shape[0], cols))
 
@@ -761,6 +801,7 @@ class CUDABackend:
         # are compiled, so a graph may be recorded at once (compiling inside a capture is not safe)
         self._compiled = set()
         self._ungraphable = set()  # forward keys whose capture failed
+        self._g8_names = None  # plan_weights: the tensors with a Q6_K groups copy
         self._warm_long = False  # warmup: a decode forward as over a long context (its kernels)
 
     device_sampling = True  # forward_next_token draws sampled tokens too (sample=...)
@@ -788,9 +829,16 @@ class CUDABackend:
             raw = dequantize(info.data, info.qtype, info.shape).astype(np.float16).view(np.uint8)
             return DeviceWeight(cuda.to_device(raw.reshape(rows, -1)), Q.F16, (rows, cols))
         host = np.asarray(info.data).reshape(rows, -1)
-        return DeviceWeight(cuda.to_device(host), info.qtype, (rows, cols), _g8_copy(cuda, host, info.qtype, cols))
+        return DeviceWeight(cuda.to_device(host), info.qtype, (rows, cols),
+                            _g8_copy(cuda, host, info.qtype, cols, info.name, self._g8_names))
 
-    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int) -> DeviceWeight:
+    def plan_weights(self, tensors: dict, tied_output: bool) -> None:
+        """Before load_tensor: decide which Q6_K weights also get the groups copy (g8_plan),
+        from the model's tensors and the device's free memory now."""
+        free, total = self.cuda.current_context().get_memory_info()
+        self._g8_names = g8_plan(tensors, tied_output, free, total)
+
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None) -> DeviceWeight:
         """A [rows, row_bytes] device weight filled by repeating the host rows of `pool`
         (random-weight benchmark models: one small upload, then device copies)."""
         cuda = self.cuda
@@ -801,7 +849,7 @@ class CUDABackend:
                 n = min(pool.shape[0], rows - r)
                 dst[r:r + n].copy_to_device(src[:n])
             return dst
-        g8 = _g8_copy(cuda, pool, qtype, cols)  # the layout is by row: the tiling of the pool's
+        g8 = _g8_copy(cuda, pool, qtype, cols, name, self._g8_names)  # the layout is by row: the tiling of the pool's
         w = DeviceWeight(tiled(cuda.to_device(pool)), qtype, (rows, cols), None if g8 is None else tiled(g8))
         cuda.synchronize()
         return w

@@ -60,8 +60,12 @@ def run_all(bench_args: list[str], settings: list[dict[str, str]], rounds: int =
             env = dict(os.environ, **setting)
             print(f"[luce bench compare] round {r + 1}: {label(setting)}", file=sys.stderr, flush=True)
             p = runner(args, env=env, capture_output=True, text=True)
-            results.append({"setting": label(setting), "round": r + 1, "figures": parse_progress(p.stderr),
+            figures = parse_progress(p.stderr)
+            results.append({"setting": label(setting), "round": r + 1, "figures": figures,
                             "returncode": p.returncode, "tail": (p.stdout + p.stderr)[-2000:]})
+            # as it goes, so a run cut short by a time limit still shows what finished
+            print("[luce bench compare]   " + ("; ".join(f"{n} {_number(v)} {u}" for n, (v, u) in figures.items())
+                                               or f"no figures (exit {p.returncode})"), file=sys.stderr, flush=True)
     return results
 
 

@@ -21,6 +21,8 @@ def _load(model_arg, synthetic, backend_name, n_ctx):
         cfg = f.config()
         fam = families()[cfg.arch]
         t0 = time.perf_counter()
+        if hasattr(be, "plan_weights"):
+            be.plan_weights(f.tensors, cfg.tied_output)
         weights = build_weights(cfg, f, synthetic_loader(be))
         return be, fam, cfg, weights, f.weight_bytes_per_token, f"synthetic {f.name}", time.perf_counter() - t0
     from ..model import load

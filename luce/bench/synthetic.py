@@ -312,6 +312,6 @@ def synthetic_loader(backend, seed: int = 0, pool_mb: int = 64):
                 pools[key] = (0.02 * rng.standard_normal((pool_rows, cols))).astype(np.float16).view(np.uint8)
             else:
                 pools[key] = random_quant_rows(info.qtype, pool_rows, cols, rng)
-        return backend.tiled_weight(pools[key], info.qtype, rows, cols)
+        return backend.tiled_weight(pools[key], info.qtype, rows, cols, info.name)
 
     return load

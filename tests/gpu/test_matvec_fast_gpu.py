@@ -273,3 +273,38 @@ def test_matvec_fast_pair_with_third_gpu(unroll):
         for (q, _, _), w, b in zip(shapes, ws, bs):
             got = matvec_fast(cuda.to_device(w), q, cuda.to_device(x), bias=cuda.to_device(b), unroll=unroll)
             check(got.copy_to_host(), matvec_ref(w, q, x, bias=b), w, q, x)
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(4096, 12288), (151936 // 8, 4096)], ids=["down", "head_part"])
+def test_q6_k_groups_layout_gpu(n_rows, n_cols):
+    """layout="g8" (luce.kernels.q6k_groups) at the decode down and head shapes: the same
+    bits as the GGUF layout over the same int8 x (the same sums in the same order), both
+    within float32 accuracy of the reference; and the down product with its norm."""
+    from luce.kernels.matvec_fast import matvec_fast_norm
+    from luce.kernels.q6k_groups import g8_ref
+    from luce.kernels.quantize_x import matvec_x8_ref, quantize_x
+    raw = weights(T.Q6_K, n_rows, n_cols)
+    g8 = cuda.to_device(g8_ref(raw, n_rows, n_cols))
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    x_dev = cuda.to_device(x)
+    xq = quantize_x(x_dev, planes=2)
+    outs = []
+    for w, layout in ((cuda.to_device(raw), None), (g8, "g8")):
+        out = cuda.to_device(np.full(n_rows, np.nan, np.float32))
+        matvec_fast(w, T.Q6_K, x_dev, out=out, xq=xq, layout=layout)
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(outs[1], outs[0])
+    check(outs[1], matvec_x8_ref(raw, T.Q6_K, x, 2), raw, T.Q6_K, x)
+    res0 = rng.standard_normal(n_rows).astype(np.float32)
+    gn = cuda.to_device(rng.standard_normal(n_rows).astype(np.float32))
+    got = []
+    for w, layout in ((cuda.to_device(raw), None), (g8, "g8")):
+        res = cuda.to_device(res0)
+        xg = cuda.to_device(np.full(n_rows, np.nan, np.float32))
+        parts = cuda.to_device(np.full(4096, np.nan, np.float32))
+        n = matvec_fast_norm(w, T.Q6_K, x_dev, res, gn, xg, parts, xq=xq, layout=layout)
+        got.append((res.copy_to_host(), xg.copy_to_host(), parts.copy_to_host()[:n]))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(got[1][1]).all()

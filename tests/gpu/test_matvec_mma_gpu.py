@@ -160,3 +160,20 @@ def test_gated_frags_out_gpu(n_x):
         want, want_s = (a.copy_to_host() for a in x_frags(cuda.to_device(h), qt))
         assert np.array_equal(got, want), qt
         assert np.array_equal(got_s[:rows8], want_s[:rows8]) and got_s[n_x - 1] > 1, qt
+
+
+@pytest.mark.parametrize("n_x", [1, 23])
+def test_matvec_mma_q6_k_groups_layout_gpu(n_x):
+    """The verification products over the Q6_K groups copy (layout="g8") at the down shape:
+    the GGUF layout's bits, and within the reference's bound."""
+    from luce.kernels.q6k_groups import g8_ref
+    rng = np.random.default_rng(9)
+    n_out, k = 4096, 12288
+    raw = random_tensor(rng, T.Q6_K, (n_out, k)).reshape(n_out, -1)
+    x = cuda.to_device(rng.standard_normal((n_x, k)).astype(np.float32))
+    plain = matvec_mma(cuda.to_device(raw), T.Q6_K, x, n_out).copy_to_host()
+    grouped = matvec_mma(cuda.to_device(g8_ref(raw, n_out, k)), T.Q6_K, x, n_out, layout="g8").copy_to_host()
+    np.testing.assert_array_equal(grouped, plain)
+    want = matvec_ref(raw, T.Q6_K, x.copy_to_host())
+    bound = np.abs(x.copy_to_host()) @ np.abs(dequantize(raw.reshape(-1), T.Q6_K, (n_out, k))).T
+    assert (np.abs(grouped - want) <= 2.0 ** -9 * bound + 1e-5).all()
