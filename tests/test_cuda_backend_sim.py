@@ -435,26 +435,32 @@ def test_profile_forward_of_a_tree_runs_its_attention_with_the_mask(tiny_llama, 
     assert kv.n_past == 2 and len(seen) >= 2 * cfg.n_layers and all(m is not None for m in seen)
 
 
-def test_q6_k_groups_copy_feeds_the_decode_down_product(tmp_path, monkeypatch):
+def test_q6_k_groups_copy_feeds_the_verification_products(tmp_path, monkeypatch):
     """LUCE_Q6K_G8: a Q6_K down projection of 2,048 columns gets a copy in q6k_groups'
-    layout at load, and decode's down product (with its split norm, over int8 x) reads
-    that copy; the logits are the GGUF layout's bit for bit (the same sums in the same
-    order)."""
+    layout at load; a verification-width forward's tensor-core products read that copy and
+    decode's products the GGUF one; the logits are the GGUF layout's bit for bit (the same
+    sums in the same order)."""
     import gguf
     from luce.backends import cuda as C
     from luce.backends.cuda import CUDABackend
     from luce.kernels import matvec_fast as F
+    from luce.kernels import matvec_mma as M
     from luce.models.transformer import build_weights
     Q = gguf.GGMLQuantizationType
     types = lambda n: Q.F32 if "norm" in n else Q.Q6_K if "ffn_down" in n else Q.Q8_0  # noqa: E731
     f, fam, cfg = model_file(tmp_path / "g8.gguf", "qwen3", types, seed=5, n_ff=2048)
-    layouts = []
-    real = F._launch
+    seen = []
+    real_fast, real_mma = F._launch, M._launch
 
-    def spy(*args, **kwargs):
-        layouts.append(kwargs.get("layout"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(F, "_launch", spy)
+    def spy_fast(*args, **kwargs):
+        seen.append(("fast", kwargs.get("layout")))
+        return real_fast(*args, **kwargs)
+
+    def spy_mma(*args, **kwargs):
+        seen.append(("mma", kwargs.get("g8", False)))
+        return real_mma(*args, **kwargs)
+    monkeypatch.setattr(F, "_launch", spy_fast)
+    monkeypatch.setattr(M, "_launch", spy_mma)
     got = []
     for on in (False, True):
         monkeypatch.setattr(C, "Q6K_G8", "1" if on else "0")
@@ -463,10 +469,14 @@ def test_q6_k_groups_copy_feeds_the_decode_down_product(tmp_path, monkeypatch):
         w = build_weights(cfg, f, gpu.load_tensor)
         assert (w.layers[0].w_down.g8 is not None) == on
         kv = gpu.new_cache(cfg, 32)
-        layouts.clear()
-        got.append(gpu.forward(fam, cfg, w, kv, [9], [0]))  # one decode step (a prefill is slow here)
-        assert ("g8" in layouts) == on, layouts
-    np.testing.assert_array_equal(got[1], got[0])
+        seen.clear()
+        got.append(gpu.forward(fam, cfg, w, kv, [9, 4], [0, 1]))  # two tokens: the tensor-core products
+        assert ("mma", True) in seen if on else ("mma", True) not in seen, seen
+        seen.clear()
+        got.append(gpu.forward(fam, cfg, w, kv, [7], [2]))  # decode
+        assert seen and all(layout is None for kind, layout in seen if kind == "fast"), seen
+    for a, b in zip(got[:2], got[2:]):
+        np.testing.assert_array_equal(b, a)
 
 
 def test_q6_k_groups_plan_copies_the_down_projections_and_head_where_they_fit():

@@ -172,14 +172,15 @@ ALIGN = 256
 
 # Q6_K regrouped eight blocks at a time (luce.kernels.q6k_groups: every 16-byte piece one
 # aligned load): the down projections and the output head (the embedding table where it is
-# the head) also get a copy in that layout, which the decode products over int8 x and the
-# verification widths' tensor-core products read; prefill, the embedding gather and the
-# q/k/v launch keep the GGUF copy. On the H200 (8B shape, one run each, b6ddcdb) the
-# 23-node verification forward took 5.21 ms against 5.48 and the one-node forward 3.03
-# against 3.22; decode 344.2 against 342.0 tok/s (docs/benchmarks.md, thirty-first session).
+# the head) also get a copy in that layout, which the verification widths' tensor-core
+# products (matvec_mma) read. On the H200 (8B shape) the 23-node verification forward took
+# 5.21 / 5.25 ms against 5.48 / 5.42 without (two calls), its down product with the norm
+# 32.3 us a layer against 37.8. Decode keeps the GGUF layout: its down product with the
+# norm profiled 19.0 us a layer over the copy against 16.2 without (the kernel alone,
+# without the norm: 18.05 against 19.71), and end to end decode moved within the spread.
 # It costs those weights' memory twice (8B: ~2 GB), so LUCE_Q6K_G8=auto (the default) makes
-# the copies only where the whole model and its copies leave G8_RESERVE of the free memory
-# (plan_weights); 1 always, 0 never.
+# the copies only where the whole model and its copies leave g8_reserve of the free memory
+# (plan_weights); 1 always, 0 never. Figures: docs/benchmarks.md, thirty-first session.
 Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "auto").strip().lower()
 if Q6K_G8 not in ("auto", "0", "1"):
     raise ValueError(f"LUCE_Q6K_G8={Q6K_G8!r}: auto, 0 or 1")
@@ -533,10 +534,8 @@ class CudaOps:
                 and ("norm" in X8_OUT or not self.x8_weights) and h.shape == residual.shape
                 and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
             x = self._plain(x)
-            xq8 = self._x8(x, w.qtype)
-            g8 = w.g8 is not None and xq8 is not None
-            n_parts = matvec_fast_norm(w.g8 if g8 else w.raw, w.qtype, x, residual, norm_w, h, parts,
-                                       stream=self.stream, xq=xq8, xq_out=xq, layout="g8" if g8 else None)
+            n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
+                                       xq=self._x8(x, w.qtype), xq_out=xq)
             return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w, xq)
         residual = self.linear(x, w, residual=residual)
         if self._own("rms_norm") and h.shape == residual.shape:
@@ -553,9 +552,8 @@ class CudaOps:
             from ..kernels.matvec_fast import splits_norm
             if w.qtype in FAST_TYPES and splits_norm(w.raw):
                 out = residual if residual is not None else self._out((n, w.shape[0]))
-                g8 = w.g8 is not None and x.xq is not None
-                return matvec_fast(w.g8 if g8 else w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual,
-                                   stream=self.stream, x_norm=x.x_norm, xq=x.xq, layout="g8" if g8 else None)
+                return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual,
+                                   stream=self.stream, x_norm=x.x_norm, xq=x.xq)
             x = self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
@@ -566,10 +564,8 @@ class CudaOps:
             return matvec_mma(w.g8 if g8 else w.raw, w.qtype, x, w.shape[0], out=out, bias=bias, residual=residual,
                               stream=self.stream, frags=self._frags_for(x, w.qtype), layout="g8" if g8 else None)
         if n <= FAST_MATVEC_MAX_ROWS and w.qtype in FAST_TYPES:  # decode, 2-token verification
-            xq8 = self._x8(x, w.qtype)
-            g8 = w.g8 is not None and xq8 is not None
-            return matvec_fast(w.g8 if g8 else w.raw, w.qtype, x, out=out, bias=bias, residual=residual,
-                               stream=self.stream, xq=xq8, layout="g8" if g8 else None)
+            return matvec_fast(w.raw, w.qtype, x, out=out, bias=bias, residual=residual,
+                               stream=self.stream, xq=self._x8(x, w.qtype))
         if _takes_matmul(n, w.qtype, w.shape[1]):
             return matmul(x, w.raw, w.qtype, w.shape[0], w.shape[1], out=out, bias=bias, residual=residual,
                           stream=self.stream, x_guard=self._guard(x))
