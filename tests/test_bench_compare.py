@@ -26,8 +26,8 @@ def test_progress_lines_give_the_figures():
 
 
 def test_settings_are_environment_assignments():
-    assert C.parse_settings(["LUCE_MV_PREFETCH=Q6_K", "LUCE_PDL=0 NUMBA_OPT=2"]) == [
-        {"LUCE_MV_PREFETCH": "Q6_K"}, {"LUCE_PDL": "0", "NUMBA_OPT": "2"}]
+    assert C.parse_settings(["LUCE_Q6K_G8=0", "LUCE_PDL=0 NUMBA_OPT=2"]) == [
+        {"LUCE_Q6K_G8": "0"}, {"LUCE_PDL": "0", "NUMBA_OPT": "2"}]
     for bad in ("PATH=/tmp", "LUCE_PDL", "", "luce_pdl=1"):
         with pytest.raises(ValueError):
             C.parse_settings([bad])

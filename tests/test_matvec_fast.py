@@ -392,29 +392,6 @@ for q in F.X8_TYPES:
         name = f"{q.name}_x8_glu{int(glu)}_xn{int(xn)}_no{int(no)}"
         assert "dp4a.u32.s32" in ptx and not re.search(r"\.local\b", ptx), name
         assert ptxas_usage(ptx)["spill_bytes"] == 0, name
-# LUCE_MV_PREFETCH: the decode down product (Q6_K over int8 x, its norm) with next-step
-# prefetches, no spills, and no more registers than its blocks an SM allow without them
-for on in (False, True):
-    F.MV_PREFETCH = frozenset(F.FAST_SPECS) if on else frozenset()
-    ptx, _ = cuda.compile_ptx(F._make_kernel(F.T.Q6_K, False, False, True, 8, True, None, 8, 1, 2, False, False, True,
-                                             None, 2).py_func, sig8, cc=(9, 0))
-    assert ("prefetch.global.L1" in ptx) == on, on
-    use = ptxas_usage(ptx)
-    assert use["spill_bytes"] == 0, (on, use)
-    if on:
-        assert blocks(use["registers"], 8) >= blocks(plain["registers"], 8), (plain, use)
-    plain = use
-F.MV_PREFETCH = frozenset()
-# LUCE_MV_BOUNDS: the launch bounds reach ptxas (a kernel under "wave" fits the blocks an
-# SM that hold WAVE_WARPS_PER_SM warps)
-for mode in ("threads", "wave"):
-    F.MV_BOUNDS = mode
-    k = F._make_kernel(F.T.Q6_K, False, False, True, 8, True, None, 8, 1, 2, False, False, True, None, 2)
-    ptx, _ = cuda.compile_ptx(k.py_func, sig8, cc=(9, 0), launch_bounds=k.targetoptions["launch_bounds"])
-    assert ".maxntid 256" in ptx, mode
-    if mode == "wave":
-        assert blocks(ptxas_usage(ptx)["registers"], 8) * 8 >= F.WAVE_WARPS_PER_SM, ptxas_usage(ptx)
-F.MV_BOUNDS = "none"
 # Q6_K in groups of eight blocks (q6k_groups): aligned loads only, fewer registers than the
 # GGUF layout's down product (ptxas 13: 76 against 102)
 k = F._make_kernel(F.T.Q6_K, False, False, True, 8, True, None, 8, 1, 2, False, False, True, None, 2, True)
@@ -430,30 +407,6 @@ ptx_check = background_ptx_check(PTX_CHECK)
 
 def test_matvec_fast_compiles_to_ptx(ptx_check):
     assert_ptx_ok(ptx_check)
-
-
-@pytest.mark.parametrize("qtype,n_rows,n_cols,unroll", [(T.Q4_K, 3, 2304, None), (T.Q6_K, 5, 2048, None),
-                                                        (T.Q6_K, 16, 256, 2), (T.Q8_0, 8, 1056, None)], ids=ID)
-def test_matvec_fast_next_step_prefetch(monkeypatch, qtype, n_rows, n_cols, unroll):
-    """LUCE_MV_PREFETCH: each lane prefetches its next loop step's lines (1 and 2 units a
-    step; the last steps' addresses clamped to the row's last unit); the results are the
-    plain kernel's, and the simulator's prefetch reads its address, so one outside the
-    weights fails. Over float x and int8 x."""
-    monkeypatch.setattr(F, "MV_PREFETCH", frozenset(FAST_TYPES))
-    monkeypatch.setattr(F, "_KERNELS", {})  # kernels made with the setting, then the usual ones again
-    rng = np.random.default_rng(7)
-    raw = weights(rng, qtype, n_rows, n_cols)
-    x = rng.standard_normal(n_cols).astype(np.float32)
-    out = nan_device((n_rows,))
-    matvec_fast(cuda.to_device(raw), qtype, cuda.to_device(x), out=out, unroll=unroll)
-    assert_close(out.copy_to_host(), matvec_ref(raw, qtype, x), raw, qtype, x)
-    if qtype in F.X8_TYPES:
-        from luce.kernels.quantize_x import matvec_x8_ref, quantize_x
-        xd = cuda.to_device(x.reshape(1, -1))
-        out8 = nan_device((1, n_rows))
-        matvec_fast(cuda.to_device(raw), qtype, xd, out=out8, unroll=unroll, xq=quantize_x(xd, planes=2))
-        np.testing.assert_allclose(out8.copy_to_host()[0], matvec_x8_ref(raw, qtype, x, planes=2), rtol=1e-4,
-                                   atol=1e-4 * np.abs(matvec_x8_ref(raw, qtype, x, planes=2)).max())
 
 
 @pytest.mark.parametrize("n_rows,n_cols,planes", [(5, 2048, 2), (3, 4096, 1)])

@@ -1,6 +1,6 @@
 """`luce bench --compare VAR=VALUE ...`: the end-to-end bench under several settings, side by side.
 
-Why: most of luce's kernel settings (LUCE_MV_PREFETCH, LUCE_PDL, ...) are read when the
+Why: most of luce's kernel settings (LUCE_Q6K_G8, LUCE_PDL, ...) are read when the
 kernels compile, once a process, so comparing them takes one process each. This runs the
 same `luce bench` once without the settings and once with each, in alternating order for
 `rounds` rounds (run-to-run spread shows as the spread within a column), and prints each

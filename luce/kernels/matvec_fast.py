@@ -60,7 +60,7 @@ from .dequant import SIM, T, as_device, as_qtype, row_bytes, weight_u16
 from . import pdl
 from .pdl import grid_dependency_sync, l2_prefetch, ready as pdl_ready
 from .quantize_x import FINE, block_bytes, int8_half_store
-from .vector_load import (f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x2, ldg_u16_u32x4, ldw_u16_u32x4, prefetch_l1,
+from .vector_load import (f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x2, ldg_u16_u32x4, ldw_u16_u32x4,
                           u32_bits_to_f32)
 
 __all__ = ["FAST_TYPES", "MAX_X_ROWS", "matvec_fast", "matvec_fast_norm", "matvec_fast_pair", "swiglu_fast",
@@ -664,34 +664,10 @@ _X8_UNROLLS = {"": None, "1": 1, "2": 2, PIPE: PIPE}
 if os.environ.get("LUCE_X8_UNROLL", "") not in _X8_UNROLLS:
     raise ValueError(f"LUCE_X8_UNROLL={os.environ['LUCE_X8_UNROLL']}: 1, 2 or {PIPE}")
 X8_UNROLL = _X8_UNROLLS[os.environ.get("LUCE_X8_UNROLL", "")]
-# LUCE_MV_PREFETCH=Q6_K (types, comma-separated; 1: every type): each lane of those types'
-# units starts the cache lines of its next loop step's blocks toward
-# L1 (prefetch.global.L1: no register holds them) before this step's loads, so the next
-# step's loads hit L1 instead of waiting on HBM. Why: ptxas sinks a unit's loads to just
-# before their use (see _make_rows), so a lane has one step's bytes in flight and waits a
-# full memory round trip every step, and in the decode down product (Q6_K over int8 x,
-# sm_90 SASS) the scales' 2-byte loads come after the quants have been waited on: a second
-# round trip a step. Holding the next step's words in registers instead (unroll PIPE) cost
-# registers and measured no faster. ptxas 13, sm_90: the decode down product (Q6_K over
-# two int8 planes, norm epilogue) 102 -> 101 registers and 895 -> 931 loop instructions,
-# the prefetches issued with the step's first loads; the gated Q4_K product 106 -> 110
-# and 1,679 -> 1,837. Off by default: not yet measured on a GPU.
-# LUCE_MV_BOUNDS: the launch bounds the products compile with. "none" (default): none, and
-# ptxas takes what registers it likes; "threads": the block's threads; "wave": those and
-# the blocks an SM that hold WAVE_WARPS_PER_SM warps, what grid_shape sizes grids for.
-# Why: the decode products have outgrown the 66-80 registers the grid shapes were chosen
-# at. ptxas 13 for sm_90, registers (warps an SM), none / threads / wave: down Q6_K with
-# its norm (8 warps a block) 102 (16) / 78 (24) / 80 (24, 16 bytes spilled); gated Q4_K
-# (4 warps) 106 (16) / 92 (20) / 80 (24, 68 bytes spilled); q/k/v (8 warps) 80 (24) / 90
-# (16) / 80 (24, 24 bytes spilled); o with its norm 72 (24) / 80 (24) / 80 (24, 16
-# spilled); the head Q6_K (4 warps, 16 groups) 77 (24) / 78 (24) / 80 (24). So the gated
-# product (3,072 warps) runs ~1.5 waves of 16 warps an SM as it stands. Not yet measured
-# on a GPU.
-MV_BOUNDS = os.environ.get("LUCE_MV_BOUNDS", "none").strip() or "none"
-if MV_BOUNDS not in ("none", "threads", "wave"):
-    raise ValueError(f"LUCE_MV_BOUNDS={MV_BOUNDS}: none, threads or wave")
-_PF = os.environ.get("LUCE_MV_PREFETCH", "").strip()
-MV_PREFETCH = frozenset(FAST_SPECS if _PF == "1" else (T[n.strip()] for n in _PF.split(",") if n.strip() and n != "0"))
+# Measured and removed (H200, docs/benchmarks.md, thirty-first session): next-step L1
+# prefetches in the loop (LUCE_MV_PREFETCH: decode 342 -> 305 tok/s for every type, 342
+# -> 330 for Q6_K alone) and launch bounds at the block's threads (LUCE_MV_BOUNDS=threads:
+# fewer registers, 342 -> 314 tok/s).
 
 
 
@@ -735,31 +711,12 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0, g8: bo
         # else by column (Q4_K's shared sums excepted: one x row only)
         return dot(raw, w, ha + b * BH, hb + b * BH, x, sxs, b * QK + xoff, t)
 
-    # next-step prefetch (MV_PREFETCH): a block's TPB lanes start its lines from TPB points
-    # PO uint16 apart and the last lane also from the block's last uint16, so every line
-    # the block touches is asked for (lines of 128 bytes, points at most 105 bytes apart)
-    PO = BH // TPB
-    PF = qtype in MV_PREFETCH and not G8  # (its points are the plain layout's)
-
-    @_dev
-    def prefetch_at(w, ha, hb, n_units, u):
-        if PF:
-            b, t = where(n_units, u)  # clamped: the address is always inside the weights
-            o = b * BH + t * PO
-            prefetch_l1(w, ha + o)
-            prefetch_l1(w, hb + o)
-            if t == TPB - 1:
-                o = b * BH + BH - 1
-                prefetch_l1(w, ha + o)
-                prefetch_l1(w, hb + o)
-
     if UN == 1:
         @_dev
         def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
             """acc[2r], acc[2r + 1] += the sums of rows a and b (uint16 starts ha, hb) with x
             row r (x rows xs apart) over units first, first + step, ..."""
             for u in range(first, n_units, step):
-                prefetch_at(w, ha, hb, n_units, u + step)
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 for r in range(NX):  # each weight load serves every x row
                     pa, pb = dot_at(r0, w, ha, hb, x, sxs, b0, t0, r * xs)
@@ -784,8 +741,6 @@ def _make_rows(qtype, inline_sums, unroll=None, nx: int = 1, x8: int = 0, g8: bo
         def rows_dot(w, ha, hb, x, sxs, n_units, first, step, xs, acc):
             """As above, two units (u and u + step) a loop step."""
             for u in range(first, n_units, 2 * step):
-                prefetch_at(w, ha, hb, n_units, u + 2 * step)
-                prefetch_at(w, ha, hb, n_units, u + 3 * step)
                 r0, b0, t0 = load_at(w, ha, hb, n_units, u)
                 r1, b1, t1 = load_at(w, ha, hb, n_units, u + step)
                 more = u + step < n_units
@@ -886,7 +841,7 @@ def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, i
     assert not ((XN or NO) and NX > 1) and not (NO and (glu or pair or not has_res or RPB > 32))
     assert not QO or (RPB % 16 == 0 and NX == 1 and not pair)
 
-    @_bounded(NT)
+    @cuda.jit
     def kernel(w, w_up, x, out, bias, res, n_rows, row_h, n_units, xs, out_b, bias_b, n_rows_b,
                gn, xg, parts, n_parts, eps, w_c, out_c, bias_c, n_rows_c, row_h_c, xo_b, xo_f):
         # LUCE_PDL=2: this block's first row block toward L2 (rows whole 16-byte pieces)
@@ -1025,16 +980,6 @@ def _make_kernel(qtype, glu: int, has_bias: bool, has_res: bool, nw: int = NW, i
                     ss += nsq[i]
                 parts[lblk] = ss
     return pdl_ready(kernel)
-
-
-def _bounded(nt: int):
-    """cuda.jit with MV_BOUNDS' launch bounds for blocks of nt threads (the simulator's jit
-    takes none)."""
-    if SIM or MV_BOUNDS == "none":
-        return cuda.jit
-    if MV_BOUNDS == "threads":
-        return cuda.jit(launch_bounds=nt)
-    return cuda.jit(launch_bounds=(nt, max(1, WAVE_WARPS_PER_SM // (nt // 32))))
 
 
 _KERNELS: dict = {}

@@ -52,7 +52,7 @@ from .device import device
 from .matvec import silu
 from .matvec_fast import k4_scales, ld16, pieces
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
-from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4, prefetch_l1
+from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 from .pdl import grid_dependency_sync, ready as pdl_ready
 
 __all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
@@ -74,12 +74,8 @@ GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is ch
 # to 24 rows (LUCE_MMA_TILES=1), and the blocks an SM ptxas must fit for plain one-tile forms
 PLAIN_TILES = int(os.environ.get("LUCE_MMA_TILES", "0") or 0)
 PLAIN_BLOCKS = int(os.environ.get("LUCE_MMA_PLAIN_BLOCKS", "1") or 1)
-# LUCE_MMA_PREFETCH=1: at each K block a lane starts its rows' next K block toward L1
-# (prefetch.global.L1, no register held), so that block's loads hit L1. Why: these
-# products are weight-load latency chains at the 8-12 warps an SM their registers allow
-# (docs/benchmarks.md, twenty-fifth session), and holding the next block's words in
-# registers was sunk by ptxas. Off by default: not yet measured on a GPU.
-PREFETCH = os.environ.get("LUCE_MMA_PREFETCH", "0") == "1"
+# Measured and removed (H200, thirty-first session): the next K block prefetched into L1
+# each trip (LUCE_MMA_PREFETCH: the 23-node verification forward 5.25 -> 5.41 ms).
 
 
 @device(inline=True)
@@ -377,8 +373,6 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     NQ = 8 if Q4 else 12  # quant words a lane holds a row
     SCR = (W, 32, SCRATCH) if SIM else (1,)
     assert not gated or TL == 2
-    PF = PREFETCH and not G8  # (its points are the GGUF layout's)
-    PO = BU // 4  # the block's four lanes of a row prefetch from points PO uint16 apart (< a line)
     # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
     # registers and spilled
     jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair, TL)))
@@ -520,15 +514,6 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         trips = (nb + W - 1) // W  # the same for every warp (the simulator's mma has barriers)
         for it in range(trips):
             b = wid + it * W
-            if PF:  # the next trip's block of each row (clamped: inside the weights)
-                c = lane & 3
-                bn = min(b + W, nb - 1)
-                for i in range(R2):
-                    w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
-                    base = (rows[i] * nb + bn) * BU
-                    prefetch_l1(w, base + PO * c)
-                    if c == 3:
-                        prefetch_l1(w, base + BU - 1)
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
             block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)

@@ -58,10 +58,6 @@ if SIM:
     ldw_u16_u32x4, ldw_u16_u32 = ldg_u16_u32x4, ldg_u16_u32  # hints mean nothing here
 
     @device
-    def prefetch_l1(a, i):
-        a[i]  # no effect but numpy's bounds check: a prefetch address outside `a` fails here
-
-    @device
     def ldg_f32x4(a, i):
         return (np.float32(a[i]), np.float32(a[i + 1]), np.float32(a[i + 2]), np.float32(a[i + 3]))
 
@@ -125,19 +121,6 @@ else:
     ldg_u16_u32 = _ldg_u32(1)
     ldw_u16_u32x4 = _ldg_u32(4, WEIGHT_HINTS[WEIGHT_HINT])
     ldw_u16_u32 = _ldg_u32(1, WEIGHT_HINTS[WEIGHT_HINT])
-
-    @intrinsic
-    def prefetch_l1(typingctx, a, i):
-        """Start the cache line of a[i] toward L1 (no register, nothing waits for it): a
-        later load of it then hits L1. Nothing in the simulator."""
-        sig = types.void(a, types.intp)
-
-        def codegen(context, builder, sig, args):
-            addr = _address(context, builder, sig.args[0], args[0], args[1])
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.global.L1 [$0];",
-                                      "l", side_effect=True), [addr])
-            return context.get_dummy_value()
-        return sig, codegen
 
     @intrinsic
     def ldg_f32x4(typingctx, a, i):

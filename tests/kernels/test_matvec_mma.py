@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from luce.kernels.dequant import T, dequantize
+from luce.kernels.dequant import T
 from luce.kernels.matvec import matvec_ref
 from luce.kernels.matvec_mma import _scratch, frag_col, matvec_mma, matvec_mma_pair, rms_norm_frags, x_frags
 from tests.test_dequant import abs_terms, random_tensor
@@ -222,16 +222,6 @@ for qt, nt, tiles, warps, gated, pair, frags in [
     assert ".local" not in code and use["spill_bytes"] <= (320 if pair and blocks > 1 else 0), \
         (qt, nt, tiles, warps, gated, pair, frags, blocks, use)
     print(qt.name, nt, tiles, warps, gated, pair, frags, use)
-# LUCE_MMA_PREFETCH: the next K block's prefetches (ptxas 13: the gated form at its 168
-# registers spills 24 bytes with them; the plain Q6_K form 202 -> 208 registers)
-M.PREFETCH = True
-for qt, warps, gated, frags in [(T.Q4_K, 4, True, True), (T.Q6_K, 8, False, False)]:
-    M._kernel.cache_clear()
-    code = cuda.compile_ptx(M._kernel(qt, 3, 2, warps, gated, False, frags).py_func, sig, cc=(9, 0),
-                            launch_bounds=(32 * warps, M._min_blocks(3, warps, gated, False)))[0]
-    use = ptxas_usage(code)
-    assert "prefetch.global.L1" in code and use["spill_bytes"] <= 32, (qt.name, use)
-M.PREFETCH = False
 # Q6_K in q6k_groups' layout: aligned loads only (no local memory, no spills)
 code = cuda.compile_ptx(M._kernel(T.Q6_K, 3, 2, 8, False, False, False, True).py_func, sig, cc=(9, 0),
                         launch_bounds=(256, M._min_blocks(3, 8, False, False)))[0]
@@ -254,31 +244,6 @@ ptx_check = background_ptx_check(PTX_CHECK)
 def test_matvec_mma_compiles_to_ptx(ptx_check):
     """The sm_90 code: tensor cores, no local memory, no float64, launchable."""
     assert_ptx_ok(ptx_check)
-
-
-@pytest.mark.parametrize("qtype,gated", [(T.Q4_K, True), (T.Q6_K, False)], ids=lambda v: getattr(v, "name", str(v)))
-def test_matvec_mma_next_block_prefetch(monkeypatch, qtype, gated):
-    """LUCE_MMA_PREFETCH: each lane prefetches its rows' next K block (clamped to the last);
-    the simulator's prefetch reads its address, so one outside the weights fails; the
-    results are those of the kernel without it."""
-    import luce.kernels.matvec_mma as M
-    n_x, n_out, k = 1, 16, 768  # 3 K blocks over 2 warps: the last trip's next block clamped
-    w = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
-    wu = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1) if gated else None
-    x = rng.standard_normal((n_x, k)).astype(np.float32)
-
-    def run():
-        out = cuda.to_device(np.full((n_x, n_out), np.nan, np.float32))
-        return matvec_mma(cuda.to_device(w), qtype, cuda.to_device(x), n_out, out=out, warps=2,
-                          w_up=None if wu is None else cuda.to_device(wu)).copy_to_host()
-    want = run()
-    monkeypatch.setattr(M, "PREFETCH", True)
-    M._kernel.cache_clear()
-    try:
-        got = run()
-    finally:
-        M._kernel.cache_clear()
-    np.testing.assert_array_equal(got, want)
 
 
 def test_matvec_mma_q6_k_in_groups_of_eight_blocks():
