@@ -435,48 +435,45 @@ def test_profile_forward_of_a_tree_runs_its_attention_with_the_mask(tiny_llama, 
     assert kv.n_past == 2 and len(seen) >= 2 * cfg.n_layers and all(m is not None for m in seen)
 
 
-def test_q6_k_groups_copy_feeds_the_verification_products(tmp_path, monkeypatch):
-    """LUCE_Q6K_G8: a Q6_K down projection of 2,048 columns gets a copy in q6k_groups'
-    layout at load; a verification-width forward's tensor-core products read that copy and
-    decode's products the GGUF one; the logits are the GGUF layout's bit for bit (the same
-    sums in the same order)."""
+def test_q6_k_groups_copy_feeds_the_verification_products(monkeypatch):
+    """LUCE_Q6K_G8: a planned Q6_K down projection of 2,048 columns gets a copy in
+    q6k_groups' layout at load; a verification width's product (matvec_mma) reads that copy
+    and gives the GGUF layout's bits (the same sums in the same order); decode's one row
+    (matvec_fast) reads the GGUF copy."""
     import gguf
+    from numba import cuda
     from luce.backends import cuda as C
-    from luce.backends.cuda import CUDABackend
+    from luce.gguf_file import TensorInfo
     from luce.kernels import matvec_fast as F
     from luce.kernels import matvec_mma as M
-    from luce.models.transformer import build_weights
+    from test_matvec import weights
     Q = gguf.GGMLQuantizationType
-    types = lambda n: Q.F32 if "norm" in n else Q.Q6_K if "ffn_down" in n else Q.Q8_0  # noqa: E731
-    f, fam, cfg = model_file(tmp_path / "g8.gguf", "qwen3", types, seed=5, n_ff=2048)
+    rng = np.random.default_rng(5)
+    n_out, k = 16, 2048
+    raw = weights(rng, Q.Q6_K, n_out, k).reshape(-1)
+    info = TensorInfo("blk.0.ffn_down.weight", Q.Q6_K, (n_out, k), raw.nbytes, raw)
     seen = []
     real_fast, real_mma = F._launch, M._launch
-
-    def spy_fast(*args, **kwargs):
-        seen.append(("fast", kwargs.get("layout")))
-        return real_fast(*args, **kwargs)
-
-    def spy_mma(*args, **kwargs):
-        seen.append(("mma", kwargs.get("g8", False)))
-        return real_mma(*args, **kwargs)
-    monkeypatch.setattr(F, "_launch", spy_fast)
-    monkeypatch.setattr(M, "_launch", spy_mma)
-    got = []
-    for on in (False, True):
-        monkeypatch.setattr(C, "Q6K_G8", "1" if on else "0")
-        gpu = CUDABackend(use_graphs=False)
-        gpu.plan_weights(f.tensors, cfg.tied_output)
-        w = build_weights(cfg, f, gpu.load_tensor)
-        assert (w.layers[0].w_down.g8 is not None) == on
-        kv = gpu.new_cache(cfg, 32)
+    monkeypatch.setattr(F, "_launch", lambda *a, **kw: seen.append(("fast", kw.get("layout"))) or real_fast(*a, **kw))
+    monkeypatch.setattr(M, "_launch", lambda *a, **kw: seen.append(("mma", kw.get("g8"))) or real_mma(*a, **kw))
+    x = cuda.to_device(rng.standard_normal((2, k)).astype(np.float32))
+    got = {}
+    for setting in ("0", "1"):
+        monkeypatch.setattr(C, "Q6K_G8", setting)
+        be = C.CUDABackend(use_graphs=False)
+        be.plan_weights({info.name: info}, False)
+        w = be.load_tensor(info)
+        assert (w.g8 is not None) == (setting == "1")
+        ops = C.CudaOps(be, None)
+        ops.arena = C.Arena(1 << 20)
         seen.clear()
-        got.append(gpu.forward(fam, cfg, w, kv, [9, 4], [0, 1]))  # two tokens: the tensor-core products
-        assert ("mma", True) in seen if on else ("mma", True) not in seen, seen
+        got[setting] = ops.linear(x, w).copy_to_host()
+        assert seen == [("mma", setting == "1")], seen
         seen.clear()
-        got.append(gpu.forward(fam, cfg, w, kv, [7], [2]))  # decode
-        assert seen and all(layout is None for kind, layout in seen if kind == "fast"), seen
-    for a, b in zip(got[:2], got[2:]):
-        np.testing.assert_array_equal(b, a)
+        ops.linear(x[:1], w)
+        assert seen == [("fast", None)], seen
+    assert not np.isnan(got["1"]).any()
+    np.testing.assert_array_equal(got["1"], got["0"])
 
 
 def test_q6_k_groups_plan_copies_the_down_projections_and_head_where_they_fit():
