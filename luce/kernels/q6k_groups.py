@@ -10,10 +10,12 @@ piece a lane reads is one aligned load. The bytes and the row size are those of 
 rows need a multiple of 8 blocks (2,048 columns: Qwen3-8B's 4,096 and 12,288, not
 Qwen3-32B's 5,120).
 
-Status: matvec_fast(..., layout="g8") over int8 x and this regrouping, checked in the
-simulator (the same bits as the GGUF layout); the CUDA backend keeps such a copy beside the
-GGUF one under LUCE_Q6K_G8=1 for decode's down projection and output head. Not yet timed
-on a GPU (`python -m luce.kernels.matvec_fast --g8`, `luce bench ... --compare LUCE_Q6K_G8=1`).
+Status: read by matvec_fast(..., layout="g8") over int8 x and matvec_mma(..., layout="g8"),
+both the GGUF layout's bits (simulator and H200). On the H200 (thirty-first session) the
+23-node verification forward over it took 5.21-5.25 ms against 5.42-5.48, and the decode
+down product with its norm profiled slower (19.0 against 16.2 us), so the CUDA backend
+keeps a copy beside the GGUF one (LUCE_Q6K_G8, on where it fits) for the verification
+products only.
 """
 from __future__ import annotations
 
