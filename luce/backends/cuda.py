@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import math
-import re
 import os
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -184,7 +184,7 @@ ALIGN = 256
 Q6K_G8 = os.environ.get("LUCE_Q6K_G8", "auto").strip().lower()
 if Q6K_G8 not in ("auto", "0", "1"):
     raise ValueError(f"LUCE_Q6K_G8={Q6K_G8!r}: auto, 0 or 1")
-_G8_NAMES = re.compile(r"(blk\.\d+\.ffn_down|output)\.weight")
+_G8_DOWN = re.compile(r"blk\.\d+\.ffn_down\.weight")
 
 
 def g8_reserve(total_bytes: int) -> int:
@@ -214,8 +214,8 @@ def g8_plan(tensors: dict, tied_output: bool, free_bytes: int, total_bytes: int,
     in free_bytes."""
     setting = Q6K_G8 if setting is None else setting
     head = "token_embd.weight" if tied_output else "output.weight"
-    names = {n for n, t in tensors.items() if len(t.shape) == 2 and g8_eligible(t.qtype, t.shape[1])
-             and (_G8_NAMES.fullmatch(n) or n == head) and (n != "output.weight" or not tied_output)}
+    names = {n for n, t in tensors.items() if (_G8_DOWN.fullmatch(n) or n == head)
+             and len(t.shape) == 2 and g8_eligible(t.qtype, t.shape[1])}
     if setting == "0" or not names:
         return set()
     if setting == "1":
@@ -225,12 +225,10 @@ def g8_plan(tensors: dict, tied_output: bool, free_bytes: int, total_bytes: int,
 
 
 def _g8_copy(cuda, host_rows: np.ndarray, qtype, cols: int, name, planned):
-    """The device copy of Q6_K rows in q6k_groups' layout where the plan names the tensor
-    (planned None, no plan_weights: every eligible tensor under LUCE_Q6K_G8=1)."""
+    """The device copy of Q6_K rows in q6k_groups' layout where plan_weights named the
+    tensor (planned None: weights loaded without a plan get none)."""
     from ..kernels.q6k_groups import g8_ref
-    if not g8_eligible(qtype, cols):
-        return None
-    if (Q6K_G8 != "1") if planned is None else (name not in planned):
+    if not planned or name not in planned or not g8_eligible(qtype, cols):
         return None
     return cuda.to_device(g8_ref(host_rows, host_rows.shape[0], cols))
 
