@@ -684,10 +684,20 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
         # trips of every warp of the block: its first warp's live chunks (the most any of
         # its warps has)
         trips = max(0, min(cps, n_chunks - split * W * cps))
+        # splits with a chunk (split 0 always: with ROPE it holds the new key). Where this
+        # block merges its tile, the others neither write nor count: the merge waits on and
+        # reads only these, and one of them writes the output directly. A graph's grid is
+        # sized for the whole context, so at short contexts most splits are empty (640 keys
+        # in an 8K grid: 10 of 48)
+        used = max(1, (n_chunks + W * cps - 1) // (W * cps)) if cps > 0 else 1
+        if SELF_MERGE and used == 1:
+            direct = 1
         if trips == 0 and not (ROPE and split == 0):
-            # past the last chunk (a graph's grid is sized for the whole context): only the
-            # merge's l = 0. The same for the whole block, so no barrier is skipped alone.
-            attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
+            # past the last chunk: for the combine kernel, only the merge's l = 0. The same
+            # for the whole block, so no barrier is skipped alone.
+            if not SELF_MERGE:
+                attention_mma.mark_empty_split(part_ml, split, hkv, G, q0 * G, R, n_q * G, tid, W * 32)
+            return
         else:
             # the first chunk's copies run while the queries load
             _decode_copy(ksh, vsh, kf, vf, table, layer, n_layers, n_kvh, hkv, c_lo, n_chunks, n_keys, wid, lane, 0)
@@ -873,8 +883,8 @@ def _decode_kernel(dim: int, group: int, qt: int, warps: int, bufs: int, chunk: 
                         int8_block_store(o[d] / ll if ok else np.float32(0.0), ok,
                                          ((qi * n_kvh * G + hq) * dim + 32 * d) >> 5, lane, wid, red, xq_b, xq_f, XQ)
         # the tile's last block to finish merges the splits (luce.kernels.split_merge)
-        if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, cuda.gridDim.x, ibuf, tid):
-            merge(part_o, part_ml, cuda.gridDim.x, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
+        if SELF_MERGE and not direct and arrive(counter, cuda.blockIdx.z * n_kvh + hkv, used, ibuf, tid):
+            merge(part_o, part_ml, used, out, hkv, G, q0 * G, R, n_q * G, red, tid, W * 32, xq_b, xq_f)
 
     return pdl_ready(kernel)
 

@@ -205,15 +205,24 @@ def run_in_graph_grid(cache, q, npos):
     return out.copy_to_host(), scratch[1].copy_to_host(), ns
 
 
-def test_decode_graph_grid_with_an_empty_split(monkeypatch):
-    # 40 keys in a grid sized for 256 (chunks of 32): the second split has no chunk and only
-    # marks l = 0; its accumulators (never written: NaN scratch) must not reach the output
+@pytest.mark.parametrize("n_ctx,warps,used", [(39, None, 1), (99, 2, 2)])
+def test_decode_graph_grid_with_empty_splits(monkeypatch, n_ctx, warps, used):
+    # keys in a grid sized for 256 (chunks of 32): the splits past the last chunk neither
+    # write nor count, and the merge waits on and reads only the used ones (the scratch is
+    # NaN, so a read of an empty split's partials would reach the output); one used split
+    # writes the output directly
     monkeypatch.setattr(A, "DECODE_CHUNK", 32)
-    cache, q, kv, cpos, npos = setup(39, 1, d=32)
+    if warps:
+        monkeypatch.setattr(A, "DECODE_MAX_WARPS", warps)
+    cache, q, kv, cpos, npos = setup(n_ctx, 1, d=32)
     got, ml, ns = run_in_graph_grid(cache, q, npos)
-    assert ns == 2
+    assert ns > used
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, np.ones((1, 1), bool)), rtol=2e-4, atol=2e-5)
-    assert ml[1, 0, :, 1].tolist() == [0.0] * 4
+    assert np.isnan(ml[used:]).all()
+    if used > 1:
+        assert (ml[:used, 0, :, 1] > 0).all()
+    else:
+        assert np.isnan(ml).all()
 
 
 # The same kernel for several queries (verification trees and chains) in tiles of
