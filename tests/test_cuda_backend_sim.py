@@ -231,10 +231,18 @@ def test_matvec_mma_routing(monkeypatch):
     convs.clear()
     h = ops.rms_norm(xd, wn, 1e-6)
     pairs, real_pair = [], M.matvec_mma_pair
-    monkeypatch.setattr(M, "matvec_mma_pair", lambda *a, **k: pairs.append(a[2].name) or real_pair(*a, **k))
-    # two Q4_K weights of one width (q and k) in one launch, then the Q6_K one
+    monkeypatch.setattr(M, "matvec_mma_pair", lambda *a, **k: pairs.append(
+        (a[2].name, k["third"] and k["third"][1].name)) or real_pair(*a, **k))
+    # two Q4_K weights of one width (q and k) in one launch; 16 + 24 rows end inside a block,
+    # so the Q6_K one (v) runs alone; 16 + 16 rows end on one, and v joins their launch
+    calls.clear()
+    got16 = ops.linears(h, [w4b, w4b, w6b], [None, None, None])
+    assert convs == [] and pairs == [("Q4_K", "Q6_K")] and calls == [], (convs, pairs, calls)
+    h16 = rms_norm_ref(x, wn_host, 1e-6)
+    close(got16[2].copy_to_host(), matvec_ref(r6b, Q.Q6_K, h16), r6b, Q.Q6_K, h16)
+    pairs.clear()
     got = ops.linears(h, [w4b, w4, w6b], [None, None, None])
-    assert convs == [] and pairs == ["Q4_K"], (convs, pairs)
+    assert convs == [] and pairs == [("Q4_K", None)] and calls == ["Q6_K"], (convs, pairs, calls)
     hh = rms_norm_ref(x, wn_host, 1e-6)
     np.testing.assert_allclose(h.copy_to_host(), hh, rtol=2e-6, atol=1e-6)
     for g, (raw, qt) in zip(got, [(r4b, Q.Q4_K), (raw4, Q.Q4_K), (r6b, Q.Q6_K)]):

@@ -121,6 +121,10 @@ PAIR_PROJECTIONS = os.environ.get("LUCE_PAIR_PROJECTIONS", "1") != "0"
 # Q6_K v: matvec_fast_pair's third weight): alone it is another latency-bound launch (Q6_K
 # 1024x4096 4.9 us for 3.4 MB, H200). LUCE_TRIO_PROJECTIONS=0 turns it off.
 TRIO_PROJECTIONS = os.environ.get("LUCE_TRIO_PROJECTIONS", "1") != "0"
+# ... and verification's v in matvec_mma_pair's launch (its third weight, of its own type):
+# at 23 rows alone it was a 3.4 MB product taking ~8 us, all latency (H100, thirty-second
+# session). LUCE_MMA_TRIO=0 turns it off.
+MMA_TRIO = os.environ.get("LUCE_MMA_TRIO", "1") != "0"
 # Decode's RMSNorms after the o and down projections, split between the launches around
 # them (luce.kernels.matvec_fast: matvec_fast_norm and x_norm), so they cost no launch of their
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
@@ -603,10 +607,15 @@ class CudaOps:
                 if (PAIR_PROJECTIONS and i + 1 < len(ws) and ws[i + 1].qtype == w.qtype
                         and ws[i + 1].shape[1] == w.shape[1] and (biases[i] is None) == (biases[i + 1] is None)):
                     w2 = ws[i + 1]
+                    frags, third = self._frags_for(x, w.qtype), None
+                    if i + 2 < len(ws) and self._mma_third_fits(x, w, w2, ws[i + 2], biases[i], biases[i + 2]):
+                        w3 = ws[i + 2]
+                        third = (w3.raw, w3.qtype, w3.shape[0], self._out((n, w3.shape[0])), biases[i + 2],
+                                 frags if w3.qtype == w.qtype else self._frags_for(x, w3.qtype))
                     outs += matvec_mma_pair(w.raw, w2.raw, w.qtype, x, w.shape[0], w2.shape[0],
                                             self._out((n, w.shape[0])), self._out((n, w2.shape[0])), biases[i],
-                                            biases[i + 1], stream=self.stream, frags=self._frags_for(x, w.qtype))
-                    i += 2
+                                            biases[i + 1], stream=self.stream, frags=frags, third=third)
+                    i += 2 if third is None else 3
                     continue
                 outs.append(matvec_mma(w.raw, w.qtype, x, w.shape[0], out=self._out((n, w.shape[0])),
                                        bias=biases[i], stream=self.stream, frags=self._frags_for(x, w.qtype)))
@@ -626,6 +635,15 @@ class CudaOps:
                 and w.shape[1] == w2.shape[1] and (b is None) == (b2 is None)
                 and not _takes_mma(n, w.qtype, w.shape[1])
                 and (not isinstance(x, SplitNorm) or splits_norm(w.raw, w2.raw)))
+
+    @staticmethod
+    def _mma_third_fits(x, w: DeviceWeight, w2: DeviceWeight, w3: DeviceWeight, b, b3) -> bool:
+        """Whether w3 can ride as the third weight of w and w2's matvec_mma_pair (MMA_TRIO)."""
+        from ..kernels.matvec_mma import third_align
+        n_ab = w.shape[0] + w2.shape[0]
+        return (MMA_TRIO and _takes_mma(x.shape[0], w3.qtype, w3.shape[1]) and w3.g8 is None
+                and w3.shape[1] == w.shape[1] and (b is None) == (b3 is None)
+                and n_ab % third_align(x.shape[0], n_ab, w.shape[1]) == 0)
 
     @staticmethod
     def _third_fits(x, w: DeviceWeight, w3: DeviceWeight, b, b3, x8: bool) -> bool:

@@ -55,7 +55,8 @@ from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, o
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 from .pdl import grid_dependency_sync, ready as pdl_ready
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "third_align",
+           "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -350,15 +351,20 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) ->
 
 @functools.lru_cache(maxsize=None)
 def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False,
-            g8: bool = False):
+            g8: bool = False, third=None):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
     stored in out_b; frags (gated): the outputs also go, as f16, into fragments of both
     layouts for the next product (f4, f6: _scratch's gated_out buffers, not x_frags's; rows
     reaching F16_SAFE flagged in fl4, fl6 for the fixup). g8: Q6_K weights in
-    luce.kernels.q6k_groups' layout (every piece one aligned load)."""
+    luce.kernels.q6k_groups' layout (every piece one aligned load). third (pair): the type of
+    a third weight w2 (GGUF layout) whose rows follow W_a's and W_b's (from n_ab on, a whole
+    number of blocks), over its own fragments xq2 and scales xs2, into out_c: v beside q and k."""
     NT, TL, W = nt, tiles, warps
+    THIRD = third is not None
+    assert not THIRD or pair and not g8
+    Q4_3 = third == T.Q4_K
     G8 = g8
     assert not g8 or qtype == T.Q6_K
     PAIR = pair
@@ -369,8 +375,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     R2 = 2 * TL  # weight rows a lane reads; array shapes must be plain constants
     ROWS = 16 if gated else 16 * TL
     Q4 = qtype == T.Q4_K
-    BU = BLOCK_U16[qtype]
-    NQ = 8 if Q4 else 12  # quant words a lane holds a row
+    BU4, BU6 = BLOCK_U16[T.Q4_K], BLOCK_U16[T.Q6_K]
+    NQ = 8 if Q4 and (not THIRD or Q4_3) else 12  # quant words a lane holds a row
     SCR = (W, 32, SCRATCH) if SIM else (1,)
     assert not gated or TL == 2
     # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
@@ -397,7 +403,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         c = lane & 3
         for i in range(R2):
             w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
-            base = (rows[i] * nb + b) * BU
+            base = (rows[i] * nb + b) * BU4
             hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = ldw_u16_u32x4(w, base)
             qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ldw_u16_u32x4(w, base + 8 + 8 * c)
             qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ldw_u16_u32x4(w, base + 40 + 8 * c)
@@ -438,7 +444,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         for i in range(R2):
             w = w1 if gated and i >= 2 or PAIR and wsel[i] else w0
             if G8:  # the block's group of 8 (q6k_groups): ql, qh, scales and d each aligned
-                gs = (rows[i] * nb + (b - (b & 7))) * BU
+                gs = (rows[i] * nb + (b - (b & 7))) * BU6
                 j = b & 7
                 o = gs + 64 * j + 32 * n + 8 * m
                 qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ldw_u16_u32x4(w, o)
@@ -452,14 +458,14 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                 # 16-byte loads (the second mostly an L1 hit), matvec_fast's way (25.7 us for
                 # 4096x12288 at one row), where five 4-byte loads took 32.7 at one row and 36.9 at
                 # 23 (H200, 5fab17b; this form is measured only inside luce bench's runs)
-                i0, i1, al = pieces((rows[i] * nb + b) * BU)
+                i0, i1, al = pieces((rows[i] * nb + b) * BU6)
                 o = 32 * n + 8 * m
                 qw[i, 0], qw[i, 1], qw[i, 2], qw[i, 3] = ld16(w, i0 + o, i1 + o, al)
                 qw[i, 4], qw[i, 5], qw[i, 6], qw[i, 7] = ld16(w, i0 + o + 16, i1 + o + 16, al)
                 o = 64 + 16 * n + 8 * m
                 qw[i, 8], qw[i, 9], qw[i, 10], qw[i, 11] = ld16(w, i0 + o, i1 + o, al)
                 hd[i, 0], hd[i, 1], hd[i, 2], hd[i, 3] = _ld16_scales(w, (rows[i] * nb + b) * 210 + 192)
-                d = f16_bits_to_f32(U(w[(rows[i] * nb + b) * BU + 104])) * live
+                d = f16_bits_to_f32(U(w[(rows[i] * nb + b) * BU6 + 104])) * live
             # scale byte 8n + 2qq + m: word 2n + (qq >> 1), byte m + 2 (qq & 1); n differs
             # between lanes, and a register array indexed by it would live in local memory
             sw0 = hd[i, 2] if n else hd[i, 0]
@@ -482,10 +488,11 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                              _q6(l0, h0, qq, 1, sc[i0, qq]), _q6(l1, h1, qq, 1, sc[i0 + 1, qq]), acc, scr, wid, lane)
 
     block = block_q4_k if Q4 else block_q6_k
+    block3 = block_q4_k if Q4_3 else block_q6_k
 
     @jit
     def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
-               fl6):
+               fl6, w2, xq2, xs2, n_ab, bias_c, out_c):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         tid = cuda.threadIdx.x
         wid = tid // 32
@@ -502,11 +509,15 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         x4 = cuda.local.array((NT, 4), np.uint32)
         for e in range(NACC):
             acc[e] = 0.0
+        # THIRD: the block's rows are all w2's or none (n_ab a multiple of ROWS)
+        on3 = THIRD and cuda.blockIdx.x * ROWS >= n_ab
         for i in range(R2):  # rows past the end: computed, never stored
             tile = 0 if gated else i >> 1
             rows[i] = min(cuda.blockIdx.x * ROWS + 16 * tile + g + 8 * (i & 1), n_out - 1)
             wsel[i] = 0
-            if PAIR and rows[i] >= n_a:
+            if on3:
+                rows[i] -= n_ab
+            elif PAIR and rows[i] >= n_a:
                 wsel[i] = 1
                 rows[i] -= n_a
         # this lane's x words (see _frags_kernel): row g of fragment 0, lane group c
@@ -516,7 +527,10 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
             b = wid + it * W
             live = np.float32(1.0) if b < nb else np.float32(0.0)
             b = min(b, nb - 1)
-            block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
+            if on3:
+                block3(w2, w2, rows, wsel, nb, b, live, xq2, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
+            else:
+                block(w0, w1, rows, wsel, nb, b, live, xq, xb0 + 2048 * NT * b, scr, wid, lane, acc, qw, hd, sc, x4)
         for e in range(NACC):
             red[wid, lane, e] = acc[e]
         cuda.syncthreads()
@@ -535,13 +549,17 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
             t = (ft // TL) * 8 + 2 * (ln & 3) + (e4 & 1)
             nn = cuda.blockIdx.x * ROWS + (0 if gated else 16 * (ft % TL)) + (ln >> 2) + 8 * (e4 >> 1)
             if t < n_x and nn < n_out:
-                v *= xs[t]  # the row's scale (1 unless x was scaled into f16's range)
+                v *= xs2[t] if on3 else xs[t]  # the row's scale (1 unless x was scaled into f16's range)
                 if gated:
                     u = red[0, ln, e + 4]
                     for ww in range(1, W):
                         u += red[ww, ln, e + 4]
                     v = silu(v) * (u * xs[t])
-                if PAIR and nn >= n_a:
+                if on3:
+                    if has_bias:
+                        v += bias_c[nn - n_ab]
+                    out_c[t, nn - n_ab] = v
+                elif PAIR and nn >= n_a:
                     if has_bias:
                         v += bias_b[nn - n_a]
                     out_b[t, nn - n_a] = v
@@ -622,8 +640,9 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
 
 
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False):
-    """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b."""
+            n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False, third=None):
+    """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b;
+    third (qtype, w2, xq2, xs2, n_ab, out_c, bias_c): rows from n_ab on are w2's, into out_c."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
@@ -637,22 +656,56 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
         f4 = f6 = w0
         fl4 = fl6 = unit_flags()
     rows = 16 if gated else 16 * tiles
-    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8)[-(-n_out // rows), 32 * warps, stream](
+    if third is not None:
+        qt3, w2, xq2, xs2, n_ab, out_c, bias_c = third
+        bias_c = bias_c if bias_c is not None else b
+    else:
+        qt3, w2, xq2, xs2, n_ab, out_c, bias_c = None, w0, xq, xs, n_out, out, b
+    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8, qt3)[-(-n_out // rows), 32 * warps, stream](
         w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
-        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6)
+        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6, w2, xq2, xs2, n_ab, bias_c, out_c)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,
-                    frags=None):
+                    frags=None, third=None):
     """matvec_mma of one x by two weights of one type and width in one launch: out_a = x W_a^T
     (+ bias_a), out_b = x W_b^T (+ bias_b), both biases or neither. Verification's q and k
     projections: the 1024-row k product alone is a small grid's latency (and a launch), here
-    its blocks run beside q's. The K split is planned for n_a + n_b rows."""
+    its blocks run beside q's. The K split is planned for n_a + n_b rows.
+
+    third (w_c, qtype_c, n_c, out_c, bias_c, frags_c): a third weight of the same width, any
+    MMA type, in the same launch (v, Q6_K in a Q4_K_M model, beside q and k), over x's
+    fragments for its own type (frags_c, or made here); n_a + n_b must be a multiple of
+    third_align(n_x, n_a + n_b, k). At 23 rows v alone was a 3.4 MB product taking ~8 us
+    of latency (H100, `.gpujobs/sweep.py`, thirty-second session). Returns (out_a, out_b,
+    out_c) then."""
     qtype, n_x, k = _check(qtype, x_dev, "matvec_mma_pair")
     if (bias_a is None) != (bias_b is None):
         raise ValueError("matvec_mma_pair: both biases or neither")
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
     tiles, warps = plan(n_x, n_a + n_b, k)
-    _launch(qtype, k, weight_u16(w_a, qtype, k)[0], weight_u16(w_b, qtype, k)[0], xq, xs, n_x, n_a + n_b, out_a,
-            bias_a, None, tiles, warps, False, stream, n_a, out_b, bias_b)
-    return out_a, out_b
+    t3 = None
+    if third is not None:
+        w_c, qt_c, n_c, out_c, bias_c, frags_c = third
+        qt_c = as_qtype(qt_c)
+        if qt_c not in MMA_TYPES or (bias_c is None) != (bias_a is None):
+            raise ValueError(f"matvec_mma_pair: third weight {qt_c.name}, bias {bias_c is not None}: an MMA type, "
+                             "biased as the pair")
+        if (n_a + n_b) % third_align(n_x, n_a + n_b, k):
+            raise ValueError(f"matvec_mma_pair: {n_a + n_b} rows before the third weight: not a multiple of "
+                             f"{third_align(n_x, n_a + n_b, k)}")
+        xq2, xs2 = frags_c if frags_c is not None else x_frags(x_dev, qt_c, stream)
+        t3 = (qt_c, weight_u16(w_c, qt_c, k)[0], xq2, xs2, n_a + n_b, out_c, bias_c)
+        n_c = int(n_c)
+    else:
+        n_c = 0
+    _launch(qtype, k, weight_u16(w_a, qtype, k)[0], weight_u16(w_b, qtype, k)[0], xq, xs, n_x, n_a + n_b + n_c,
+            out_a, bias_a, None, tiles, warps, False, stream, n_a, out_b, bias_b, third=t3)
+    return (out_a, out_b) if third is None else (out_a, out_b, t3[5])
+
+
+def third_align(n_x: int, n_ab: int, k: int) -> int:
+    """Rows a block of matvec_mma_pair's launch over n_ab (+ a third weight's) rows: the
+    third weight's rows must start at a multiple of it."""
+    tiles, _ = plan(n_x, n_ab, k)
+    return 16 * tiles

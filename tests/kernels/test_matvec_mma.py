@@ -116,6 +116,39 @@ def test_matvec_mma_pair(qtype, n_a, n_b, biased):
         assert np.all(err <= 2.0 ** -9 * _bound(raw, qtype, x, n, k) + 1e-6)
 
 
+@pytest.mark.parametrize("qt_c,plain_tiles,biased", [(T.Q6_K, 0, False), (T.Q4_K, 2, True)],
+                         ids=["Q6_K-third", "Q4_K-third-two-tiles"])
+def test_matvec_mma_pair_with_a_third_weight(monkeypatch, qt_c, plain_tiles, biased):
+    """q, k and v in one launch: the third weight's rows (another type, a partial last tile)
+    against the reference, and bit for bit what its own launch with the pair's plan gives
+    (the same sums in the same order); a misaligned pair is refused."""
+    import luce.kernels.matvec_mma as M
+    monkeypatch.setattr(M, "PLAIN_TILES", plain_tiles)
+    n_x, k, n_a, n_b, n_c = 5, 512, 48, 16, 24
+    ra, rb = (random_tensor(rng, T.Q4_K, (n, k)).reshape(n, -1) for n in (n_a, n_b))
+    rc = random_tensor(rng, qt_c, (n_c, k)).reshape(n_c, -1)
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    dev = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+    ba, bb, bc = ((rng.standard_normal(n).astype(np.float32) if biased else None) for n in (n_a, n_b, n_c))
+    oa, ob, oc = (cuda.to_device(np.full((n_x, n), np.nan, np.float32)) for n in (n_a, n_b, n_c))
+    xd = cuda.to_device(x)
+    M.matvec_mma_pair(dev(ra), dev(rb), T.Q4_K, xd, n_a, n_b, oa, ob, dev(ba), dev(bb),
+                      third=(dev(rc), qt_c, n_c, oc, dev(bc), None))
+    for got, raw, qt, bias, n in ((oa, ra, T.Q4_K, ba, n_a), (ob, rb, T.Q4_K, bb, n_b), (oc, rc, qt_c, bc, n_c)):
+        got = got.copy_to_host()
+        assert not np.isnan(got).any()
+        err = np.abs(got - matvec_ref(raw, qt, x, bias=bias))
+        assert np.all(err <= 2.0 ** -9 * _bound(raw, qt, x, n, k) + 1e-6)
+    tiles, warps = M.plan(n_x, n_a + n_b, k)
+    assert M.third_align(n_x, n_a + n_b, k) == 16 * (plain_tiles or 1)
+    alone = M.matvec_mma(dev(rc), qt_c, xd, n_c, bias=dev(bc), tiles=tiles, warps=warps).copy_to_host()
+    np.testing.assert_array_equal(oc.copy_to_host(), alone)
+    if plain_tiles:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            M.matvec_mma_pair(dev(ra), dev(rb[:8]), T.Q4_K, xd, n_a, 8, oa, ob, dev(ba), dev(bb[:8]),
+                              third=(dev(rc), qt_c, n_c, oc, dev(bc), None))
+
+
 def test_rms_norm_frags_is_the_norm_then_both_conversions():
     """One launch for an RMSNorm and its fragments in both layouts: h against the numpy
     norm, and each layout bit for bit what x_frags makes of that h (rows past n_x
