@@ -125,6 +125,9 @@ TRIO_PROJECTIONS = os.environ.get("LUCE_TRIO_PROJECTIONS", "1") != "0"
 # at 23 rows alone it was a 3.4 MB product taking ~8 us, all latency (H100, thirty-second
 # session). LUCE_MMA_TRIO=0 turns it off.
 MMA_TRIO = os.environ.get("LUCE_MMA_TRIO", "1") != "0"
+# ... and the o projection's fragments written by attention's combine launch, not by a
+# conversion launch of their own. LUCE_ATTN_FRAGS=0 turns it off.
+ATTN_FRAGS = os.environ.get("LUCE_ATTN_FRAGS", "1") != "0"
 # Decode's RMSNorms after the o and down projections, split between the launches around
 # them (luce.kernels.matvec_fast: matvec_fast_norm and x_norm), so they cost no launch of their
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
@@ -730,6 +733,9 @@ class CudaOps:
         y = x.reshape((x.shape[0], x.shape[1] * x.shape[2]))
         if self._xq is not None and self._xq[0] is x:  # attention's int8 form: the same memory
             self._xq = (y, self._xq[1])
+        for qt, kept in list(self._frags.items()):  # ... and its fragments
+            if kept[0] is x:
+                self._frags[qt] = (y, kept[1])
         if not self._guard(x):
             self._in_range.append(y)
         return y
@@ -768,7 +774,7 @@ class CudaOps:
                             freq_scale=freq_scale, kv_write=write)
 
     def attention(self, kv: PagedKVCache, layer, q, k, v, positions, mask, window):
-        from ..kernels.attention import attention_plan, paged_attention_cuda
+        from ..kernels.attention import attention_plan, combines, paged_attention_cuda
         from ..kernels.paging import write_kv_cuda
         written, self._kv_written = self._kv_written, None
         rope, self._rope_for = self._rope_for, None
@@ -787,12 +793,23 @@ class CudaOps:
         scratch = (self.arena.alloc((ns, n, hq, d)), self.arena.alloc((ns, n, hq, 2))) if ns > 1 else None
         out = self._out((n, hq, d))
         xq = self._xq_out(out.reshape((n, hq * d)), "attn")
+        # verification widths: the combine also writes the o projection's fragments (both
+        # layouts), where the pool is f16 (outputs in f16's range) and this op's reader is ours
+        frags = None
+        if (ATTN_FRAGS and xq is None and kv.k_scale is None and combines(plan) and self._own("linear_norm", "linear")
+                and _takes_mma(n, T.Q4_K, hq * d)):
+            from ..kernels.matvec_mma import frags_targets
+            frags = frags_targets(n, hq * d, self.stream)
         out = paged_attention_cuda(q, kv.k_pool, kv.v_pool, kv.table_d, layer, kv.meta, kv.pos_d, positions,
                                    self.mask_bits, window=window or 0, n_keys=self.n_keys, out=out, scratch=scratch,
                                    xq_out=xq, xq_planes=MATVEC_X8, rope=None if rope is None else rope[2],
-                                   long=self.long_context, stream=self.stream)
+                                   long=self.long_context, stream=self.stream,
+                                   frags_out=None if frags is None else (frags[T.Q4_K][0], frags[T.Q6_K][0]))
         if xq is not None:
             self._xq = (out, xq)  # merge_heads passes it on to its view
+        if frags is not None:  # merge_heads passes them on to its view
+            for qt, f in frags.items():
+                self._frags[qt] = (out, f)
         if kv.k_scale is None:  # each output a convex sum of f16 values: within f16's range
             self._in_range.append(out)
         return out

@@ -934,7 +934,7 @@ def combine_warps(n_splits: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
+def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS, frags: bool = False):
     """The split combine for head dim `dim`: one block of `warps` warps (combine_warps) per
     (query, q head). Every warp reads all the splits' (m, l) itself (a few loads a lane,
     no barrier) for the common max and the last split that saw a key, then adds up its
@@ -949,8 +949,14 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     us after a decode over 8K keys (64 splits used: each warp's 8 trips wait out their
     loads; the whole 8K decode went 31.8 -> 36.2 us in `bench_attention`, while end-to-end
     decode at 8K stayed at 209-210 tok/s). More splits a trip is the next thing to time.
-    xq_planes > 0: it also stores out's quantize_x form (as _decode_kernel's)."""
+    xq_planes > 0: it also stores out's quantize_x form (as _decode_kernel's). frags: and
+    out's rows (queries x q heads x dim) as luce.kernels.matvec_mma fragments of both weight
+    layouts (f4, f6; zeros from the last query to the fragments' multiple of 8 rows), which
+    the o projection reads: its conversion launch saved (verification widths)."""
     from .quantize_x import int8_block_store
+    from .matvec_mma import frag_u16
+    from .mma import f32x2_to_f16x2
+    FR = frags
     XQ = xq_planes
     DL = ceil_div(dim, 32)  # dims a lane owns (lanes past the last dim idle)
     W = warps
@@ -960,7 +966,7 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
     OW = DL * 32  # array shapes must be plain constants, not expressions
 
     @cuda.jit
-    def combine(part_o, part_ml, n_splits, meta, out, xq_b, xq_f):
+    def combine(part_o, part_ml, n_splits, meta, out, xq_b, xq_f, f4, f6):
         grid_dependency_sync()  # luce.kernels.pdl: nothing unless LUCE_PDL
         i = cuda.blockIdx.x
         hq = cuda.blockIdx.y
@@ -968,6 +974,17 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
         wid = t // 32
         lane = t % 32
         nw = cuda.blockDim.x // 32
+        rows8 = (cuda.gridDim.x + 7) // 8 * 8
+        if FR:
+            # zeros in the fragments' rows past the queries: the last query's blocks write
+            # the padding rows (to the multiple of 8) of their head's columns; rows past
+            # meta[1] (never the case in a verification forward) their own
+            first = i if i >= meta[1] else i + 1
+            last = rows8 if i == cuda.gridDim.x - 1 else i + 1
+            for r in range(first, last):
+                for c in range(t, dim, cuda.blockDim.x):
+                    f4[frag_u16(1, hq * dim + c, r, rows8)] = np.uint16(0)
+                    f6[frag_u16(0, hq * dim + c, r, rows8)] = np.uint16(0)
         if i >= meta[1]:  # the same for the whole block: no thread skips a barrier alone
             return
         red = cuda.shared.array(RED, np.float32)
@@ -991,20 +1008,30 @@ def _combine(dim: int, xq_planes: int = 0, warps: int = COMBINE_WARPS):
                 o += osh[w, c]
                 ll += lsh[w]
             out[i, hq, c] = o / ll
+            if FR:  # a convex sum of f16 values: in f16's range
+                h16 = np.uint16(f32x2_to_f16x2(o / ll, np.float32(0.0)) & np.uint32(0xFFFF))
+                f4[frag_u16(1, hq * dim + c, i, rows8)] = h16
+                f6[frag_u16(0, hq * dim + c, i, rows8)] = h16
             if XQ:
                 int8_block_store(o / ll, True, ((i * out.shape[1] + hq) * dim + c) >> 5, lane, wid, red, xq_b, xq_f, XQ)
 
     return pdl_ready(combine)
 
 
-def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=None, xq_planes: int = 1):
+def combine_splits(part_o, part_ml, n_splits: int, meta, out, stream=0, xq_out=None, xq_planes: int = 1,
+                   frags_out=None):
     """Merge the splits' (O, m, l) partials into out [N, Hq, D] (rows past meta[1] untouched);
-    and into xq_out (uint16) out's quantize_x form in xq_planes planes, when given."""
+    and into xq_out (uint16) out's quantize_x form in xq_planes planes, when given; and into
+    frags_out (the Q4_K and Q6_K layouts' uint16 buffers, matvec_mma.frags_targets for N
+    rows of Hq D) out's matvec_mma fragments, when given."""
     n_q, n_heads, dim = out.shape
     xq_b, xq_f, planes = _xq_views(out, xq_out, xq_planes)
     w = combine_warps(n_splits)  # the simulator: one warp
-    _combine(dim, planes, w)[(n_q, n_heads), block_threads(32 * w), stream](part_o, part_ml, n_splits, meta, out,
-                                                                            xq_b, xq_f)
+    if frags_out is not None and (n_heads * dim) % 256:
+        raise ValueError(f"combine_splits: fragments of rows of {n_heads * dim} (a multiple of 256)")
+    f4, f6 = frags_out if frags_out is not None else (out.reshape(out.size).view(np.uint16),) * 2
+    _combine(dim, planes, w, frags_out is not None)[(n_q, n_heads), block_threads(32 * w), stream](
+        part_o, part_ml, n_splits, meta, out, xq_b, xq_f, f4, f6)
 
 
 def _xq_views(out, xq_out, planes: int):
@@ -1122,10 +1149,17 @@ def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_key
     return dict(qt=qt, nt=nt, n_tiles=n_tiles, n_splits=n_splits, pages_per_split=pps)
 
 
+def combines(plan: dict) -> bool:
+    """Whether attention under `plan` (attention_plan's) ends in the combine launch."""
+    if plan["n_splits"] <= 1:
+        return False
+    return plan.get("kind") != "row" or not plan["self_merge"]
+
+
 def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_pos, mask_bits=None, *,
                          window: int = 0, n_keys: int, out=None, scratch=None, max_splits: int | None = None,
                          k_scale=None, v_scale=None, xq_out=None, xq_planes: int = 1, rope=None, long: bool = False,
-                         stream=0):
+                         frags_out=None, stream=0):
     """Attention of N new queries over the paged pool (luce.kernels.paging layout).
 
     q: device f32 [N, Hq, D] (roped); meta: device int32, meta[0] = C committed rows,
@@ -1141,11 +1175,15 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
     rope_fuses): a RopeArgs; q and its k are then as the projections left them, and the
     kernel does qk_rope's work and write_kv_cuda's (k, v rows and position into the pool).
     long: the context holds at least attention_mma.DECODE_LONG_KEYS keys (attention_plan).
+    frags_out: out's matvec_mma fragments too, from the combine (see combine_splits), where
+    the plan has one (combines(plan)); elsewhere a ValueError.
     """
     n_q, n_heads, dim = q.shape
     n_kvh = k_pool.shape[2]
     q8 = k_scale is not None
     plan = attention_plan(n_q, n_heads, n_kvh, dim, n_keys, max_splits, q8=q8, long=long)
+    if frags_out is not None and not combines(plan):
+        raise ValueError("paged_attention_cuda: frags_out where the plan has no combine launch")
     if rope is not None and not (n_q == 1 and not q8 and plan.get("kind") == "row"):
         raise ValueError(f"attention: rope fuses into one-query decode over an f16 pool only (queries {n_q}, "
                          f"q8_0 pool {q8}, kernel {plan.get('kind', 'tile')})")
@@ -1177,7 +1215,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             window, scale, direct, out, part_o, part_ml, merge_counters(n_kvh * plan["n_tiles"], stream), xq_b, xq_f,
             ra.k, ra.v, ra.q_norm, ra.k_norm, ra.has_norm, np.float32(ra.eps), ra.inv_freq, ra.rope_dim, ra.style)
         if not in_kernel:
-            combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
+            combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes, frags_out)
         return out
     if plan.get("kind") == "mma":
         attention_mma.launch(dim, plan["warps"], plan["half"], plan["qsh"], (ns, n_kvh, plan["n_tiles"]), stream,
@@ -1190,7 +1228,7 @@ def paged_attention_cuda(q, k_pool, v_pool, table, layer: int, meta, kv_pos, q_p
             q, k32, v32, kd, vd, table, layer, meta, kv_pos, q_pos, mask_bits, causal, window, scale, direct,
             out, part_o, part_ml)
     if not direct:
-        combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes)
+        combine_splits(part_o, part_ml, ns, meta, out, stream, xq_out, xq_planes, frags_out)
     elif xq_out is not None:
         from .quantize_x import quantize_x
         quantize_x(out, out=xq_out, stream=stream, planes=xq_planes)

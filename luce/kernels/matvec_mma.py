@@ -55,8 +55,8 @@ from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, o
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 from .pdl import grid_dependency_sync, ready as pdl_ready
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "frags_fixup", "matvec_mma", "matvec_mma_pair", "plan", "rms_norm_frags", "third_align",
-           "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "frag_u16", "frags_fixup", "frags_targets", "matvec_mma", "matvec_mma_pair",
+           "plan", "rms_norm_frags", "third_align", "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -75,6 +75,9 @@ GRID_WARPS = 2048  # warps a launch aims for (~16 an H200 SM): the K split is ch
 # to 24 rows (LUCE_MMA_TILES=1), and the blocks an SM ptxas must fit for plain one-tile forms
 PLAIN_TILES = int(os.environ.get("LUCE_MMA_TILES", "0") or 0)
 PLAIN_BLOCKS = int(os.environ.get("LUCE_MMA_PLAIN_BLOCKS", "1") or 1)
+# blocks an SM for the pair form with a third weight (q, k and v): 2 as the pair's, where
+# ptxas spills 476 bytes (sm_90; the pair 300), or 1 (no spills, half the warps)
+TRIO_BLOCKS = int(os.environ.get("LUCE_MMA_TRIO_BLOCKS", "2") or 2)
 # Measured and removed (H200, thirty-first session): the next K block prefetched into L1
 # each trip (LUCE_MMA_PREFETCH: the 23-node verification forward 5.25 -> 5.41 ms).
 
@@ -144,7 +147,7 @@ def _item_col(q4, i):
 
 
 @device(inline=True)
-def _frag_u16(q4, col, t, rows8):
+def frag_u16(q4, col, t, rows8):
     """Where column col of fragment row t goes, as an index into the fragments' uint16
     view: frag_col and _store_item inverted (word o holds columns 0 and 2 of a step's four,
     word o + 1 columns 1 and 3, the first of each in the low half)."""
@@ -275,11 +278,21 @@ def rms_norm_frags(x_dev, w, eps: float, h, stream=0):
     if k % QK or not 1 <= n_x <= MAX_ROWS:
         raise ValueError(f"rms_norm_frags: x of {n_x} rows x {k} (1..{MAX_ROWS} rows, K a multiple of {QK})")
     rows8 = -(-n_x // 8) * 8
-    bufs = {qt: _scratch(rows8, k, qt, stream) for qt in (T.Q4_K, T.Q6_K)}
+    frags = frags_targets(n_x, k, stream)
     threads = 32 if SIM else NORM_THREADS
     _norm_frags_kernel[(rows8, -(-(k // 4) // threads)), threads, stream](
-        x_dev, x_dev.reshape(n_x * k), w, np.float32(eps), n_x, h, bufs[T.Q4_K][0], bufs[T.Q6_K][0])
-    return {qt: (b[0].view(np.uint16), unit_scales(rows8)) for qt, b in bufs.items()}
+        x_dev, x_dev.reshape(n_x * k), w, np.float32(eps), n_x, h, frags[T.Q4_K][0].view(np.uint32),
+        frags[T.Q6_K][0].view(np.uint32))
+    return frags
+
+
+def frags_targets(n_x: int, k: int, stream=0) -> dict:
+    """{qtype: (fragments, row scales)} of both weight layouts for an x of n_x rows x K that
+    its producer writes as fragments itself, in range (every |x| < 2**15: scales 1): the
+    buffers x_frags would use, for matvec_mma's `frags`. Layout: frag_u16; rows from n_x up
+    to the fragments' multiple of 8 must be written as zeros."""
+    rows8 = -(-n_x // 8) * 8
+    return {qt: (_scratch(rows8, k, qt, stream)[0].view(np.uint16), unit_scales(rows8)) for qt in (T.Q4_K, T.Q6_K)}
 
 
 # (rows8, K, layout, stream) -> (fragments, overflow flags, row scales): fixed addresses, so
@@ -330,7 +343,7 @@ def x_frags(x_dev, qtype, stream=0, guard=True):
     return frags_fixup(x_dev, qtype, stream)
 
 
-def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) -> int:
+def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2, third: bool = False) -> int:
     """Blocks an SM that ptxas must fit (launch_bounds' second figure): registers traded for
     resident warps where that was measured to pay, at up to 24 rows of x (nt <= 3). These
     products are weight-load latency chains, so more warps in flight hide more of it. At 23
@@ -345,7 +358,7 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2) ->
     if gated:
         return max(1, 12 // warps)  # 12 warps an SM (168 registers) in whole blocks
     if pair:
-        return -(-16 // warps)
+        return min(TRIO_BLOCKS, -(-16 // warps)) if third else -(-16 // warps)
     return PLAIN_BLOCKS if tiles == 1 else 1
 
 
@@ -381,7 +394,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     assert not gated or TL == 2
     # (threads, blocks an SM): with the thread count alone ptxas capped one form at 72
     # registers and spilled
-    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair, TL)))
+    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(32 * W, _min_blocks(NT, W, gated, pair, TL, THIRD)))
 
     @device(inline=True)
     def step(x4, lo, tl, a0, a1, a2, a3, acc, scr, wid, lane):
@@ -573,8 +586,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                 if t >= n_x:
                     v = np.float32(0.0)
                 h16 = np.uint16(f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF))
-                f4[_frag_u16(1, nn, t, ROWS8)] = h16
-                f6[_frag_u16(0, nn, t, ROWS8)] = h16
+                f4[frag_u16(1, nn, t, ROWS8)] = h16
+                f6[frag_u16(0, nn, t, ROWS8)] = h16
                 if abs(v) >= F16_SAFE:
                     fl4[t] = 1
                     fl6[t] = 1

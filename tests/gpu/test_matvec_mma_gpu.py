@@ -118,21 +118,26 @@ def test_rms_norm_frags_gpu(n_x, k):
 
 
 @pytest.mark.parametrize("n_x", [2, 23])
-def test_matvec_mma_pair_gpu(n_x):
+@pytest.mark.parametrize("third", [False, True], ids=["qk", "qkv"])
+def test_matvec_mma_pair_gpu(n_x, third):
     """Verification's q and k projections in one launch at the 8B shape (4096 + 1024 rows of
-    Q4_K over 4096), each against the float64 reference."""
+    Q4_K over 4096), and with v (1024 rows of Q6_K) as the launch's third weight, each
+    against the float64 reference."""
     from luce.kernels.matvec_mma import matvec_mma_pair
     rng = np.random.default_rng(n_x)
     k = 4096
-    raws = [random_tensor(rng, T.Q4_K, (n, k)).reshape(n, -1) for n in (4096, 1024)]
+    shapes = [(T.Q4_K, 4096), (T.Q4_K, 1024)] + ([(T.Q6_K, 1024)] if third else [])
+    raws = [random_tensor(rng, qt, (n, k)).reshape(n, -1) for qt, n in shapes]
     x = rng.standard_normal((n_x, k)).astype(np.float32)
-    outs = [cuda.to_device(np.full((n_x, n), np.nan, np.float32)) for n in (4096, 1024)]
-    matvec_mma_pair(cuda.to_device(raws[0]), cuda.to_device(raws[1]), T.Q4_K, cuda.to_device(x), 4096, 1024, *outs)
-    for raw, out in zip(raws, outs):
+    outs = [cuda.to_device(np.full((n_x, n), np.nan, np.float32)) for _, n in shapes]
+    t3 = (cuda.to_device(raws[2]), T.Q6_K, 1024, outs[2], None, None) if third else None
+    matvec_mma_pair(cuda.to_device(raws[0]), cuda.to_device(raws[1]), T.Q4_K, cuda.to_device(x), 4096, 1024,
+                    outs[0], outs[1], third=t3)
+    for (qt, _), raw, out in zip(shapes, raws, outs):
         got = out.copy_to_host()
-        bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), T.Q4_K, (raw.shape[0], k))).T
+        bound = np.abs(x) @ np.abs(dequantize(raw.reshape(-1), qt, (raw.shape[0], k))).T
         assert np.isfinite(got).all()
-        assert (np.abs(got - matvec_ref(raw, T.Q4_K, x)) <= 2.0 ** -9 * bound + 1e-5).all()
+        assert (np.abs(got - matvec_ref(raw, qt, x)) <= 2.0 ** -9 * bound + 1e-5).all()
 
 
 @pytest.mark.parametrize("n_x", [2, 23])

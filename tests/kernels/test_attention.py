@@ -7,6 +7,7 @@ tests/gpu/test_kernels_gpu.py."""
 import numpy as np
 import pytest
 from numba import cuda
+from gguf import GGMLQuantizationType as T
 
 from luce.kernels import attention as A
 from luce.kernels.attention import attention_cache_cuda, attention_ref, causal_mask, tree_mask, tree_mask_bits
@@ -254,6 +255,38 @@ def test_tree():
     np.testing.assert_allclose(got, ref(q, kv, cpos, npos, mask), rtol=2e-4, atol=2e-5)
 
 
+def test_tree_combine_writes_the_o_projections_fragments():
+    """A tree over several splits with frags_out: the combine also writes the output's
+    matvec_mma fragments of both layouts, the bits x_frags makes of the output (padding rows
+    to 8 zeros, though the buffers held garbage), and the output is unchanged; a plan with
+    no combine refuses frags_out."""
+    from luce.kernels import matvec_mma as M
+    parents = np.array([-1, 0, 0, 1, 2])
+    depth = np.array([0, 1, 1, 2, 2])
+    hq, d = 4, 64  # rows of 256 columns: one fragment block
+    cache, q, kv, cpos, npos = setup(130, 5, hq=hq, hkv=1, d=d, new_pos=130 + depth)
+    bits = cuda.to_device(tree_mask_bits(tree_mask(parents)))
+    plan = A.attention_plan(5, hq, 1, d, cache.n_ctx, max_splits=3)
+    assert A.combines(plan), plan
+    fr = M.frags_targets(5, hq * d)
+    for qt in fr:
+        fr[qt][0].copy_to_device(np.full(fr[qt][0].shape, 0x7C01, np.uint16))  # f16 NaN: unwritten shows
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
+                           cuda.to_device(npos.astype(np.int32)), bits, n_keys=cache.n_ctx, out=out, max_splits=3,
+                           frags_out=(fr[T.Q4_K][0], fr[T.Q6_K][0]))
+    got = {qt: f[0].copy_to_host() for qt, f in fr.items()}
+    o = out.copy_to_host()
+    np.testing.assert_allclose(o, ref(q, kv, cpos, npos, tree_mask(parents)), rtol=2e-4, atol=2e-5)
+    for qt in got:
+        want = M.x_frags(cuda.to_device(o.reshape(5, hq * d)), qt, guard=False)[0].copy_to_host()
+        np.testing.assert_array_equal(got[qt], want)
+    with pytest.raises(ValueError, match="no combine"):
+        A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta,
+                               cache.pos_d, cuda.to_device(npos.astype(np.int32)), bits, n_keys=cache.n_ctx,
+                               max_splits=1, frags_out=(fr[T.Q4_K][0], fr[T.Q6_K][0]))
+
+
 @pytest.mark.parametrize("window", [None, 20])
 def test_prefill_causal(window):
     # no committed rows: the chain's causal mask runs across a page boundary; 2 query tiles
@@ -371,9 +404,10 @@ for k, sig, threads in [(sampling._argmax_kernel, f"void({F2}, {I1}, {F2}, int32
                          sampling.ARGMAX_THREADS),
                         (activation._softmax_kernel, f"void({F2}, {F2})", 256),
                         (sampling._topk_kernel, f"void({F2}, int32[:, ::1], int64, int64, int64, {F2}, int32[:, ::1])", 256),
-                        *[(attention._combine(128, p, w), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, "
-                           f"{I1}, {F3}, uint8[::1], float32[::1])", 32 * w)
-                          for p in (0, 2) for w in (attention.COMBINE_WARPS, attention.COMBINE_MAX_WARPS)],
+                        *[(attention._combine(128, p, w, fr), f"void(float32[:, :, :, ::1], float32[:, :, :, ::1], "
+                           f"int64, {I1}, {F3}, uint8[::1], float32[::1], uint16[::1], uint16[::1])", 32 * w)
+                          for p, fr in ((0, False), (2, False), (0, True))
+                          for w in (attention.COMBINE_WARPS, attention.COMBINE_MAX_WARPS)],
                         (sampling._sample_kernels(sampling.SAMPLE_RUN)[1],
                          f"void({F2}, int64, uint64[::1], float64[::1], {I1}, int32[:, ::1], {I1})",
                          sampling.SAMPLE_THREADS),
