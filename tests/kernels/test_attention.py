@@ -264,16 +264,16 @@ def test_tree_combine_writes_the_o_projections_fragments():
     parents = np.array([-1, 0, 0, 1, 2])
     depth = np.array([0, 1, 1, 2, 2])
     hq, d = 4, 64  # rows of 256 columns: one fragment block
-    cache, q, kv, cpos, npos = setup(130, 5, hq=hq, hkv=1, d=d, new_pos=130 + depth)
+    cache, q, kv, cpos, npos = setup(70, 5, hq=hq, hkv=1, d=d, new_pos=70 + depth)
     bits = cuda.to_device(tree_mask_bits(tree_mask(parents)))
-    plan = A.attention_plan(5, hq, 1, d, cache.n_ctx, max_splits=3)
+    plan = A.attention_plan(5, hq, 1, d, cache.n_ctx, max_splits=2)
     assert A.combines(plan), plan
     fr = M.frags_targets(5, hq * d)
     for qt in fr:
         fr[qt][0].copy_to_device(np.full(fr[qt][0].shape, 0x7C01, np.uint16))  # f16 NaN: unwritten shows
     out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
     A.paged_attention_cuda(cuda.to_device(q), cache.k_pool, cache.v_pool, cache.table_d, 1, cache.meta, cache.pos_d,
-                           cuda.to_device(npos.astype(np.int32)), bits, n_keys=cache.n_ctx, out=out, max_splits=3,
+                           cuda.to_device(npos.astype(np.int32)), bits, n_keys=cache.n_ctx, out=out, max_splits=2,
                            frags_out=(fr[T.Q4_K][0], fr[T.Q6_K][0]))
     got = {qt: f[0].copy_to_host() for qt, f in fr.items()}
     o = out.copy_to_host()
