@@ -71,7 +71,7 @@ from luce.kernels import pdl, quantize_x, qk_rope, attention, embedding, samplin
 F1, F3 = types.float32[::1], types.float32[:, :, ::1]
 cases = [(quantize_x._quantize_kernel, "void(float32[::1], uint8[::1], float32[::1], int64, int64)"),
          (attention._combine(128), "void(float32[:, :, :, ::1], float32[:, :, :, ::1], int64, int32[::1], "
-                                   "float32[:, :, ::1], uint8[::1], float32[::1])"),
+                                   "float32[:, :, ::1], uint8[::1], float32[::1], uint16[::1], uint16[::1])"),
          # verification and prefill forwards' kernels
          (embedding._gather_rows_u16_kernel, "void(uint16[:, ::1], int32[::1], uint16[:, ::1])"),
          (sampling._argmax_kernel, "void(float32[:, ::1], int32[::1], float32[:, ::1], int32[:, ::1], int32[::1])"),
