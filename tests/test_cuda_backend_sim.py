@@ -413,6 +413,59 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
         assert calls == want, (on, calls)
 
 
+def test_linear_norm_leaves_the_norm_to_the_products_that_read_it(monkeypatch):
+    """On matvec_mma's widths linear_norm is one matvec_mma_norm launch (MMA_NORM): the gated
+    FFN and linears read its fragments with no conversion or norm launch, another reader
+    (a part of the rows) gets the norm made from the residual stream into the carried
+    buffer; LUCE_MMA_NORM=0 goes back to the product and rms_norm_frags."""
+    import gguf
+    from numba import cuda
+    from luce.backends import cuda as C
+    from luce.kernels import matvec_mma as M
+    Q = gguf.GGMLQuantizationType
+    monkeypatch.setattr(C, "MATVEC_MMA_ROWS", range(1, 9))
+    calls = []
+    monkeypatch.setattr(M, "x_frags", lambda x, qt, stream=0, guard=True: calls.append(("x_frags", qt.name)) or
+                        ("converted", None))
+    monkeypatch.setattr(M, "matvec_mma_norm", lambda w, qt, x, res, nw, eps, stream=0, frags=None, layout=None:
+                        calls.append(("mma_norm", frags[0])) or {Q.Q4_K: ("norm4", "inv"), Q.Q6_K: ("norm6", "inv")})
+    monkeypatch.setattr(M, "rms_norm_frags", lambda x, w, eps, h, stream=0: calls.append(("norm_frags",)) or
+                        {Q.Q4_K: ("rn4", None), Q.Q6_K: ("rn6", None)})
+    monkeypatch.setattr(M, "matvec_mma", lambda *a, **k: calls.append(("mma", k["frags"][0])) or k["out"])
+    monkeypatch.setattr(M, "matvec_mma_pair", lambda *a, **k: calls.append(("pair", k["frags"][0])) or (a[6], a[7]))
+    ops = C.CudaOps(C.CUDABackend(use_graphs=False), None)
+    ops.arena = C.Arena(1 << 22)
+    h_buf = cuda.device_array((3, 256), np.float32)
+    ops._carry = [(h_buf, None, None), (h_buf, None, None)]
+    wo = C.DeviceWeight(cuda.to_device(np.zeros((256, 144), np.uint8)), Q.Q4_K, (256, 256))
+    gate = C.DeviceWeight(cuda.to_device(np.zeros((512, 144), np.uint8)), Q.Q4_K, (512, 256))
+    norm_w = cuda.to_device(np.ones(256, np.float32))
+    norm_w.luce_absmax = 1.0
+    x = cuda.to_device(np.ones((3, 256), np.float32))
+    res = cuda.to_device(np.ones((3, 256), np.float32))
+    for on in (True, False):
+        monkeypatch.setattr(C, "MMA_NORM", on)
+        calls.clear()
+        ops.new_layer()
+        ops._frags = {}
+        res_out, h = ops.linear_norm(x, wo, res, norm_w, 1e-6)
+        assert res_out is res
+        ops.linears(h, [wo, wo], [None, None])  # q and k (the next layer's, after down)
+        ops.gated_linear(h, gate, gate)  # or the FFN (after o)
+        if on:
+            assert isinstance(h, C.MmaNorm)
+            assert calls == [("x_frags", "Q4_K"), ("mma_norm", "converted"), ("pair", "norm4"), ("mma", "norm4")], \
+                calls
+            # a reader of rows 1..2 only: the norm is made, into the carried buffer
+            made = []
+            monkeypatch.setattr(ops, "rms_norm", lambda xx, w, eps, out=None, xq=None: made.append((xx, out)) or out)
+            assert ops.take_rows(h, [1, 2]) is not None and made == [(res, h_buf)]
+            del ops.rms_norm
+        else:
+            assert calls == [("x_frags", "Q4_K"), ("mma", "converted"), ("norm_frags",), ("pair", "rn4"),
+                             ("mma", "rn4")], calls
+
+
 def test_profile_forward_of_a_tree_runs_its_attention_with_the_mask(tiny_llama, monkeypatch):
     """The bench's verification breakdown profiles the tree it verifies: every attention
     call of the recorded and replayed forwards gets the tree's mask bits (before, the

@@ -133,6 +133,10 @@ ATTN_FRAGS = os.environ.get("LUCE_ATTN_FRAGS", "1") != "0"
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
 # LUCE_FUSED_NORM=0 turns it off.
 FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
+# ... and verification's (matvec_mma's widths): the o and down products write the norm's
+# fragments unscaled and their last block the rows' 1 / rms (matvec_mma_norm), where
+# rms_norm_frags had a launch of its own after each. LUCE_MMA_NORM=0 turns it off.
+MMA_NORM = os.environ.get("LUCE_MMA_NORM", "1") != "0"
 # Gemma's residual steps (x += RMSNorm(y) w_post, then the next norm) as one launch
 # (rms_norm_cuda's pre_weight) instead of three; LUCE_FUSED_POST_NORM=0 composes them
 FUSED_POST_NORM = os.environ.get("LUCE_FUSED_POST_NORM", "1") != "0"
@@ -238,6 +242,21 @@ def _g8_copy(cuda, host_rows: np.ndarray, qtype, cols: int, name, planned):
     if not planned or name not in planned or not g8_eligible(qtype, cols):
         return None
     return cuda.to_device(g8_ref(host_rows, host_rows.shape[0], cols))
+
+
+@dataclass
+class MmaNorm:
+    """rms_norm(x, w) of matvec_mma's widths left to the products that read it: their
+    fragments (kept by the ops under this object) hold x w and their row scales 1 / rms
+    (matvec_mma_norm). h is where CudaOps._plain makes the norm for any other reader."""
+    h: object
+    x: object  # the residual stream it is the norm of, unchanged until its readers have run
+    w: object
+    eps: float
+
+    @property
+    def shape(self):
+        return self.h.shape
 
 
 @dataclass
@@ -388,9 +407,18 @@ class CudaOps:
 
     def _plain(self, x):
         """x as an array: a SplitNorm's norm made here, for ops that cannot finish it."""
+        if isinstance(x, MmaNorm):
+            return self.rms_norm(x.x, x.w, x.eps, out=x.h)
         if not isinstance(x, SplitNorm):
             return x
         return self.rms_norm(x.x, x.w, x.eps)
+
+    def _mma_x(self, x, qtypes):
+        """x for matvec_mma products of these weight types: an MmaNorm stays one where its
+        fragments are kept for every type (the products finish the norm); else plain."""
+        if isinstance(x, MmaNorm) and all(self._frags.get(qt, (None,))[0] is x for qt in qtypes):
+            return x
+        return self._plain(x)
 
     def _guard(self, x) -> bool:
         """Whether x's f16 conversion needs the guard (not known to be in range)."""
@@ -542,6 +570,20 @@ class CudaOps:
             n_parts = matvec_fast_norm(w.raw, w.qtype, x, residual, norm_w, h, parts, stream=self.stream,
                                        xq=self._x8(x, w.qtype), xq_out=xq)
             return residual, SplitNorm(h, parts, n_parts, eps, residual, norm_w, xq)
+        if (MMA_NORM and _takes_mma(n, w.qtype, w.shape[1]) and h.shape == residual.shape
+                and _takes_mma(n, T.Q4_K, residual.shape[1]) and not self._x8_rows(residual)
+                and _norm_in_range(norm_w, residual.shape[1])
+                and self._own("linear", "linears", "gated_linear", "rms_norm", "take_rows")):
+            from ..kernels.matvec_mma import matvec_mma_norm
+            x = self._plain(x)
+            self._written(residual)
+            g8 = w.g8 is not None
+            frags = matvec_mma_norm(w.g8 if g8 else w.raw, w.qtype, x, residual, norm_w, eps, stream=self.stream,
+                                    frags=self._frags_for(x, w.qtype), layout="g8" if g8 else None)
+            hn = MmaNorm(h, residual, norm_w, eps)
+            for qt, f in frags.items():
+                self._frags[qt] = (hn, f)
+            return residual, hn
         residual = self.linear(x, w, residual=residual)
         if self._own("rms_norm") and h.shape == residual.shape:
             return residual, self.rms_norm(residual, norm_w, eps, out=h, xq=xq)
@@ -560,6 +602,8 @@ class CudaOps:
                 return matvec_fast(w.raw, w.qtype, x.xg, out=out, bias=bias, residual=residual,
                                    stream=self.stream, x_norm=x.x_norm, xq=x.xq)
             x = self._plain(x)
+        if isinstance(x, MmaNorm):
+            x = self._mma_x(x, (w.qtype,)) if _takes_mma(n, w.qtype, w.shape[1]) else self._plain(x)
         # the residual stream is updated in place: out aliases residual
         out = residual if residual is not None else self._out((n, w.shape[0]))
         if residual is not None:
@@ -603,7 +647,7 @@ class CudaOps:
                                          xq=xq, x_norm=x.x_norm if split else None, third=third)
                 i += 2 if third is None else 3
             elif _takes_mma(x.shape[0], ws[i].qtype, ws[i].shape[1]):
-                x = self._plain(x)
+                x = self._mma_x(x, {wi.qtype for wi in ws[i:i + 3]})
                 # one f16 conversion of x per weight type (q and k of a Q4_K_M model share one)
                 from ..kernels.matvec_mma import matvec_mma, matvec_mma_pair
                 w, n = ws[i], x.shape[0]
@@ -686,6 +730,9 @@ class CudaOps:
                                    xq=x.xq, xq_out=self._xq_out(h), act=act)
             x = self._plain(x)
         k = x.shape[1]
+        if isinstance(x, MmaNorm):
+            x = self._mma_x(x, (qt,)) if act == "silu" and w_up.qtype == qt and _takes_mma(n, qt, k) else \
+                self._plain(x)
         if act == "silu" and w_up.qtype == qt and _takes_mma(n, qt, k):
             n_ff = w_gate.shape[0]
             frags_out = GATED_FRAGS and _takes_mma(n, T.Q4_K, n_ff)  # the down projection takes matvec_mma too

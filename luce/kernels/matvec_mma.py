@@ -54,9 +54,10 @@ from .matvec_fast import k4_scales, ld16, pieces
 from .mma import SCRATCH, and_or, bits, f32x2_to_f16x2, hfma2, hsub2, mma_f16, or32, prmt, shl32
 from .vector_load import f16_bits_to_f32, ldg_f32x4, ldg_u16_u32x4, ldw_u16_u32, ldw_u16_u32x4
 from .pdl import grid_dependency_sync, ready as pdl_ready
+from .split_merge import arrive
 
-__all__ = ["MMA_TYPES", "MAX_ROWS", "frag_u16", "frags_fixup", "frags_targets", "matvec_mma", "matvec_mma_pair",
-           "plan", "rms_norm_frags", "third_align", "x_frags"]
+__all__ = ["MMA_TYPES", "MAX_ROWS", "frag_u16", "frags_fixup", "frags_targets", "matvec_mma", "matvec_mma_norm",
+           "matvec_mma_pair", "plan", "rms_norm_frags", "third_align", "x_frags"]
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K})
 MAX_ROWS = 32  # rows of x: four B fragments of 8
@@ -302,9 +303,10 @@ def frags_targets(n_x: int, k: int, stream=0) -> dict:
 _SCRATCH: dict = {}
 
 
-def _scratch(rows8: int, k: int, qtype, stream, gated_out: bool = False):
+def _scratch(rows8: int, k: int, qtype, stream, gated_out: bool | int = False):
     # gated_out: the set a gated launch writes its output's fragments into, never the one its
-    # own x's conversion is in (n_out == K would have it overwrite them mid-launch)
+    # own x's conversion is in (n_out == K would have it overwrite them mid-launch); 2: the
+    # set matvec_mma_norm writes into (a gated product of n_out == K reads it)
     key = (rows8, k, int(as_qtype(qtype) == T.Q4_K), id(stream), gated_out)
     if key not in _SCRATCH:
         _SCRATCH[key] = (cuda.device_array(rows8 * k // 2, np.uint32), new_flags(rows8),
@@ -364,7 +366,7 @@ def _min_blocks(nt: int, warps: int, gated: bool, pair: bool, tiles: int = 2, th
 
 @functools.lru_cache(maxsize=None)
 def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: bool = False, frags: bool = False,
-            g8: bool = False, third=None):
+            g8: bool = False, third=None, norm: bool = False):
     """The kernel for `qtype` weights, nt B fragments (8 nt rows of x), `tiles` 16-row tiles
     a warp sharing each x fragment (gated: tile 0 of W_gate, tile 1 the same rows of W_up)
     and `warps` warps a block splitting K; pair: output rows from n_a on are W_b's (w1),
@@ -373,8 +375,13 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     reaching F16_SAFE flagged in fl4, fl6 for the fixup). g8: Q6_K weights in
     luce.kernels.q6k_groups' layout (every piece one aligned load). third (pair): the type of
     a third weight w2 (GGUF layout) whose rows follow W_a's and W_b's (from n_ab on, a whole
-    number of blocks), over its own fragments xq2 and scales xs2, into out_c: v beside q and k."""
+    number of blocks), over its own fragments xq2 and scales xs2, into out_c: v beside q and k.
+    norm (plain, with the residual): the outputs' RMSNorm left to the next product, as
+    matvec_mma's `norm` describes (gw the norm's weight; nparts, ncount, nscale its
+    partial sums, block counter and row scales)."""
     NT, TL, W = nt, tiles, warps
+    NORM = norm
+    assert not norm or not (gated or pair or frags)
     THIRD = third is not None
     assert not THIRD or pair and not g8
     Q4_3 = third == T.Q4_K
@@ -502,10 +509,55 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
 
     block = block_q4_k if Q4 else block_q6_k
     block3 = block_q4_k if Q4_3 else block_q6_k
+    NSQ = ROWS8 * ROWS if NORM else 1
+    SEG = max(1, (32 * W) // ROWS8)  # threads a row in the last block's sum
+    NRED = ROWS8 * SEG + ROWS8 if NORM else 1
+
+    @device(inline=True)
+    def _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, eps, sqs, ibuf, nred, tid):
+        """The block's sums of squares by row of x into nparts; the last block to finish adds
+        them up (in block order, the same sums whatever the timing) into the row scales
+        1 / rms, and rewrites a flagged row's fragments as the norm itself (scale 1)."""
+        cuda.syncthreads()
+        nblk = cuda.gridDim.x
+        if tid < ROWS8:
+            s = np.float32(0.0)
+            for j in range(ROWS):
+                s += sqs[tid * ROWS + j]
+            nparts[tid * (nparts.shape[0] // ROWS8) + cuda.blockIdx.x] = s
+        if not arrive(ncount, 0, nblk, ibuf, tid):
+            return
+        # row t's partials by SEG threads, each over every SEG-th block, then in thread order
+        per = nparts.shape[0] // ROWS8
+        if tid < ROWS8 * SEG:
+            t = tid // SEG
+            s = np.float32(0.0)
+            for b in range(tid % SEG, nblk, SEG):
+                s += nparts[t * per + b]
+            nred[tid] = s
+        cuda.syncthreads()
+        if tid < ROWS8:
+            s = np.float32(0.0)
+            for j in range(SEG):
+                s += nred[tid * SEG + j]
+            inv = np.float32(1.0) / math.sqrt(s / np.float32(n_out) + eps)
+            nscale[tid] = inv if tid < n_x and fl4[tid] == 0 else np.float32(1.0)
+            nred[ROWS8 * SEG + tid] = inv
+        cuda.syncthreads()
+        for t in range(n_x):
+            if fl4[t] != 0:  # the same for the whole block
+                inv = nred[ROWS8 * SEG + t]
+                for col in range(tid, n_out, 32 * W):
+                    h16 = np.uint16(f32x2_to_f16x2(out[t, col] * inv * gw[col], np.float32(0.0)) & U(0xFFFF))
+                    f4[frag_u16(1, col, t, ROWS8)] = h16
+                    f6[frag_u16(0, col, t, ROWS8)] = h16
+        cuda.syncthreads()
+        if tid < ROWS8:
+            fl4[tid] = 0
 
     @jit
     def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
-               fl6, w2, xq2, xs2, n_ab, bias_c, out_c):
+               fl6, w2, xq2, xs2, n_ab, bias_c, out_c, gw, nparts, ncount, nscale, eps):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         tid = cuda.threadIdx.x
         wid = tid // 32
@@ -513,6 +565,9 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
         g = lane >> 2
         scr = cuda.shared.array(SCR, np.uint32)
         red = cuda.shared.array((W, 32, NACC), np.float32)
+        sqs = cuda.shared.array(NSQ, np.float32)  # norm: v^2 of the block's outputs, by row of x
+        ibuf = cuda.shared.array(1, np.int32)
+        nred = cuda.shared.array(NRED, np.float32)
         acc = cuda.local.array(NACC, np.float32)
         rows = cuda.local.array(R2, np.int64)  # this lane's weight rows: g, g + 8 of each tile
         wsel = cuda.local.array(R2, np.int32)  # pair: 1 where the row is W_b's
@@ -582,6 +637,21 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                     if has_res:  # may be out itself (the residual stream, in place)
                         v += res[t, nn]
                     out[t, nn] = v
+            if NORM and t < ROWS8:
+                # x w (unscaled: the norm's 1 / rms goes to the row scale) in both layouts;
+                # zeros past n_x and n_out
+                gv = np.float32(0.0)
+                sq = np.float32(0.0)
+                if t < n_x and nn < n_out:
+                    gv = v * gw[nn]
+                    sq = v * v
+                sqs[t * ROWS + nn - cuda.blockIdx.x * ROWS] = sq
+                if nn < n_out:
+                    h16 = np.uint16(f32x2_to_f16x2(gv, np.float32(0.0)) & U(0xFFFF))
+                    f4[frag_u16(1, nn, t, ROWS8)] = h16
+                    f6[frag_u16(0, nn, t, ROWS8)] = h16
+                    if abs(gv) >= F16_SAFE:
+                        fl4[t] = 1
             if FRAGS and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
                 if t >= n_x:
                     v = np.float32(0.0)
@@ -591,6 +661,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                 if abs(v) >= F16_SAFE:
                     fl4[t] = 1
                     fl6[t] = 1
+        if NORM:
+            _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, eps, sqs, ibuf, nred, tid)
 
     return pdl_ready(kernel)
 
@@ -652,10 +724,50 @@ def matvec_mma(w_dev, qtype, x_dev, n_out: int, out=None, bias=None, residual=No
     return out
 
 
+def matvec_mma_norm(w_dev, qtype, x_dev, residual, norm_w, eps: float, stream=0, frags=None, layout=None):
+    """residual += x W^T (in place) and the RMSNorm of the result, h = RMSNorm(residual) *
+    norm_w, left to the products that read h: returns {qtype: (fragments, row scales)} of
+    both weight layouts for matvec_mma's `frags`, whose row scales are 1 / rms(residual's
+    row) (the products multiply by them). The fragments hold residual * norm_w (a row
+    reaching f16's range: h itself, scale 1); h is never written. The blocks add up their
+    outputs' squares, and the last block to finish the scales: one launch where the product
+    and rms_norm_frags took two (a verification forward's o and down projections).
+    norm_w: float32 [n_out] on the device; n_out a multiple of 256. frags, layout: as
+    matvec_mma."""
+    qtype, n_x, k = _check(qtype, x_dev, "matvec_mma_norm")
+    n_out = residual.shape[1]
+    if n_out % QK or tuple(residual.shape) != (n_x, n_out) or norm_w.shape[0] != n_out:
+        raise ValueError(f"matvec_mma_norm: residual {tuple(residual.shape)}, norm {tuple(norm_w.shape)}: "
+                         f"[{n_x}, n_out] and [n_out], n_out a multiple of {QK}")
+    if layout not in (None, "g8") or layout and (qtype != T.Q6_K or k % 2048):
+        raise ValueError(f"matvec_mma_norm: layout {layout!r}: None, or 'g8' for a Q6_K weight of 2048k columns")
+    w16, _ = weight_u16(w_dev, qtype, k)
+    xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
+    tiles, warps = plan(n_x, n_out, k)
+    rows8 = -(-n_x // 8) * 8
+    n_blocks = -(-n_out // (16 * tiles))
+    # buffers of their own (gated_out=2): a gated product reading them never writes them
+    (f4, fl4, _), (f6, _, _) = (_scratch(rows8, n_out, qt, stream, 2) for qt in (T.Q4_K, T.Q6_K))
+    key = (rows8, n_blocks, id(stream))
+    if key not in _NORM_SCRATCH:
+        _NORM_SCRATCH[key] = (cuda.device_array(rows8 * n_blocks, np.float32), cuda.to_device(np.zeros(1, np.int32)),
+                              cuda.device_array(rows8, np.float32))
+    parts, count, scales = _NORM_SCRATCH[key]
+    _launch(qtype, k, w16, w16, xq, xs, n_x, n_out, residual, None, residual, tiles, warps, False, stream,
+            g8=layout == "g8", norm=(norm_w, parts, count, scales, np.float32(eps), f4.view(np.uint16),
+                                     f6.view(np.uint16), fl4))
+    return {T.Q4_K: (f4.view(np.uint16), scales), T.Q6_K: (f6.view(np.uint16), scales)}
+
+
+# (rows8, blocks, stream) -> (partial sums, block counter, row scales) of matvec_mma_norm
+_NORM_SCRATCH: dict = {}
+
+
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
-            n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False, third=None):
+            n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False, third=None, norm=None):
     """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b;
-    third (qtype, w2, xq2, xs2, n_ab, out_c, bias_c): rows from n_ab on are w2's, into out_c."""
+    third (qtype, w2, xq2, xs2, n_ab, out_c, bias_c): rows from n_ab on are w2's, into out_c;
+    norm (gw, parts, count, scales, eps, f4, f6, flags): matvec_mma_norm's."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
@@ -674,9 +786,16 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
         bias_c = bias_c if bias_c is not None else b
     else:
         qt3, w2, xq2, xs2, n_ab, out_c, bias_c = None, w0, xq, xs, n_out, out, b
-    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8, qt3)[-(-n_out // rows), 32 * warps, stream](
+    if norm is not None:
+        gw, parts, count, scales, eps, f4, f6, fl4 = norm
+        fl6 = fl4
+    else:
+        gw, parts, count, scales, eps = b, b, fl4, b, np.float32(0.0)
+    _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8, qt3, norm is not None)[
+        -(-n_out // rows), 32 * warps, stream](
         w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
-        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6, w2, xq2, xs2, n_ab, bias_c, out_c)
+        n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6, w2, xq2, xs2, n_ab, bias_c, out_c,
+        gw, parts, count, scales, eps)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,

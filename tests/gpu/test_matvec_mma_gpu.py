@@ -182,3 +182,34 @@ def test_matvec_mma_q6_k_groups_layout_gpu(n_x):
     want = matvec_ref(raw, T.Q6_K, x.copy_to_host())
     bound = np.abs(x.copy_to_host()) @ np.abs(dequantize(raw.reshape(-1), T.Q6_K, (n_out, k))).T
     assert (np.abs(grouped - want) <= 2.0 ** -9 * bound + 1e-5).all()
+
+
+@pytest.mark.parametrize("n_x", [2, 23])
+@pytest.mark.parametrize("what", ["o", "down_g8"])
+def test_matvec_mma_norm_gpu(n_x, what):
+    """matvec_mma_norm at the 8B shape's o and down (over the groups copy) projections: the
+    residual stream the bits of matvec_mma's residual form, each layout's fragments bit for
+    bit x_frags of residual * norm_w, the row scales 1 / rms (float32 rounding), and
+    again in a second launch (the block counter reset by the last block)."""
+    from luce.kernels.matvec_mma import matvec_mma_norm, x_frags
+    from luce.kernels.q6k_groups import g8_ref
+    rng = np.random.default_rng(n_x)
+    qt, k = (T.Q4_K, 4096) if what == "o" else (T.Q6_K, 12288)
+    n_out = 4096
+    raw = random_tensor(rng, qt, (n_out, k)).reshape(n_out, -1)
+    w = cuda.to_device(g8_ref(raw, n_out, k) if what == "down_g8" else raw)
+    layout = "g8" if what == "down_g8" else None
+    x = cuda.to_device((1e-3 * rng.standard_normal((n_x, k))).astype(np.float32))
+    res = (3 * rng.standard_normal((n_x, n_out))).astype(np.float32)
+    gw = rng.uniform(0.5, 1.5, n_out).astype(np.float32)
+    want = matvec_mma(w, qt, x, n_out, residual=cuda.to_device(res), layout=layout).copy_to_host()
+    for _ in range(2):
+        r = cuda.to_device(res)
+        frags = matvec_mma_norm(w, qt, x, r, cuda.to_device(gw), 1e-6, layout=layout)
+        got = r.copy_to_host()
+        np.testing.assert_array_equal(got, want)
+        inv = 1 / np.sqrt((got.astype(np.float64) ** 2).mean(1) + 1e-6)
+        for lt in (T.Q4_K, T.Q6_K):
+            f, sc = (a.copy_to_host() for a in frags[lt])
+            assert np.array_equal(f, x_frags(cuda.to_device(got * gw), lt, guard=False)[0].copy_to_host()), lt
+            np.testing.assert_allclose(sc[:n_x], inv, rtol=2e-6)

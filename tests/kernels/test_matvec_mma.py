@@ -11,7 +11,8 @@ from numba import cuda
 
 from luce.kernels.dequant import T
 from luce.kernels.matvec import matvec_ref
-from luce.kernels.matvec_mma import _scratch, frag_col, matvec_mma, matvec_mma_pair, rms_norm_frags, x_frags
+from luce.kernels.matvec_mma import (_scratch, frag_col, frag_u16, matvec_mma, matvec_mma_norm, matvec_mma_pair, rms_norm_frags,
+                                     x_frags)
 from tests.test_dequant import abs_terms, random_tensor
 from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
@@ -171,6 +172,65 @@ def test_rms_norm_frags_is_the_norm_then_both_conversions():
         assert np.all(got[qt][1] == 1) and np.all(scales.copy_to_host()[:8] == 1)
 
 
+@pytest.mark.parametrize("qtype,n_x,passes", [(T.Q4_K, 3, (False, True, False)), (T.Q6_K, 11, (False,))], ids=str)
+def test_matvec_mma_norm_leaves_the_norm_to_the_next_product(qtype, n_x, passes):
+    """matvec_mma_norm: the residual stream updated in place as matvec_mma's residual form
+    makes it; each layout's fragments bit for bit x_frags of residual * norm_w (rows past
+    n_x zeros, over NaN garbage), the row scales 1 / rms within float32 rounding, and a
+    row past f16's range written as the norm itself with scale 1 (its flag cleared: the
+    next launch's unflagged rows get 1 / rms again). The next product over those fragments
+    is the product of the numpy norm."""
+    from luce.kernels.norm import rms_norm_ref
+    n_out, k = 256, 256  # 16 blocks of 16 rows: the last block sums 16 partials a row
+    w = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
+    x = (1e-3 * rng.standard_normal((n_x, k))).astype(np.float32)  # the random scales are large
+    res = (3 * rng.standard_normal((n_x, n_out))).astype(np.float32)
+    gw = rng.uniform(0.5, 1.5, n_out).astype(np.float32)
+    eps = 1e-6
+    rows8 = -(-n_x // 8) * 8
+    w_dev, x_dev, gw_dev = cuda.to_device(w), cuda.to_device(x), cuda.to_device(gw)
+    want_res = matvec_mma(w_dev, qtype, x_dev, n_out, residual=cuda.to_device(res)).copy_to_host()
+    for p, big in enumerate(passes):
+        r = res.copy()
+        if big:
+            r[1] *= 3e4  # x w reaches past 2^15
+        for qt in (T.Q4_K, T.Q6_K):
+            _scratch(rows8, n_out, qt, 0, 2)[0].copy_to_device(np.full(rows8 * n_out // 2, 0x7E007E00, np.uint32))
+        r_dev = cuda.to_device(r)
+        frags = matvec_mma_norm(w_dev, qtype, x_dev, r_dev, gw_dev, eps)
+        got_res = r_dev.copy_to_host()
+        want = want_res.copy()
+        if big:
+            want[1] = matvec_mma(w_dev, qtype, x_dev, n_out, residual=cuda.to_device(r)).copy_to_host()[1]
+        assert np.array_equal(got_res, want), big
+        inv = 1 / np.sqrt((got_res.astype(np.float64) ** 2).mean(1) + eps)
+        h = rms_norm_ref(got_res, gw, eps)
+        for qt in (T.Q4_K, T.Q6_K):
+            f, sc = (a.copy_to_host() for a in frags[qt])
+            want_f = x_frags(cuda.to_device(got_res * gw), qt, guard=False)[0].copy_to_host()
+            if not big:
+                assert np.array_equal(f, want_f), qt
+                np.testing.assert_allclose(sc[:n_x], inv, rtol=2e-6)
+                continue
+            norm_f = x_frags(cuda.to_device(h), qt, guard=False)[0].copy_to_host()
+            # row 1 as the norm (its inv from the kernel's sums: within f16's rounding of
+            # the numpy one), the other rows untouched
+            fu = getattr(frag_u16, "py_func", frag_u16)
+            row1 = np.zeros(f.shape, bool)
+            row1[[fu(int(qt == T.Q4_K), c, 1, rows8) for c in range(n_out)]] = True
+            assert np.array_equal(f[~row1], want_f[~row1]), qt
+            np.testing.assert_allclose(f[row1].view(np.float16).astype(np.float32),
+                                       norm_f[row1].view(np.float16).astype(np.float32), rtol=2e-3, atol=1e-4)
+            assert sc[1] == 1 and np.allclose(np.delete(sc[:n_x], 1), np.delete(inv, 1), rtol=2e-6), qt
+        if p:
+            continue
+        # the next product over the fragments against the numpy norm's product
+        w2 = random_tensor(rng, T.Q4_K, (16, n_out)).reshape(16, -1)
+        got = matvec_mma(cuda.to_device(w2), T.Q4_K, cuda.to_device(h), 16, frags=frags[T.Q4_K]).copy_to_host()
+        ref = matvec_ref(w2, T.Q4_K, h)
+        assert np.all(np.abs(got - ref) <= 2.0 ** -8 * _bound(w2, T.Q4_K, h, 16, n_out) + 1e-5), big
+
+
 def test_gated_writes_its_outputs_fragments():
     """frags_out: the gated kernel's outputs also go into both layouts' fragments (rows past
     n_x zeros, over NaN garbage; buffers of their own, so n_out == K is fine), and after
@@ -235,7 +295,8 @@ from luce.kernels import matvec_mma as M
 from luce.kernels.dequant import T
 sig = ("void(uint16[::1], uint16[::1], uint16[::1], float32[::1], int64, int64, int64, float32[::1], float32[:, ::1], "
        "int64, int64, float32[:, ::1], int64, float32[::1], float32[:, ::1], uint16[::1], uint16[::1], int32[::1], "
-       "int32[::1], uint16[::1], uint16[::1], float32[::1], int64, float32[::1], float32[:, ::1])")
+       "int32[::1], uint16[::1], uint16[::1], float32[::1], int64, float32[::1], float32[:, ::1], float32[::1], "
+       "float32[::1], int32[::1], float32[::1], float32)")
 from luce.kernels.ptx import ptxas_usage
 for qt, nt, tiles, warps, gated, pair, frags, third in [
         (T.Q4_K, 1, 1, 4, False, False, False, None), (T.Q4_K, 3, 2, 4, False, False, False, None),
@@ -264,6 +325,14 @@ code = cuda.compile_ptx(M._kernel(T.Q6_K, 3, 2, 8, False, False, False, True).py
 use = ptxas_usage(code)
 assert ".local" not in code and use["spill_bytes"] == 0, use
 print("Q6_K g8", use)
+# matvec_mma_norm's forms (o: Q4_K; down: Q6_K over the groups copy): the block count and the
+# row scales' tail cost no spills
+for qt, g8 in ((T.Q4_K, False), (T.Q6_K, True)):
+    code = cuda.compile_ptx(M._kernel(qt, 3, 2, 8, False, False, False, g8, None, True).py_func, sig, cc=(9, 0),
+                            launch_bounds=(256, M._min_blocks(3, 8, False, False)))[0]
+    use = ptxas_usage(code)
+    assert "atom.global.add" in code and ".local" not in code and use["spill_bytes"] == 0, (qt, use)
+    print(qt.name, "norm", use)
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
