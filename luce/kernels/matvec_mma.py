@@ -121,6 +121,14 @@ def _ld16_scales(w, byte):
 
 
 @device(inline=True)
+def _prev_scale(invs, t):
+    """matvec_mma_norm's prescale of row t: the 1 / rms that the last norm of this residual
+    stream left in invs (rms_norm_frags or matvec_mma_norm), 1 where there is none yet."""
+    sp = invs[t]
+    return sp if sp > np.float32(0.0) and sp < np.float32(3e38) else np.float32(1.0)
+
+
+@device(inline=True)
 def _i8(word, byte):
     """Signed byte `byte` of word as float32."""
     return np.float32(np.int32(shl32(word, 24 - 8 * byte)) >> 24)
@@ -223,7 +231,7 @@ NORM_THREADS = 128  # rms_norm_frags: threads a block, one item of each layout a
 
 @pdl_ready
 @cuda.jit
-def _norm_frags_kernel(x, xf, w, eps, n_x, h, frags4, frags6):
+def _norm_frags_kernel(x, xf, w, eps, n_x, h, frags4, frags6, inv_out):
     grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
     # block (t, s): the RMSNorm of x's row t (every block of the row sums the whole row: a
     # re-read from L2) into h and, from the same values, the row's items s * blockDim ..
@@ -248,6 +256,8 @@ def _norm_frags_kernel(x, xf, w, eps, n_x, h, frags4, frags6):
     # as rms_norm's kernel: float32 throughout (sum / int would be a float64 divide)
     inv = np.float32(1.0) / math.sqrt(block_sum(ss, buf) / np.float32(k) + eps)
     rows8 = cuda.gridDim.x
+    if cuda.blockIdx.y == 0 and tid == 0 and live:
+        inv_out[t] = inv  # matvec_mma_norm's prescale, where a product's norm follows
     i = cuda.blockIdx.y * bd + tid
     if i < (k // QK) * 64:
         for q4 in range(2):
@@ -283,7 +293,7 @@ def rms_norm_frags(x_dev, w, eps: float, h, stream=0):
     threads = 32 if SIM else NORM_THREADS
     _norm_frags_kernel[(rows8, -(-(k // 4) // threads)), threads, stream](
         x_dev, x_dev.reshape(n_x * k), w, np.float32(eps), n_x, h, frags[T.Q4_K][0].view(np.uint32),
-        frags[T.Q6_K][0].view(np.uint32))
+        frags[T.Q6_K][0].view(np.uint32), _norm_scratch(rows8, k, stream)[3])
     return frags
 
 
@@ -514,7 +524,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     NRED = ROWS8 * SEG + ROWS8 if NORM else 1
 
     @device(inline=True)
-    def _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, eps, sqs, ibuf, nred, tid):
+    def _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, ninv, eps, sqs, ibuf, nred, tid):
         """The block's sums of squares by row of x into nparts; the last block to finish adds
         them up (in block order, the same sums whatever the timing) into the row scales
         1 / rms, and rewrites a flagged row's fragments as the norm itself (scale 1)."""
@@ -541,7 +551,10 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
             for j in range(SEG):
                 s += nred[tid * SEG + j]
             inv = np.float32(1.0) / math.sqrt(s / np.float32(n_out) + eps)
-            nscale[tid] = inv if tid < n_x and fl4[tid] == 0 else np.float32(1.0)
+            sp = _prev_scale(ninv, tid)  # what this launch's fragments were written with
+            nscale[tid] = inv / sp if tid < n_x and fl4[tid] == 0 else np.float32(1.0)
+            if tid < n_x:
+                ninv[tid] = inv
             nred[ROWS8 * SEG + tid] = inv
         cuda.syncthreads()
         for t in range(n_x):
@@ -557,7 +570,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
 
     @jit
     def kernel(w0, w1, xq, xs, n_out, nb, n_x, bias, res, has_bias, has_res, out, n_a, bias_b, out_b, f4, f6, fl4,
-               fl6, w2, xq2, xs2, n_ab, bias_c, out_c, gw, nparts, ncount, nscale, eps):
+               fl6, w2, xq2, xs2, n_ab, bias_c, out_c, gw, nparts, ncount, nscale, ninv, eps):
         grid_dependency_sync()  # luce.kernels.pdl: the kernel before may still run
         tid = cuda.threadIdx.x
         wid = tid // 32
@@ -643,7 +656,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                 gv = np.float32(0.0)
                 sq = np.float32(0.0)
                 if t < n_x and nn < n_out:
-                    gv = v * gw[nn]
+                    gv = v * gw[nn] * _prev_scale(ninv, t)
                     sq = v * v
                 sqs[t * ROWS + nn - cuda.blockIdx.x * ROWS] = sq
                 if nn < n_out:
@@ -662,7 +675,7 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                     fl4[t] = 1
                     fl6[t] = 1
         if NORM:
-            _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, eps, sqs, ibuf, nred, tid)
+            _norm_tail(out, n_out, n_x, gw, f4, f6, fl4, nparts, ncount, nscale, ninv, eps, sqs, ibuf, nred, tid)
 
     return pdl_ready(kernel)
 
@@ -728,8 +741,9 @@ def matvec_mma_norm(w_dev, qtype, x_dev, residual, norm_w, eps: float, stream=0,
     """residual += x W^T (in place) and the RMSNorm of the result, h = RMSNorm(residual) *
     norm_w, left to the products that read h: returns {qtype: (fragments, row scales)} of
     both weight layouts for matvec_mma's `frags`, whose row scales are 1 / rms(residual's
-    row) (the products multiply by them). The fragments hold residual * norm_w (a row
-    reaching f16's range: h itself, scale 1); h is never written. The blocks add up their
+    row) over the prescale the fragments were written with (the products multiply by them).
+    The fragments hold residual * norm_w * the last 1 / rms of this stream (_norm_scratch; a
+    row reaching f16's range anyway: h itself, scale 1); h is never written. The blocks add up their
     outputs' squares, and the last block to finish the scales: one launch where the product
     and rms_norm_frags took two (a verification forward's o and down projections).
     norm_w: float32 [n_out] on the device; n_out a multiple of 256. frags, layout: as
@@ -745,29 +759,38 @@ def matvec_mma_norm(w_dev, qtype, x_dev, residual, norm_w, eps: float, stream=0,
     xq, xs = frags if frags is not None else x_frags(x_dev, qtype, stream)
     tiles, warps = plan(n_x, n_out, k)
     rows8 = -(-n_x // 8) * 8
-    n_blocks = -(-n_out // (16 * tiles))
     # buffers of their own (gated_out=2): a gated product reading them never writes them
     (f4, fl4, _), (f6, _, _) = (_scratch(rows8, n_out, qt, stream, 2) for qt in (T.Q4_K, T.Q6_K))
-    key = (rows8, n_blocks, id(stream))
-    if key not in _NORM_SCRATCH:
-        _NORM_SCRATCH[key] = (cuda.device_array(rows8 * n_blocks, np.float32), cuda.to_device(np.zeros(1, np.int32)),
-                              cuda.device_array(rows8, np.float32))
-    parts, count, scales = _NORM_SCRATCH[key]
+    parts, count, scales, invs = _norm_scratch(rows8, n_out, stream)
     _launch(qtype, k, w16, w16, xq, xs, n_x, n_out, residual, None, residual, tiles, warps, False, stream,
-            g8=layout == "g8", norm=(norm_w, parts, count, scales, np.float32(eps), f4.view(np.uint16),
-                                     f6.view(np.uint16), fl4))
+            g8=layout == "g8", norm=(norm_w, parts, count, scales, invs, np.float32(eps),
+                                     f4.view(np.uint16), f6.view(np.uint16), fl4))
     return {T.Q4_K: (f4.view(np.uint16), scales), T.Q6_K: (f6.view(np.uint16), scales)}
 
 
-# (rows8, blocks, stream) -> (partial sums, block counter, row scales) of matvec_mma_norm
+# (rows8, K, stream) -> (partial sums, block counter, row scales, rows' 1 / rms) of matvec_mma_norm
 _NORM_SCRATCH: dict = {}
+
+
+def _norm_scratch(rows8: int, k: int, stream):
+    """matvec_mma_norm's buffers for rows of K: partial sums (room for K / 16 blocks), the
+    block counter, the row scales the products apply, and the rows' 1 / rms, the next
+    launch's prescale (rms_norm_frags leaves its 1 / rms there too: the residual stream's rows change little
+    from one norm to the next, so x w times the last 1 / rms stays in f16's range, where x w
+    alone did not: a random-weight model's stream reaches past 2^15 and every row took the
+    last block's slow rewrite, 5.4 -> 11.7 ms for the 8B shape's 23-node forward, H100)."""
+    key = (rows8, k, id(stream))
+    if key not in _NORM_SCRATCH:
+        _NORM_SCRATCH[key] = (cuda.device_array(rows8 * (k // 16), np.float32), cuda.to_device(np.zeros(1, np.int32)),
+                              cuda.device_array(rows8, np.float32), cuda.to_device(np.ones(rows8, np.float32)))
+    return _NORM_SCRATCH[key]
 
 
 def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, warps, gated, stream,
             n_a=None, out_b=None, bias_b=None, frags_out=False, g8=False, third=None, norm=None):
     """The kernel over n_out output rows; with out_b, rows from n_a on are w1's, into out_b;
     third (qtype, w2, xq2, xs2, n_ab, out_c, bias_c): rows from n_ab on are w2's, into out_c;
-    norm (gw, parts, count, scales, eps, f4, f6, flags): matvec_mma_norm's."""
+    norm (gw, parts, count, scales, invs, eps, f4, f6, flags): matvec_mma_norm's."""
     pair = out_b is not None
     # absent epilogues: never read, but numba needs arrays of the right kinds
     b = bias if bias is not None else out.reshape(out.size)
@@ -787,15 +810,15 @@ def _launch(qtype, k, w0, w1, xq, xs, n_x, n_out, out, bias, residual, tiles, wa
     else:
         qt3, w2, xq2, xs2, n_ab, out_c, bias_c = None, w0, xq, xs, n_out, out, b
     if norm is not None:
-        gw, parts, count, scales, eps, f4, f6, fl4 = norm
+        gw, parts, count, scales, invs, eps, f4, f6, fl4 = norm
         fl6 = fl4
     else:
-        gw, parts, count, scales, eps = b, b, fl4, b, np.float32(0.0)
+        gw, parts, count, scales, invs, eps = b, b, fl4, b, b, np.float32(0.0)
     _kernel(qtype, rows8 // 8, tiles, warps, gated, pair, frags_out, g8, qt3, norm is not None)[
         -(-n_out // rows), 32 * warps, stream](
         w0, w1, xq, xs, n_out, k // QK, n_x, b, r, int(bias is not None), int(residual is not None), out,
         n_a if pair else n_out, bb, out_b if pair else out, f4, f6, fl4, fl6, w2, xq2, xs2, n_ab, bias_c, out_c,
-        gw, parts, count, scales, eps)
+        gw, parts, count, scales, invs, eps)
 
 
 def matvec_mma_pair(w_a, w_b, qtype, x_dev, n_a: int, n_b: int, out_a, out_b, bias_a=None, bias_b=None, stream=0,

@@ -189,9 +189,10 @@ def test_matvec_mma_q6_k_groups_layout_gpu(n_x):
 def test_matvec_mma_norm_gpu(n_x, what):
     """matvec_mma_norm at the 8B shape's o and down (over the groups copy) projections: the
     residual stream the bits of matvec_mma's residual form, each layout's fragments bit for
-    bit x_frags of residual * norm_w, the row scales 1 / rms (float32 rounding), and
-    again in a second launch (the block counter reset by the last block)."""
-    from luce.kernels.matvec_mma import matvec_mma_norm, x_frags
+    bit x_frags of residual * norm_w * the prescale (the last launch's 1 / rms), the row
+    scales 1 / rms over it (float32 rounding), and again in a second launch (the block
+    counter reset by the last block)."""
+    from luce.kernels.matvec_mma import _norm_scratch, matvec_mma_norm, x_frags
     from luce.kernels.q6k_groups import g8_ref
     rng = np.random.default_rng(n_x)
     qt, k = (T.Q4_K, 4096) if what == "o" else (T.Q6_K, 12288)
@@ -205,11 +206,13 @@ def test_matvec_mma_norm_gpu(n_x, what):
     want = matvec_mma(w, qt, x, n_out, residual=cuda.to_device(res), layout=layout).copy_to_host()
     for _ in range(2):
         r = cuda.to_device(res)
+        rows8 = -(-n_x // 8) * 8
+        sp = _norm_scratch(rows8, n_out, 0)[3].copy_to_host()[:n_x, None]
         frags = matvec_mma_norm(w, qt, x, r, cuda.to_device(gw), 1e-6, layout=layout)
         got = r.copy_to_host()
         np.testing.assert_array_equal(got, want)
         inv = 1 / np.sqrt((got.astype(np.float64) ** 2).mean(1) + 1e-6)
         for lt in (T.Q4_K, T.Q6_K):
             f, sc = (a.copy_to_host() for a in frags[lt])
-            assert np.array_equal(f, x_frags(cuda.to_device(got * gw), lt, guard=False)[0].copy_to_host()), lt
-            np.testing.assert_allclose(sc[:n_x], inv, rtol=2e-6)
+            assert np.array_equal(f, x_frags(cuda.to_device(got * gw * sp), lt, guard=False)[0].copy_to_host()), lt
+            np.testing.assert_allclose(sc[:n_x], inv / sp[:, 0], rtol=3e-6)

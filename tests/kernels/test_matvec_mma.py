@@ -11,8 +11,8 @@ from numba import cuda
 
 from luce.kernels.dequant import T
 from luce.kernels.matvec import matvec_ref
-from luce.kernels.matvec_mma import (_scratch, frag_col, frag_u16, matvec_mma, matvec_mma_norm, matvec_mma_pair, rms_norm_frags,
-                                     x_frags)
+from luce.kernels.matvec_mma import (_norm_scratch, _scratch, frag_col, frag_u16, matvec_mma, matvec_mma_norm,
+                                     matvec_mma_pair, rms_norm_frags, x_frags)
 from tests.test_dequant import abs_terms, random_tensor
 from tests.ptx_background import assert_ptx_ok, background_ptx_check
 
@@ -175,11 +175,13 @@ def test_rms_norm_frags_is_the_norm_then_both_conversions():
 @pytest.mark.parametrize("qtype,n_x,passes", [(T.Q4_K, 3, (False, True, False)), (T.Q6_K, 11, (False,))], ids=str)
 def test_matvec_mma_norm_leaves_the_norm_to_the_next_product(qtype, n_x, passes):
     """matvec_mma_norm: the residual stream updated in place as matvec_mma's residual form
-    makes it; each layout's fragments bit for bit x_frags of residual * norm_w (rows past
-    n_x zeros, over NaN garbage), the row scales 1 / rms within float32 rounding, and a
-    row past f16's range written as the norm itself with scale 1 (its flag cleared: the
-    next launch's unflagged rows get 1 / rms again). The next product over those fragments
-    is the product of the numpy norm."""
+    makes it; each layout's fragments bit for bit x_frags of residual * norm_w * the
+    prescale (the rows' 1 / rms the last launch left; rows past n_x zeros, over NaN
+    garbage), the row scales 1 / rms over the prescale within float32 rounding and the new
+    1 / rms left for the next launch, and a row past f16's range written as the norm itself
+    with scale 1 (its flag cleared: the next launch's rows get scales again, even over a
+    prescale a million times off). The next product over those fragments is the product of
+    the numpy norm."""
     from luce.kernels.norm import rms_norm_ref
     n_out, k = 256, 256  # 16 blocks of 16 rows: the last block sums 16 partials a row
     w = random_tensor(rng, qtype, (n_out, k)).reshape(n_out, -1)
@@ -193,10 +195,13 @@ def test_matvec_mma_norm_leaves_the_norm_to_the_next_product(qtype, n_x, passes)
     for p, big in enumerate(passes):
         r = res.copy()
         if big:
-            r[1] *= 3e4  # x w reaches past 2^15
+            r[1] *= 1e6  # x w reaches past 2^15 even prescaled
         for qt in (T.Q4_K, T.Q6_K):
             _scratch(rows8, n_out, qt, 0, 2)[0].copy_to_device(np.full(rows8 * n_out // 2, 0x7E007E00, np.uint32))
         r_dev = cuda.to_device(r)
+        invs = _norm_scratch(rows8, n_out, 0)[3]
+        sp = invs.copy_to_host()[:n_x, None]
+        sp = np.where((sp > 0) & np.isfinite(sp), sp, np.float32(1))
         frags = matvec_mma_norm(w_dev, qtype, x_dev, r_dev, gw_dev, eps)
         got_res = r_dev.copy_to_host()
         want = want_res.copy()
@@ -204,13 +209,14 @@ def test_matvec_mma_norm_leaves_the_norm_to_the_next_product(qtype, n_x, passes)
             want[1] = matvec_mma(w_dev, qtype, x_dev, n_out, residual=cuda.to_device(r)).copy_to_host()[1]
         assert np.array_equal(got_res, want), big
         inv = 1 / np.sqrt((got_res.astype(np.float64) ** 2).mean(1) + eps)
+        np.testing.assert_allclose(invs.copy_to_host()[:n_x], inv, rtol=2e-6)
         h = rms_norm_ref(got_res, gw, eps)
         for qt in (T.Q4_K, T.Q6_K):
             f, sc = (a.copy_to_host() for a in frags[qt])
-            want_f = x_frags(cuda.to_device(got_res * gw), qt, guard=False)[0].copy_to_host()
+            want_f = x_frags(cuda.to_device(got_res * gw * sp), qt, guard=False)[0].copy_to_host()
             if not big:
                 assert np.array_equal(f, want_f), qt
-                np.testing.assert_allclose(sc[:n_x], inv, rtol=2e-6)
+                np.testing.assert_allclose(sc[:n_x], inv / sp[:, 0], rtol=3e-6)
                 continue
             norm_f = x_frags(cuda.to_device(h), qt, guard=False)[0].copy_to_host()
             # row 1 as the norm (its inv from the kernel's sums: within f16's rounding of
@@ -221,7 +227,7 @@ def test_matvec_mma_norm_leaves_the_norm_to_the_next_product(qtype, n_x, passes)
             assert np.array_equal(f[~row1], want_f[~row1]), qt
             np.testing.assert_allclose(f[row1].view(np.float16).astype(np.float32),
                                        norm_f[row1].view(np.float16).astype(np.float32), rtol=2e-3, atol=1e-4)
-            assert sc[1] == 1 and np.allclose(np.delete(sc[:n_x], 1), np.delete(inv, 1), rtol=2e-6), qt
+            assert sc[1] == 1 and np.allclose(np.delete(sc[:n_x], 1), np.delete(inv / sp[:, 0], 1), rtol=3e-6), qt
         if p:
             continue
         # the next product over the fragments against the numpy norm's product
@@ -296,7 +302,7 @@ from luce.kernels.dequant import T
 sig = ("void(uint16[::1], uint16[::1], uint16[::1], float32[::1], int64, int64, int64, float32[::1], float32[:, ::1], "
        "int64, int64, float32[:, ::1], int64, float32[::1], float32[:, ::1], uint16[::1], uint16[::1], int32[::1], "
        "int32[::1], uint16[::1], uint16[::1], float32[::1], int64, float32[::1], float32[:, ::1], float32[::1], "
-       "float32[::1], int32[::1], float32[::1], float32)")
+       "float32[::1], int32[::1], float32[::1], float32[::1], float32)")
 from luce.kernels.ptx import ptxas_usage
 for qt, nt, tiles, warps, gated, pair, frags, third in [
         (T.Q4_K, 1, 1, 4, False, False, False, None), (T.Q4_K, 3, 2, 4, False, False, False, None),
@@ -336,7 +342,7 @@ for qt, g8 in ((T.Q4_K, False), (T.Q6_K, True)):
 for k, sig in [(M._frags_kernel, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1])"),
                (M._frags_fixup, "void(float32[:, ::1], int64, int64, uint32[::1], int32[::1], float32[::1])"),
                (M._norm_frags_kernel, "void(float32[:, ::1], float32[::1], float32[::1], float32, int64, "
-                                      "float32[:, ::1], uint32[::1], uint32[::1])")]:
+                                      "float32[:, ::1], uint32[::1], uint32[::1], float32[::1])")]:
     code = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))[0]
     assert ".local" not in code and ".f64" not in code
 print("PTX OK")
