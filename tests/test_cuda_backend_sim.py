@@ -414,10 +414,11 @@ def test_gated_output_fragments_feed_the_down_projection(monkeypatch):
 
 
 def test_linear_norm_leaves_the_norm_to_the_products_that_read_it(monkeypatch):
-    """On matvec_mma's widths linear_norm is one matvec_mma_norm launch (MMA_NORM): the gated
-    FFN and linears read its fragments with no conversion or norm launch, another reader
-    (a part of the rows) gets the norm made from the residual stream into the carried
-    buffer; LUCE_MMA_NORM=0 goes back to the product and rms_norm_frags."""
+    """With LUCE_MMA_NORM=1 (MMA_NORM, off by default: measured slower), linear_norm on
+    matvec_mma's widths is one matvec_mma_norm launch: the gated FFN and linears read its
+    fragments with no conversion or norm launch, another reader (a part of the rows) gets
+    the norm made from the residual stream into the carried buffer; off, the product and
+    rms_norm_frags."""
     import gguf
     from numba import cuda
     from luce.backends import cuda as C

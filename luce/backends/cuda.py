@@ -133,10 +133,13 @@ ATTN_FRAGS = os.environ.get("LUCE_ATTN_FRAGS", "1") != "0"
 # own: 72 of the 73 norm launches of a Qwen3-8B decode step (2.95 us each, H200, f4d4220).
 # LUCE_FUSED_NORM=0 turns it off.
 FUSED_NORM = os.environ.get("LUCE_FUSED_NORM", "1") != "0"
-# ... and verification's (matvec_mma's widths): the o and down products write the norm's
-# fragments unscaled and their last block the rows' 1 / rms (matvec_mma_norm), where
-# rms_norm_frags had a launch of its own after each. LUCE_MMA_NORM=0 turns it off.
-MMA_NORM = os.environ.get("LUCE_MMA_NORM", "1") != "0"
+# ... and verification's (matvec_mma's widths), LUCE_MMA_NORM=1, off: the o and down
+# products write the norm's fragments prescaled and their last block the rows' 1 / rms
+# (matvec_mma_norm), where rms_norm_frags had a launch of its own after each. Measured
+# slower (H100, Qwen3-8B shape, thirty-fourth session, 23-node forward, one run each in
+# one call): 5.84 / 6.17 ms on against 5.46 / 5.54 off, in two calls (the second with the
+# last block's sums loaded eight at a time); where the time goes was not measured.
+MMA_NORM = os.environ.get("LUCE_MMA_NORM", "0") == "1"
 # Gemma's residual steps (x += RMSNorm(y) w_post, then the next norm) as one launch
 # (rms_norm_cuda's pre_weight) instead of three; LUCE_FUSED_POST_NORM=0 composes them
 FUSED_POST_NORM = os.environ.get("LUCE_FUSED_POST_NORM", "1") != "0"
