@@ -387,8 +387,8 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
     a third weight w2 (GGUF layout) whose rows follow W_a's and W_b's (from n_ab on, a whole
     number of blocks), over its own fragments xq2 and scales xs2, into out_c: v beside q and k.
     norm (plain, with the residual): the outputs' RMSNorm left to the next product, as
-    matvec_mma's `norm` describes (gw the norm's weight; nparts, ncount, nscale its
-    partial sums, block counter and row scales)."""
+    matvec_mma_norm describes (gw the norm's weight; nparts, ncount, nscale, ninv its
+    partial sums, block counter, row scales and rows' 1 / rms, the prescale)."""
     NT, TL, W = nt, tiles, warps
     NORM = norm
     assert not norm or not (gated or pair or frags)
@@ -660,28 +660,16 @@ def _kernel(qtype, nt: int, tiles: int, warps: int, gated: bool = False, pair: b
                     if has_res:  # may be out itself (the residual stream, in place)
                         v += res[t, nn]
                     out[t, nn] = v
-            if NORM and t < ROWS8:
-                # x w (unscaled: the norm's 1 / rms goes to the row scale) in both layouts;
-                # zeros past n_x and n_out
-                gv = np.float32(0.0)
-                sq = np.float32(0.0)
-                if t < n_x and nn < n_out:
-                    gv = v * gw[nn] * _prev_scale(ninv, t)
-                    sq = v * v
-                sqs[t * ROWS + nn - cuda.blockIdx.x * ROWS] = sq
-                if nn < n_out:
-                    h16 = np.uint16(f32x2_to_f16x2(gv, np.float32(0.0)) & U(0xFFFF))
-                    f4[frag_u16(1, nn, t, ROWS8)] = h16
-                    f6[frag_u16(0, nn, t, ROWS8)] = h16
-                    if abs(gv) >= F16_SAFE:
-                        fl4[t] = 1
-            if FRAGS and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
-                if t >= n_x:
-                    v = np.float32(0.0)
-                h16 = np.uint16(f32x2_to_f16x2(v, np.float32(0.0)) & U(0xFFFF))
+            if NORM and t < ROWS8:  # the squares for the norm's sums (zeros past n_x, n_out)
+                sqs[t * ROWS + nn - cuda.blockIdx.x * ROWS] = v * v if t < n_x and nn < n_out else np.float32(0.0)
+            if (FRAGS or NORM) and t < ROWS8 and nn < n_out:  # rows from n_x on: zeros, as x_frags makes them
+                fv = np.float32(0.0)
+                if t < n_x:  # the output, or (NORM) its row times the norm's weight and prescale
+                    fv = v * gw[nn] * _prev_scale(ninv, t) if NORM else v
+                h16 = np.uint16(f32x2_to_f16x2(fv, np.float32(0.0)) & U(0xFFFF))
                 f4[frag_u16(1, nn, t, ROWS8)] = h16
                 f6[frag_u16(0, nn, t, ROWS8)] = h16
-                if abs(v) >= F16_SAFE:
+                if abs(fv) >= F16_SAFE:
                     fl4[t] = 1
                     fl6[t] = 1
         if NORM:
@@ -752,9 +740,9 @@ def matvec_mma_norm(w_dev, qtype, x_dev, residual, norm_w, eps: float, stream=0,
     norm_w, left to the products that read h: returns {qtype: (fragments, row scales)} of
     both weight layouts for matvec_mma's `frags`, whose row scales are 1 / rms(residual's
     row) over the prescale the fragments were written with (the products multiply by them).
-    The fragments hold residual * norm_w * the last 1 / rms of this stream (_norm_scratch; a
-    row reaching f16's range anyway: h itself, scale 1); h is never written. The blocks add up their
-    outputs' squares, and the last block to finish the scales: one launch where the product
+    The fragments hold residual * norm_w * the last 1 / rms of this stream (_norm_scratch;
+    a row reaching f16's range anyway: h itself, scale 1); h is never written. The blocks
+    add up their outputs' squares, and the last block to finish the scales: one launch where the product
     and rms_norm_frags took two (a verification forward's o and down projections).
     norm_w: float32 [n_out] on the device; n_out a multiple of 256. frags, layout: as
     matvec_mma."""
@@ -785,8 +773,8 @@ _NORM_SCRATCH: dict = {}
 def _norm_scratch(rows8: int, k: int, stream):
     """matvec_mma_norm's buffers for rows of K: partial sums (room for K / 16 blocks), the
     block counter, the row scales the products apply, and the rows' 1 / rms, the next
-    launch's prescale (rms_norm_frags leaves its 1 / rms there too: the residual stream's rows change little
-    from one norm to the next, so x w times the last 1 / rms stays in f16's range, where x w
+    launch's prescale (rms_norm_frags leaves its 1 / rms there too: the residual stream's
+    rows change little from one norm to the next, so x w times the last 1 / rms stays in f16's range, where x w
     alone did not: a random-weight model's stream reaches past 2^15 and every row took the
     last block's slow rewrite, 5.4 -> 11.7 ms for the 8B shape's 23-node forward, H100)."""
     key = (rows8, k, id(stream))
