@@ -43,7 +43,7 @@ __all__ = ["PersistentDecode", "applies", "QTYPE_CODES"]
 PAGE = 64  # the pool's rows a block (luce.kv.paged.BLOCK)
 KINDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm")
-THREADS = 512  # a block (one an SM): 16 warps
+THREADS = 256  # a block (one an SM): 8 warps
 _Q4K, _Q6K, _Q8_0 = 0, 1, 2
 
 
@@ -223,6 +223,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     XS = max(D, F, QR)
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
+    # shared arrays' sizes: compile-time constants only as plain closure values
+    QSH, SSN, ACC, MLN, TMPN = G * DH + DH, G * PAGE, G * DH, 3 * G, G + 1
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
@@ -274,7 +276,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             v[ib] = a * s + b * c
         cuda.syncthreads()
 
-    @cuda.jit
+    # ptxas must fit NT threads a block (at 512 without the bound: out of resources)
+    @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
                k_pool, v_pool, table, meta, kv_pos, xg, qkv, att, hg, part_o, part_ml, cnt, logits):
         tid = cuda.threadIdx.x
@@ -287,11 +290,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         xs = cuda.shared.array(XS, np.float32)
         red = cuda.shared.array(RED, np.float32)
         bred = cuda.shared.array(NT, np.float32)
-        qsh = cuda.shared.array(G * DH + DH, np.float32)  # the group's q heads, then the new k
-        ss = cuda.shared.array(G * PAGE, np.float32)
-        acc = cuda.shared.array(G * DH, np.float32)
-        ml = cuda.shared.array(3 * G, np.float32)  # m, l, the page's rescale a head
-        tmp = cuda.shared.array(G + 1, np.float32)
+        qsh = cuda.shared.array(QSH, np.float32)  # the group's q heads, then the new k
+        ss = cuda.shared.array(SSN, np.float32)
+        acc = cuda.shared.array(ACC, np.float32)
+        ml = cuda.shared.array(MLN, np.float32)  # m, l, the page's rescale a head
+        tmp = cuda.shared.array(TMPN, np.float32)
         ibuf = cuda.shared.array(2, np.int32)
         n_past = meta[0]
         p = pos[0]
