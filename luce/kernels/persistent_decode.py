@@ -17,6 +17,11 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
+Status (H100, e08e888): correct on the GPU against the CPU backend, and 2.9x slower than
+the backend's graph-replayed step at the Qwen3-0.6B shape (3,435 against 1,172 us): the
+row products here load bytes, one warp a row; the launch chain's kernels load 16 bytes at
+a time with rows in flight together. Not used by the backend until it is faster.
+
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
 and every phase is a loop over its items strided by the grid that one block covers whole.
