@@ -281,6 +281,19 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             v[ib] = a * s + b * c
         cuda.syncthreads()
 
+    @device
+    def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all):
+        """xg += W src for the D rows of an n-column weight at byte off (o, down): src (other
+        blocks' writes) staged in shared memory first."""
+        for i in range(tid, n, NT):
+            xs[i] = _ldcg(src, i)
+        cuda.syncthreads()
+        rb = row_bytes_d(qt, n)
+        for r in range(gw, D, nw_all):
+            y = _row_dot(w, off + np.int64(r) * rb, qt, n // 8, xs, 0, red, wid, lane)
+            if lane == 0:
+                xg[r] = _ldcg(xg, r) + y
+
     # ptxas must fit NT threads a block (at 512 without the bound: out of resources)
     @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
@@ -426,14 +439,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             _grid_sync(cnt, epoch * nb, tid)
 
             # (C) o rows into the residual stream
-            for i in range(tid, QR, NT):
-                xs[i] = _ldcg(att, i)
-            cuda.syncthreads()
-            qt = wtab[li, 3, 1]
-            for r in range(gw, D, nw_all):
-                y = _row_dot(w, wtab[li, 3, 0] + np.int64(r) * row_bytes_d(qt, QR), qt, QR // 8, xs, 0, red, wid, lane)
-                if lane == 0:
-                    xg[r] = _ldcg(xg, r) + y
+            into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
 
@@ -450,14 +456,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             _grid_sync(cnt, epoch * nb, tid)
 
             # (E) down rows into the residual stream
-            for i in range(tid, F, NT):
-                xs[i] = _ldcg(hg, i)
-            cuda.syncthreads()
-            qt = wtab[li, 6, 1]
-            for r in range(gw, D, nw_all):
-                y = _row_dot(w, wtab[li, 6, 0] + np.int64(r) * row_bytes_d(qt, F), qt, F // 8, xs, 0, red, wid, lane)
-                if lane == 0:
-                    xg[r] = _ldcg(xg, r) + y
+            into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
 
