@@ -62,11 +62,6 @@ QTYPE_CODES = _qtype_codes()
 _BLOCK = {_Q4K: (256, 144), _Q6K: (256, 210), _Q8_0: (32, 34)}  # (weights, bytes) a block
 
 
-def row_bytes(code: int, cols: int) -> int:
-    qk, bs = _BLOCK[code]
-    return cols // qk * bs
-
-
 # ----------------------------------------------------------------------------- device side
 if SIM:
     def _ld_acquire(a, i):
