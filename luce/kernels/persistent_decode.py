@@ -38,17 +38,18 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._reduce import WARP_RED_SLOTS, block_sum, warp_sum
+from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_groupsum
 from .device import SIM, device
+from .matvec_fast import S8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc, q6_scales, q8_acc, shr32
 from .split_merge import arrive
-from .vector_load import f16_bits_to_f32
+from .vector_load import f16_bits_to_f32, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
 
 __all__ = ["PersistentDecode", "applies", "QTYPE_CODES"]
 
 PAGE = 64  # the pool's rows a block (luce.kv.paged.BLOCK)
 KINDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm")
-THREADS = 256  # a block (one an SM): 8 warps
+THREADS = 512  # a block (one an SM): 16 warps, at most 128 registers a thread
 _Q4K, _Q6K, _Q8_0 = 0, 1, 2
 
 
@@ -67,8 +68,8 @@ if SIM:
     def _ld_acquire(a, i):
         return a[i]
 
-    def _ldcg(a, i):
-        return a[i]
+    def _globaltimer():
+        return np.int64(0)
 else:
     from llvmlite import ir
     from numba.cuda import types as _types
@@ -88,15 +89,12 @@ else:
         return sig, codegen
 
     @intrinsic
-    def _ldcg(typingctx, a, i):
-        """a[i] (float32) from L2, past this SM's L1: the scratch that other blocks wrote
-        since this one last read it (the stream, q/k/v, partials) is reused every layer."""
-        sig = _types.float32(a, i)
+    def _globaltimer(typingctx):
+        """The GPU's nanosecond clock (the phase stamps)."""
+        sig = _types.int64()
 
         def codegen(context, builder, sig, args):
-            addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            return _asm(builder, "ld.global.cg.f32 $0, [$1];", "=f,l", ir.FloatType(), [ir.IntType(64)], [addr],
-                        side_effect=True)
+            return _asm(builder, "mov.u64 $0, %globaltimer;", "=l", ir.IntType(64), [], [], side_effect=True)
         return sig, codegen
 
 
@@ -137,49 +135,8 @@ def _k4_scale_min(w, b, sub):
 
 
 @device
-def _chunk(w, base, qt, c, xs, xo):
-    """Columns 8c..8c+7 of the row at byte base (a lane's share of a block), dotted with
-    xs[xo + 8c:]."""
-    x0 = xo + 8 * c
-    if qt == _Q4K:
-        b = base + 144 * (c >> 5)
-        cc = c & 31
-        sub = cc >> 2
-        sc, mn = _k4_scale_min(w, b, sub)
-        qo = b + 16 + 32 * (sub >> 1) + 8 * (cc & 3)
-        sh = 4 * (sub & 1)
-        sq = np.float32(0.0)
-        sx = np.float32(0.0)
-        for i in range(8):
-            xv = xs[x0 + i]
-            sq += np.float32((np.int32(w[qo + i]) >> sh) & 15) * xv
-            sx += xv
-        return _f16(w, b) * np.float32(sc) * sq - _f16(w, b + 2) * np.float32(mn) * sx
-    if qt == _Q6K:
-        b = base + 210 * (c >> 5)
-        cc = c & 31
-        n = cc >> 4
-        q = (cc & 15) >> 2
-        l0 = 8 * (cc & 3)
-        lo = b + 64 * n + l0 + 32 * (q & 1)
-        ho = b + 128 + 32 * n + l0
-        sh = 4 * (q >> 1)
-        s = np.float32(0.0)
-        for i in range(8):
-            v = ((np.int32(w[lo + i]) >> sh) & 15) | (((np.int32(w[ho + i]) >> (2 * q)) & 3) << 4)
-            s += np.float32(v - 32) * xs[x0 + i]
-        return _f16(w, b + 208) * np.float32(_i8(w[b + 192 + 8 * n + (l0 >> 4) + 2 * q])) * s
-    b = base + 34 * (c >> 2)
-    qo = b + 2 + 8 * (c & 3)
-    s = np.float32(0.0)
-    for i in range(8):
-        s += np.float32(_i8(w[qo + i])) * xs[x0 + i]
-    return _f16(w, b) * s
-
-
-@device
 def _value(w, base, qt, j):
-    """Weight j of the row at byte base (the embedding's row)."""
+    """Weight j of the row at byte base (the embedding's row: D weights a step, bytes do)."""
     if qt == _Q4K:
         b = base + 144 * (j >> 8)
         jj = j & 255
@@ -200,18 +157,150 @@ def _value(w, base, qt, j):
     return _f16(w, b) * np.float32(_i8(w[b + 2 + (j & 31)]))
 
 
+# Row products: matvec_fast's units (a lane takes a fixed slice of a block in 16-byte loads
+# and turns each quant into a float with one logic op and one add), one row a unit, with x
+# from shared memory (each block norms the stream itself: nothing global to be stale).
 @device
-def _row_dot(w, base, qt, n_chunks, xs, xo, red, wid, lane):
-    """The row's dot with xs[xo:], in lane 0 (every lane of the warp takes part)."""
+def _k4_word(q, xs, c, acc):
+    """One word of a Q4_K piece: its low nibbles times xs[c:c+4], its high ones times
+    xs[c+32:c+36], and the sums of those x (for the mins)."""
+    l0, l8, h0, h8, sl, sh = acc
+    x0, x1, x2, x3 = xs[c], xs[c + 1], xs[c + 2], xs[c + 3]
+    y0, y1, y2, y3 = xs[c + 32], xs[c + 33], xs[c + 34], xs[c + 35]
+    l0, l8 = nib_acc(q, x0, x1, x2, x3, 0, l0, l8)
+    h0, h8 = nib_acc(q, y0, y1, y2, y3, 4, h0, h8)
+    return l0, l8, h0, h8, sl + ((x0 + x1) + (x2 + x3)), sh + ((y0 + y1) + (y2 + y3))
+
+
+@device
+def _k4_piece(q, s, j, xs, c):
+    """A 16-byte Q4_K piece of chunk j (sub-blocks 2j, 2j + 1) whose first low nibble is
+    column c, with the block's header words s."""
+    z = np.float32(0.0)
+    acc = _k4_word(q[0], xs, c, (z, z, z, z, z, z))
+    acc = _k4_word(q[1], xs, c + 4, acc)
+    acc = _k4_word(q[2], xs, c + 8, acc)
+    l0, l8, h0, h8, sl, sh = _k4_word(q[3], xs, c + 12, acc)
+    return k4_row(s[0], s[1], s[2], s[3], j, l0, l8, h0, h8, sl, sh)
+
+
+@device
+def _q6_group(pl, qh, g, xs, c):
+    z = np.float32(0.0)
+    a0, a8 = q6_acc(pl[0], qh[0], g, xs[c], xs[c + 1], xs[c + 2], xs[c + 3], z, z)
+    a0, a8 = q6_acc(pl[1], qh[1], g, xs[c + 4], xs[c + 5], xs[c + 6], xs[c + 7], a0, a8)
+    a0, a8 = q6_acc(pl[2], qh[2], g, xs[c + 8], xs[c + 9], xs[c + 10], xs[c + 11], a0, a8)
+    a0, a8 = q6_acc(pl[3], qh[3], g, xs[c + 12], xs[c + 13], xs[c + 14], xs[c + 15], a0, a8)
+    return a0 + a8 * S8
+
+
+@device
+def _unit_dot(w, qt, hrow, u, xs, xo):
+    """Unit u of the row at uint16 hrow of w, dotted with xs[xo:] (the units' layouts are
+    matvec_fast's load_q4_k, load_q6_k and load_q8_0, for one row)."""
+    z = np.float32(0.0)
+    if qt == _Q4K:
+        b = u >> 2
+        t = u & 3
+        h = hrow + 72 * b
+        qa = ldw_u16_u32x4(w, h + 8 + 8 * t)
+        qb = ldw_u16_u32x4(w, h + 40 + 8 * t)
+        s = ldw_u16_u32x4(w, h)
+        p = t >> 1
+        c = xo + 256 * b + 16 * (t & 1) + 64 * p
+        return _k4_piece(qa, s, p, xs, c) + _k4_piece(qb, s, p + 2, xs, c + 128)
+    if qt == _Q6K:
+        b = u >> 2
+        t = u & 3
+        n = t >> 1
+        hh = t & 1
+        h = hrow + 105 * b
+        o = 32 * n + 8 * hh
+        oh = 64 + 16 * n + 8 * hh
+        p0, p1, a = pieces(h)
+        l0 = ld16(w, p0 + o, p1 + o, a)
+        l1 = ld16(w, p0 + o + 16, p1 + o + 16, a)
+        qh = ld16(w, p0 + oh, p1 + oh, a)
+        sc = q6_scales(w, h, n)
+        c = xo + 256 * b + 128 * n + 16 * hh
+        ssh = np.uint32(8 * hh)
+        y = i8f(shr32(np.uint32(sc[0]), ssh)) * _q6_group(l0, qh, 0, xs, c)
+        y += i8f(shr32(np.uint32(sc[1]), ssh)) * _q6_group(l1, qh, 1, xs, c + 32)
+        y += i8f(shr32(np.uint32(sc[2]), ssh)) * _q6_group(l0, qh, 2, xs, c + 64)
+        y += i8f(shr32(np.uint32(sc[3]), ssh)) * _q6_group(l1, qh, 3, xs, c + 96)
+        return f16_bits_to_f32(np.uint32(sc[4])) * y
+    b = u >> 1
+    t = u & 1
+    h = hrow + 17 * b
+    p0, p1, a = pieces(h + 1 + 8 * t)
+    q = ld16(w, p0, p1, a)
+    c = xo + 32 * b + 16 * t
+    a0, a8 = q8_acc(q[0], xs[c], xs[c + 1], xs[c + 2], xs[c + 3], z, z)
+    a0, a8 = q8_acc(q[1], xs[c + 4], xs[c + 5], xs[c + 6], xs[c + 7], a0, a8)
+    a0, a8 = q8_acc(q[2], xs[c + 8], xs[c + 9], xs[c + 10], xs[c + 11], a0, a8)
+    a0, a8 = q8_acc(q[3], xs[c + 12], xs[c + 13], xs[c + 14], xs[c + 15], a0, a8)
+    return f16_bits_to_f32(np.uint32(w[h])) * (a0 + a8 * S8)
+
+
+@device
+def _units(qt, cols):
+    return cols >> 4 if qt == _Q8_0 else cols >> 6
+
+
+@device
+def _row_h(qt, cols):
+    """A row's uint16 count."""
+    if qt == _Q4K:
+        return np.int64(cols >> 8) * 72
+    if qt == _Q6K:
+        return np.int64(cols >> 8) * 105
+    return np.int64(cols >> 5) * 17
+
+
+@device
+def _lanes_a_row(cols):
+    """Lanes that share a row: the largest power of two <= min(32, a K-quant row's units),
+    the same for every type of one width, so that a warp's groups agree (Q8_0's rows have 4x
+    the units and loop more)."""
+    n = 32
+    while n > (cols >> 6) and n > 1:
+        n >>= 1
+    return n
+
+
+@device
+def _row_dot(w, qt, hrow, cols, xs, xo, lpr, red, wid, lane):
+    """The row's dot with xs[xo:], in every lane of lane's group of lpr lanes."""
     s = np.float32(0.0)
-    for c in range(lane, n_chunks, 32):
-        s += _chunk(w, base, qt, c, xs, xo)
-    return warp_sum(s, red, wid, lane)
+    for u in range(lane & (lpr - 1), _units(qt, cols), lpr):
+        s += _unit_dot(w, qt, hrow, u, xs, xo)
+    return warp_groupsum(s, lpr, red, wid, lane)
+
+
+@device
+def _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane):
+    """Two rows of the same width against the same x (gate and up), their loads together."""
+    sa = np.float32(0.0)
+    sb = np.float32(0.0)
+    na = _units(qa, cols)
+    nb = _units(qb, cols)
+    for u in range(lane & (lpr - 1), max(na, nb), lpr):
+        if u < na:
+            sa += _unit_dot(w, qa, ha, u, xs, 0)
+        if u < nb:
+            sb += _unit_dot(w, qb, hb, u, xs, 0)
+    return warp_groupsum(sa, lpr, red, wid, lane), warp_groupsum(sb, lpr, red, wid, lane)
 
 
 @device
 def _silu(y):
     return y / (np.float32(1.0) + np.float32(math.exp(-y)))
+
+
+@device
+def _h2(wd):
+    """The two f16 of a little-endian word as float32."""
+    return f16_bits_to_f32(wd & np.uint32(0xFFFF)), f16_bits_to_f32(wd >> np.uint32(16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,18 +312,27 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     XS = max(D, F, QR)
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
+    KC = PAGE * max(1, NT // PAGE)  # keys an attention pass scores (a thread a key)
+    CH = DH // 8                     # 16-byte pieces of a K/V row
+    SPW = 32 // CH                   # keys a warp's value pass takes at once
+    KS = W * SPW
+    GA = G * 8
     # shared arrays' sizes: compile-time constants only as plain closure values
-    QSH, SSN, ACC, MLN, TMPN = G * DH + DH, G * PAGE, G * DH, 3 * G, G + 1
+    QSH, SSN, MLN, TMPN, PARTN = G * DH + DH, G * KC, 3 * G, G + 1, W * G * DH
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
+    smem = 4 * (XS + RED + NT + QSH + SSN + MLN + TMPN + PARTN) + 8
+    if smem > 48 * 1024:
+        raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
+                         f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
 
     @device
     def norm_into(xs, src, nw, off, bred, tid):
         """xs = rms_norm(src[:D]) * nw[off:] in this block (every thread calls it)."""
         ss = f32(0.0)
         for i in range(tid, D, NT):
-            v = _ldcg(src, i)
+            v = ldcg_f32(src, i)
             xs[i] = v
             ss += v * v
         tot = block_sum(ss, bred)
@@ -244,16 +342,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         cuda.syncthreads()
 
     @device
-    def head_norm_rope(v, base, nw, off, ntot, inv_freq, p, tmp, tid):
-        """ntot heads of DH floats at v[base:] in shared memory: each head's RMSNorm times
-        nw[off:] (off < 0: none), then RoPE at position p."""
+    def head_norm_rope(v, base, nw, off, ntot, inv_freq, p, tmp, red, tid, wid, lane):
+        """ntot heads of DH floats at v[base:] in shared memory: each head's RMSNorm (a warp
+        a head) times nw[off:] (off < 0: none), then RoPE at position p."""
         if off >= 0:
-            if tid < ntot:
+            for hd in range(wid, ntot, W):
                 ss = f32(0.0)
-                for d in range(DH):
-                    x = v[base + tid * DH + d]
+                for d in range(lane, DH, 32):
+                    x = v[base + hd * DH + d]
                     ss += x * x
-                tmp[tid] = f32(1.0) / math.sqrt(ss / f32(DH) + eps)
+                ss = warp_allsum(ss, red, wid, lane)
+                if lane == 0:
+                    tmp[hd] = f32(1.0) / math.sqrt(ss / f32(DH) + eps)
             cuda.syncthreads()
             for i in range(tid, ntot * DH, NT):
                 v[base + i] = v[base + i] * tmp[i // DH] * nw[off + i % DH]
@@ -278,21 +378,110 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
 
     @device
     def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all):
-        """xg += W src for the D rows of an n-column weight at byte off (o, down): src (other
-        blocks' writes) staged in shared memory first."""
+        """xg += W src for the D rows of an n-column weight at uint16 off (o, down): src
+        (other blocks' writes) staged in shared memory first."""
         for i in range(tid, n, NT):
-            xs[i] = _ldcg(src, i)
+            xs[i] = ldcg_f32(src, i)
         cuda.syncthreads()
-        rb = row_bytes_d(qt, n)
-        for r in range(gw, D, nw_all):
-            y = _row_dot(w, off + np.int64(r) * rb, qt, n // 8, xs, 0, red, wid, lane)
-            if lane == 0:
-                xg[r] = _ldcg(xg, r) + y
+        rh = _row_h(qt, n)
+        lpr = _lanes_a_row(n)
+        rpw = 32 // lpr
+        for rb in range(gw * rpw, D, nw_all * rpw):  # the same trips in every lane of a warp
+            r = rb + lane // lpr
+            y = _row_dot(w, qt, off + np.int64(min(r, D - 1)) * rh, n, xs, 0, lpr, red, wid, lane)
+            if (lane & (lpr - 1)) == 0 and r < D:
+                xg[r] = ldcg_f32(xg, r) + y
+
+    @device
+    def kv_index(table, li, h, key):
+        """The uint16 index of key's row of kv head h in a flat pool."""
+        slot = np.int64(table[key // PAGE])
+        return (((slot * L + li) * HKV + h) * PAGE + key % PAGE) * DH
+
+    @device
+    def attend(kp, vp, table, li, h, k0, k1, qsh, ss, ml, part, red, tid, wid, lane, acc):
+        """Keys k0..k1 of kv head h against the G query heads in qsh (online softmax, its
+        state in ml: m, l a head); the unnormalized output summed over this block's warps
+        into part[0:G * DH] (each warp's share at part[wid * G * DH:])."""
+        c = lane // SPW  # the value pass: the lanes of one 16-byte column piece are adjacent
+        for i in range(GA):
+            acc[i] = f32(0.0)
+        for kc0 in range(k0, k1, KC):
+            nk = min(KC, k1 - kc0)
+            for j in range(tid, nk, NT):  # scores: a thread a key, its row in 16-byte loads
+                base = kv_index(table, li, h, kc0 + j)
+                sg = cuda.local.array(G, np.float32)
+                for g in range(G):
+                    sg[g] = f32(0.0)
+                for cc in range(CH):
+                    w0, w1, w2, w3 = ldcg_u16_u32x4(kp, base + 8 * cc)
+                    e0, e1 = _h2(w0)
+                    e2, e3 = _h2(w1)
+                    e4, e5 = _h2(w2)
+                    e6, e7 = _h2(w3)
+                    for g in range(G):
+                        q = g * DH + 8 * cc
+                        sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
+                            (qsh[q + 4] * e4 + qsh[q + 5] * e5) + (qsh[q + 6] * e6 + qsh[q + 7] * e7)
+                for g in range(G):
+                    ss[g * KC + j] = sg[g] * SCALE
+            cuda.syncthreads()
+            for g in range(wid, G, W):  # softmax: a warp a head
+                m_old = ml[g]
+                mx = m_old
+                for j in range(lane, nk, 32):
+                    mx = max(mx, ss[g * KC + j])
+                mx = warp_allmax(mx, red, wid, lane)
+                lsum = f32(0.0)
+                for j in range(lane, nk, 32):
+                    e = f32(math.exp(ss[g * KC + j] - mx))
+                    ss[g * KC + j] = e
+                    lsum += e
+                lsum = warp_allsum(lsum, red, wid, lane)
+                if lane == 0:
+                    a = f32(math.exp(m_old - mx)) if m_old > -math.inf else f32(0.0)
+                    ml[g] = mx
+                    ml[G + g] = ml[G + g] * a + lsum
+                    ml[2 * G + g] = a
+            cuda.syncthreads()
+            for g in range(G):
+                a = ml[2 * G + g]
+                for e in range(8):
+                    acc[g * 8 + e] *= a
+            for j in range(wid * SPW + (lane & (SPW - 1)), nk, KS):
+                w0, w1, w2, w3 = ldcg_u16_u32x4(vp, kv_index(table, li, h, kc0 + j) + 8 * c)
+                e0, e1 = _h2(w0)
+                e2, e3 = _h2(w1)
+                e4, e5 = _h2(w2)
+                e6, e7 = _h2(w3)
+                for g in range(G):
+                    pj = ss[g * KC + j]
+                    acc[g * 8] += pj * e0
+                    acc[g * 8 + 1] += pj * e1
+                    acc[g * 8 + 2] += pj * e2
+                    acc[g * 8 + 3] += pj * e3
+                    acc[g * 8 + 4] += pj * e4
+                    acc[g * 8 + 5] += pj * e5
+                    acc[g * 8 + 6] += pj * e6
+                    acc[g * 8 + 7] += pj * e7
+            cuda.syncthreads()  # ss is the next pass's
+        for i in range(GA):  # a warp's keys, summed in the first lane of each piece
+            v = warp_groupsum(acc[i], SPW, red, wid, lane)
+            if (lane & (SPW - 1)) == 0:
+                part[wid * G * DH + (i // 8) * DH + 8 * c + (i % 8)] = v
+        cuda.syncthreads()
+        for i in range(tid, G * DH, NT):
+            o = part[i]
+            for k in range(1, W):
+                o += part[k * G * DH + i]
+            part[i] = o
+        cuda.syncthreads()
 
     # ptxas must fit NT threads a block (at 512 without the bound: out of resources)
     @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
-               k_pool, v_pool, table, meta, kv_pos, xg, qkv, att, hg, part_o, part_ml, cnt, logits):
+               k_pool, v_pool, kp, vp, table, meta, kv_pos, xg, qkv, att, hg, part_o, part_ml, cnt, logits,
+               stamps):
         tid = cuda.threadIdx.x
         lane = tid & 31
         wid = tid >> 5
@@ -305,20 +494,24 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         bred = cuda.shared.array(NT, np.float32)
         qsh = cuda.shared.array(QSH, np.float32)  # the group's q heads, then the new k
         ss = cuda.shared.array(SSN, np.float32)
-        acc = cuda.shared.array(ACC, np.float32)
-        ml = cuda.shared.array(MLN, np.float32)  # m, l, the page's rescale a head
+        ml = cuda.shared.array(MLN, np.float32)  # m, l, the pass's rescale a head
         tmp = cuda.shared.array(TMPN, np.float32)
+        part = cuda.shared.array(PARTN, np.float32)
         ibuf = cuda.shared.array(2, np.int32)
+        acc = cuda.local.array(GA, np.float32)
         n_past = meta[0]
         p = pos[0]
         n_keys = n_past + 1
         slot_new = table[n_past // PAGE]
         row_new = n_past % PAGE
         epoch = 0
+        stamp = bid == 0 and tid == 0
+        if stamp:
+            stamps[0] = _globaltimer()
 
         # the token's embedding: block 0 writes the residual stream
         t = tok[0]
-        ebase = np.int64(t) * np.int64(row_bytes_d(emb_qt, D))
+        ebase = np.int64(t) * np.int64(2 * _row_h(emb_qt, D))
         if bid == 0:
             for i in range(tid, D, NT):
                 xg[i] = _value(emb, ebase, emb_qt, i)
@@ -326,11 +519,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 kv_pos[n_past] = p
         epoch += 1
         _grid_sync(cnt, epoch * nb, tid)
+        if stamp:
+            stamps[epoch] = _globaltimer()
 
+        lpr = _lanes_a_row(D)
+        rpw = 32 // lpr
+        mine = (lane & (lpr - 1)) == 0
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
             norm_into(xs, xg, nw, ntab[li, 0], bred, tid)
-            for r in range(gw, QR + 2 * KR, nw_all):
+            for rb in range(gw * rpw, QR + 2 * KR, nw_all * rpw):  # the same trips in a warp's lanes
+                r0 = rb + lane // lpr
+                r = min(r0, QR + 2 * KR - 1)
                 if r < QR:
                     kind = 0
                     rr = r
@@ -341,14 +541,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     kind = 2
                     rr = r - QR - KR
                 qt = wtab[li, kind, 1]
-                y = _row_dot(w, wtab[li, kind, 0] + np.int64(rr) * row_bytes_d(qt, D), qt, D // 8, xs, 0,
-                             red, wid, lane)
-                if lane == 0:
+                y = _row_dot(w, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D), D, xs, 0, lpr, red, wid, lane)
+                if mine and r0 == r:
                     qkv[r] = y
                     if kind == 2:
                         v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(y)
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
+            if stamp:
+                stamps[epoch] = _globaltimer()
 
             # (B) attention: items of (kv head, group of pages)
             n_pages = (n_keys + PAGE - 1) // PAGE
@@ -358,60 +559,28 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 h = it // n_ch
                 ch = it % n_ch
                 for i in range(tid, G * DH, NT):
-                    qsh[i] = _ldcg(qkv, h * G * DH + i)
-                    acc[i] = f32(0.0)
+                    qsh[i] = ldcg_f32(qkv, h * G * DH + i)
                 if tid < G:
                     ml[tid] = f32(-math.inf)
                     ml[G + tid] = f32(0.0)
                 cuda.syncthreads()
-                head_norm_rope(qsh, 0, nw, ntab[li, 2] if QKN else -1, G, inv_freq, p, tmp, tid)
+                head_norm_rope(qsh, 0, nw, ntab[li, 2] if QKN else -1, G, inv_freq, p, tmp, red, tid, wid, lane)
                 pg0 = ch * ppi
                 pg1 = min(n_pages, pg0 + ppi)
                 if pg1 == n_pages:  # this item holds the new row: its k, normed and rotated, into the pool
                     for i in range(tid, DH, NT):
-                        qsh[G * DH + i] = _ldcg(qkv, QR + h * DH + i)
+                        qsh[G * DH + i] = ldcg_f32(qkv, QR + h * DH + i)
                     cuda.syncthreads()
-                    head_norm_rope(qsh, G * DH, nw, ntab[li, 3] if QKN else -1, 1, inv_freq, p, tmp, tid)
+                    head_norm_rope(qsh, G * DH, nw, ntab[li, 3] if QKN else -1, 1, inv_freq, p, tmp, red, tid,
+                                   wid, lane)
                     for i in range(tid, DH, NT):
                         k_pool[slot_new, li, h, row_new, i] = np.float16(qsh[G * DH + i])
+                    cuda.threadfence_block()
                     cuda.syncthreads()
-                for pg in range(pg0, pg1):
-                    slot = table[pg]
-                    nk = min(PAGE, n_keys - pg * PAGE)
-                    for j in range(wid, nk, W):
-                        for g in range(G):
-                            s = f32(0.0)
-                            for d in range(lane, DH, 32):
-                                s += qsh[g * DH + d] * f32(k_pool[slot, li, h, j, d])
-                            s = warp_sum(s, red, wid, lane)
-                            if lane == 0:
-                                ss[g * PAGE + j] = s * SCALE
-                    cuda.syncthreads()
-                    if tid < G:
-                        m_old = ml[tid]
-                        mx = m_old
-                        for j in range(nk):
-                            mx = max(mx, ss[tid * PAGE + j])
-                        a = f32(math.exp(m_old - mx)) if m_old > -math.inf else f32(0.0)
-                        lsum = f32(0.0)
-                        for j in range(nk):
-                            e = f32(math.exp(ss[tid * PAGE + j] - mx))
-                            ss[tid * PAGE + j] = e
-                            lsum += e
-                        ml[tid] = mx
-                        ml[G + tid] = ml[G + tid] * f32(a) + lsum
-                        ml[2 * G + tid] = f32(a)
-                    cuda.syncthreads()
-                    for i in range(tid, G * DH, NT):
-                        g = i // DH
-                        d = i % DH
-                        o = acc[i] * ml[2 * G + g]
-                        for j in range(nk):
-                            o += ss[g * PAGE + j] * f32(v_pool[slot, li, h, j, d])
-                        acc[i] = o
-                    cuda.syncthreads()
+                attend(kp, vp, table, li, h, pg0 * PAGE, min(pg1 * PAGE, n_keys), qsh, ss, ml, part, red, tid,
+                       wid, lane, acc)
                 for i in range(tid, G * DH, NT):
-                    part_o[((h * G + i // DH) * MAXP + ch) * DH + i % DH] = acc[i]
+                    part_o[((h * G + i // DH) * MAXP + ch) * DH + i % DH] = part[i]
                 if tid < G:
                     part_ml[((h * G + tid) * MAXP + ch) * 2] = ml[tid]
                     part_ml[((h * G + tid) * MAXP + ch) * 2 + 1] = ml[G + tid]
@@ -421,64 +590,69 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                         d = i % DH
                         m = f32(-math.inf)
                         for c in range(n_ch):
-                            m = max(m, _ldcg(part_ml, (hq * MAXP + c) * 2))
+                            m = max(m, ldcg_f32(part_ml, (hq * MAXP + c) * 2))
                         num = f32(0.0)
                         den = f32(0.0)
                         for c in range(n_ch):
-                            e = f32(math.exp(_ldcg(part_ml, (hq * MAXP + c) * 2) - m))
-                            num += e * _ldcg(part_o, (hq * MAXP + c) * DH + d)
-                            den += e * _ldcg(part_ml, (hq * MAXP + c) * 2 + 1)
+                            e = f32(math.exp(ldcg_f32(part_ml, (hq * MAXP + c) * 2) - m))
+                            num += e * ldcg_f32(part_o, (hq * MAXP + c) * DH + d)
+                            den += e * ldcg_f32(part_ml, (hq * MAXP + c) * 2 + 1)
                         att[hq * DH + d] = num / den
                 cuda.syncthreads()
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
+            if stamp:
+                stamps[epoch] = _globaltimer()
 
             # (C) o rows into the residual stream
             into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
+            if stamp:
+                stamps[epoch] = _globaltimer()
 
             # (D) gate and up rows of the normed stream, SwiGLU
             norm_into(xs, xg, nw, ntab[li, 1], bred, tid)
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
-            for r in range(gw, F, nw_all):
-                yg = _row_dot(w, wtab[li, 4, 0] + np.int64(r) * row_bytes_d(qg, D), qg, D // 8, xs, 0, red, wid, lane)
-                yu = _row_dot(w, wtab[li, 5, 0] + np.int64(r) * row_bytes_d(qu, D), qu, D // 8, xs, 0, red, wid, lane)
-                if lane == 0:
+            for rb in range(gw * rpw, F, nw_all * rpw):
+                r = rb + lane // lpr
+                rr = min(r, F - 1)
+                yg, yu = _row_dot2(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
+                                   wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, lpr, red, wid, lane)
+                if mine and r < F:
                     hg[r] = _silu(yg) * yu
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
+            if stamp:
+                stamps[epoch] = _globaltimer()
 
             # (E) down rows into the residual stream
             into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
+            if stamp:
+                stamps[epoch] = _globaltimer()
 
         # the head
         norm_into(xs, xg, out_norm, 0, bred, tid)
-        rb = row_bytes_d(out_qt, D)
-        for r in range(gw, logits.shape[1], nw_all):
-            y = _row_dot(outw, np.int64(r) * rb, out_qt, D // 8, xs, 0, red, wid, lane)
-            if lane == 0:
+        rh = _row_h(out_qt, D)
+        n_out = logits.shape[1]
+        for rb in range(gw * rpw, n_out, nw_all * rpw):
+            r = rb + lane // lpr
+            y = _row_dot(outw, out_qt, np.int64(min(r, n_out - 1)) * rh, D, xs, 0, lpr, red, wid, lane)
+            if mine and r < n_out:
                 logits[0, r] = y
         # the last block out resets the barrier's counter for the next launch (no block
-        # reads it after its own count here)
+        # reads it after its own count here) and stamps the step's end
+        cuda.syncthreads()
         if tid == 0:
             if cuda.atomic.add(cnt, 1, 1) == nb - 1:
                 cnt[0] = 0
                 cnt[1] = 0
+                stamps[epoch + 1] = _globaltimer()
 
     return kernel
-
-
-@device
-def row_bytes_d(qt, cols):
-    if qt == _Q4K:
-        return np.int64(cols // 256) * 144
-    if qt == _Q6K:
-        return np.int64(cols // 256) * 210
-    return np.int64(cols // 32) * 34
 
 
 # ----------------------------------------------------------------------------- host side
@@ -492,7 +666,7 @@ def applies(cfg, weights, kv) -> str | None:
         return "sliding windows or scaled RoPE"
     if kv.k_scale is not None or np.dtype(kv.dtype) != np.float16:
         return "a quantized KV pool"
-    if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 32:
+    if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 32 or cfg.head_dim > 256:
         return "head layout"
     mats = [getattr(lw, k) for lw in weights.layers for k in KINDS] + [weights.tok_embd, weights.output]
     for m in mats:
@@ -501,6 +675,8 @@ def applies(cfg, weights, kv) -> str | None:
         qk = _BLOCK[QTYPE_CODES[m.qtype]][0]
         if m.shape[1] % qk:
             return f"a {m.shape[1]}-column weight in {qk}-column blocks"
+    if weights.output.raw.size % 16:
+        return "an output head whose bytes are not a multiple of 16 (its rows are read 16 bytes at a time)"
     return None
 
 
@@ -521,11 +697,12 @@ class PersistentDecode:
                 m = getattr(lw, k)
                 offs.append((total, m))
                 total += -(-m.raw.size // 16) * 16
-        self.w = cuda.device_array(max(16, total), np.uint8)
-        wtab = np.zeros((L, len(KINDS), 2), np.int64)
+        w8 = cuda.device_array(max(16, total), np.uint8)
+        wtab = np.zeros((L, len(KINDS), 2), np.int64)  # (uint16 offset, type code)
         for i, (o, m) in enumerate(offs):
-            self.w[o:o + m.raw.size].copy_to_device(m.raw.reshape(m.raw.size), stream=stream)
-            wtab[i // len(KINDS), i % len(KINDS)] = (o, QTYPE_CODES[m.qtype])
+            w8[o:o + m.raw.size].copy_to_device(m.raw.reshape(m.raw.size), stream=stream)
+            wtab[i // len(KINDS), i % len(KINDS)] = (o // 2, QTYPE_CODES[m.qtype])
+        self.w = w8.view(np.uint16)
         d, dh = cfg.n_embd, cfg.head_dim
         norms, ntab, n = [], np.full((L, len(NORMS)), -1, np.int64), 0
         for li, lw in enumerate(weights.layers):
@@ -553,6 +730,11 @@ class PersistentDecode:
         self.part_ml = cuda.device_array(cfg.n_heads * pages * 2, np.float32)
         self.cnt = cuda.to_device(np.zeros(2 + cfg.n_kv_heads, np.int32), stream=stream)
         self.logits = cuda.device_array((1, cfg.vocab_size), np.float32)
+        # globaltimer stamps (ns): the start, after each grid barrier, and the step's end
+        self.stamps = cuda.to_device(np.zeros(5 * L + 3, np.int64), stream=stream)
+        self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
+        self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
+        self.outw = self.out.raw.reshape(self.out.raw.size).view(np.uint16)
         self.threads = 32 if SIM else THREADS
         if SIM:
             self.blocks = 1  # blocks run one after another there: a grid barrier would never open
@@ -568,7 +750,16 @@ class PersistentDecode:
         kv = self.kv
         self.kernel[self.blocks, self.threads, self.stream](
             self.w, self.wtab, self.nw, self.ntab, self.emb.raw.reshape(self.emb.raw.size),
-            QTYPE_CODES[self.emb.qtype], self.out.raw.reshape(self.out.raw.size), QTYPE_CODES[self.out.qtype],
-            self.out_norm, self.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, kv.table_d, kv.meta, kv.pos_d,
-            self.xg, self.qkv, self.att, self.hg, self.part_o, self.part_ml, self.cnt, self.logits)
+            QTYPE_CODES[self.emb.qtype], self.outw, QTYPE_CODES[self.out.qtype],
+            self.out_norm, self.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
+            kv.pos_d, self.xg, self.qkv, self.att, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
+            self.stamps)
         return self.logits
+
+    def phase_times(self):
+        """us a phase of the last step, from its globaltimer stamps: (embedding, [per layer:
+        q/k/v, attention, o, gate/up, down], head). Meaningful on a GPU only."""
+        st = self.stamps.copy_to_host().astype(np.float64) / 1e3
+        d = np.diff(st)
+        L = self.cfg.n_layers
+        return d[0], d[1:1 + 5 * L].reshape(L, 5), d[1 + 5 * L]

@@ -7,7 +7,8 @@ has neither inline asm nor libdevice, so there the same names are small Python f
 
 All loads take a 1-D array and an element index; the address must be aligned to the load
 size (16 bytes for the x4 loads). `.nc` (read-only cache) is valid because kernels never
-write the arrays they read this way.
+write the arrays they read this way; the `ldcg_*` loads (L2) are for arrays that other
+blocks of the same kernel write (luce.kernels.persistent_decode).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .device import device
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
-           "f32_to_u32_bits", "ldw_u16_u32x4", "ldw_u16_u32", "WEIGHT_HINTS"]
+           "f32_to_u32_bits", "ldw_u16_u32x4", "ldw_u16_u32", "ldcg_u16_u32x4", "ldcg_f32", "WEIGHT_HINTS"]
 
 # Cache hints for streamed weight loads (ldw_*: read once a forward), LUCE_WEIGHT_HINT picks
 # one. H200, 5fab17b, `luce.bench.kernels_matvec_mma` (us, none / prefetch / no_allocate /
@@ -56,6 +57,11 @@ if SIM:
                 np.uint32(a[i + 2] | (np.uint32(a[i + 3]) << 16)))
 
     ldw_u16_u32x4, ldw_u16_u32 = ldg_u16_u32x4, ldg_u16_u32  # hints mean nothing here
+    ldcg_u16_u32x4 = ldg_u16_u32x4  # the simulator's memory is numpy's: no cache to be stale
+
+    @device
+    def ldcg_f32(a, i):
+        return a[i]
 
     @device
     def ldg_f32x4(a, i):
@@ -89,12 +95,12 @@ else:
             return builder.zext(v, ir.IntType(width))
         return v
 
-    def _vector_load(context, builder, sig, args, ptx, reg, lltype, n):
+    def _vector_load(context, builder, sig, args, ptx, reg, lltype, n, side_effect=False):
         arrty, _ = sig.args
         addr = _address(context, builder, arrty, args[0], args[1])
         outs = ",".join(["=" + reg] * n)
         asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([lltype] * n) if n > 1 else lltype,
-                                           [ir.IntType(64)]), ptx, outs + ",l")
+                                           [ir.IntType(64)]), ptx, outs + ",l", side_effect=side_effect)
         val = builder.call(asm, [addr])
         if n == 1:
             return val
@@ -103,15 +109,17 @@ else:
             out = builder.insert_value(out, builder.extract_value(val, k), k)
         return out
 
-    def _ldg_u32(n: int, hint: str = ""):
+    def _ldg_u32(n: int, hint: str = "", op: str = "nc"):
+        """op "cg": from L2, for data other blocks write during the kernel (the asm is then
+        volatile, so that it stays on its side of the barriers that order those writes)."""
         regs = ",".join(f"${k}" for k in range(n))
-        ptx = (f"ld.global.nc{hint}.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else f"ld.global.nc{hint}.u32 $0, [$1];")
+        ptx = (f"ld.global.{op}{hint}.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else f"ld.global.{op}{hint}.u32 $0, [$1];")
 
         def ldg(typingctx, a, i):
             sig = (types.UniTuple(types.uint32, n) if n > 1 else types.uint32)(a, types.intp)
 
             def codegen(context, builder, sig, args):
-                return _vector_load(context, builder, sig, args, ptx, "r", ir.IntType(32), n)
+                return _vector_load(context, builder, sig, args, ptx, "r", ir.IntType(32), n, side_effect=op != "nc")
             return sig, codegen
         return intrinsic(ldg)
 
@@ -121,6 +129,17 @@ else:
     ldg_u16_u32 = _ldg_u32(1)
     ldw_u16_u32x4 = _ldg_u32(4, WEIGHT_HINTS[WEIGHT_HINT])
     ldw_u16_u32 = _ldg_u32(1, WEIGHT_HINTS[WEIGHT_HINT])
+    ldcg_u16_u32x4 = _ldg_u32(4, op="cg")
+
+    @intrinsic
+    def ldcg_f32(typingctx, a, i):
+        """a[i] of a float32 array from L2, past this SM's L1 (written by other blocks since)."""
+        sig = types.float32(a, types.intp)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args, "ld.global.cg.f32 $0, [$1];", "f", ir.FloatType(), 1,
+                                side_effect=True)
+        return sig, codegen
 
     @intrinsic
     def ldg_f32x4(typingctx, a, i):
