@@ -174,6 +174,11 @@ FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "0") == "1"
 # two products and an activation pass: H200, Qwen3-32B shape, 512-token prefill 2,247 ->
 # 2,348 tok/s (4678b07). LUCE_FUSED_GATED_MATMUL=0 turns it off (for the comparison).
 FUSED_GATED_MATMUL = os.environ.get("LUCE_FUSED_GATED_MATMUL", "1") != "0"
+# A small model's one-token forward (a draft's step) as one persistent kernel
+# (luce.kernels.persistent_decode) instead of the graph of ~170 launches, where the kernel
+# takes the model (its applies()) and no plugin overrides an op. LUCE_PERSISTENT_DECODE=1
+# turns it on; off by default until it is measured faster end to end (docs/benchmarks.md).
+PERSISTENT_DECODE = os.environ.get("LUCE_PERSISTENT_DECODE", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -976,10 +981,29 @@ class CUDABackend:
             ops.fuse_kv_write = FUSED_KV_WRITE and st["run_ops"] is ops
             ops.fuse_rope = FUSED_ROPE and ops.fuse_kv_write and cfg.attn_scale is None
             ops.kv_ref = weakref.ref(kv)
+            st["persistent"] = self._persistent_decode(cfg, weights, kv) if st["run_ops"] is ops else None
             # The state (its graphs point at this cache's pools) dies with the cache: a later
             # cache may get the same id(), and replaying these graphs would read freed memory.
             weakref.finalize(kv, self._forget, key)
         return st
+
+    def _persistent_decode(self, cfg, weights, kv):
+        """The persistent one-token forward for this model and cache where it is on and
+        takes them, else None; the packed weights are shared by every cache of a model."""
+        if not PERSISTENT_DECODE:
+            return None
+        from ..kernels.persistent_decode import PackedWeights, PersistentDecode, applies
+        if applies(cfg, weights, kv) is not None:
+            return None
+        packs = self.__dict__.setdefault("_persistent_packs", {})
+        pack = packs.get(id(weights))
+        if pack is None:
+            pack = packs[id(weights)] = PackedWeights(cfg, weights, self.stream)
+            weakref.finalize(weights, packs.pop, id(weights), None)
+        try:
+            return PersistentDecode(cfg, weights, kv, stream=self.stream, packed=pack)
+        except ValueError:  # a shape past the kernel's shared memory
+            return None
 
     def _ensure_arena(self, st, cfg, n_tokens: int, kv):
         if st["arena_tokens"] >= n_tokens:
@@ -1188,9 +1212,14 @@ class CUDABackend:
             long = differs[n]
         ops.long_context = long
 
+        persistent = st["persistent"] if n == 1 and not tree and rows == [0] else None
+
         def run():
-            ops.begin_forward(mask_d if tree else None)
-            st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
+            if persistent is not None:
+                st["logits"] = persistent.forward(tok_d, pos_d)
+            else:
+                ops.begin_forward(mask_d if tree else None)
+                st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
             if draw is not None:
                 from ..kernels.sampling import sample_cuda
                 logits = st["logits"]

@@ -44,7 +44,7 @@ from .matvec_fast import S8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc, q6_scal
 from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
 
-__all__ = ["PersistentDecode", "applies", "QTYPE_CODES"]
+__all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
 
 PAGE = 64  # the pool's rows a block (luce.kv.paged.BLOCK)
 KINDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -680,16 +680,12 @@ def applies(cfg, weights, kv) -> str | None:
     return None
 
 
-class PersistentDecode:
-    """A model's one-token forward through the persistent kernel: weights packed once into
-    one buffer (a copy on the device: meant for small models, such as drafts), scratch at
-    fixed addresses (CUDA graphs capture `forward`)."""
+class PackedWeights:
+    """A model's weights as the kernel reads them: every layer matrix copied into one
+    buffer (16-byte aligned each; a copy on the device, meant for small models such as
+    drafts), the norms into another, with their tables; the embedding and head in place."""
 
-    def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None):
-        why = applies(cfg, weights, kv)
-        if why is not None:
-            raise ValueError(f"the persistent decode kernel does not take this model: {why}")
-        self.cfg, self.kv, self.stream = cfg, kv, stream
+    def __init__(self, cfg, weights, stream=0):
         L = cfg.n_layers
         offs, total = [], 0
         for lw in weights.layers:
@@ -703,7 +699,6 @@ class PersistentDecode:
             w8[o:o + m.raw.size].copy_to_device(m.raw.reshape(m.raw.size), stream=stream)
             wtab[i // len(KINDS), i % len(KINDS)] = (o // 2, QTYPE_CODES[m.qtype])
         self.w = w8.view(np.uint16)
-        d, dh = cfg.n_embd, cfg.head_dim
         norms, ntab, n = [], np.full((L, len(NORMS)), -1, np.int64), 0
         for li, lw in enumerate(weights.layers):
             for j, name in enumerate(NORMS):
@@ -716,10 +711,27 @@ class PersistentDecode:
                 n += host.size
         self.wtab, self.ntab = cuda.to_device(wtab, stream=stream), cuda.to_device(ntab, stream=stream)
         self.nw = cuda.to_device(np.concatenate(norms), stream=stream)
-        self.emb, self.out = weights.tok_embd, weights.output
+        emb, out = weights.tok_embd, weights.output
+        self.emb, self.emb_qt = emb.raw.reshape(emb.raw.size), QTYPE_CODES[emb.qtype]
+        self.outw, self.out_qt = out.raw.reshape(out.raw.size).view(np.uint16), QTYPE_CODES[out.qtype]
         self.out_norm = weights.out_norm
         from .rope import inv_freqs
         self.inv_freq = cuda.to_device(inv_freqs(cfg.rope_dim, cfg.rope_base), stream=stream)
+
+
+class PersistentDecode:
+    """A model's one-token forward on one cache through the persistent kernel: scratch at
+    fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
+    by the caches of one model."""
+
+    def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None):
+        why = applies(cfg, weights, kv)
+        if why is not None:
+            raise ValueError(f"the persistent decode kernel does not take this model: {why}")
+        self.cfg, self.kv, self.stream = cfg, kv, stream
+        self.pk = packed or PackedWeights(cfg, weights, stream)
+        L = cfg.n_layers
+        d, dh = cfg.n_embd, cfg.head_dim
         qr, kr = cfg.n_heads * dh, cfg.n_kv_heads * dh
         self.xg = cuda.device_array(d, np.float32)
         self.qkv = cuda.device_array(qr + 2 * kr, np.float32)
@@ -734,7 +746,6 @@ class PersistentDecode:
         self.stamps = cuda.to_device(np.zeros(5 * L + 3, np.int64), stream=stream)
         self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
         self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
-        self.outw = self.out.raw.reshape(self.out.raw.size).view(np.uint16)
         self.threads = 32 if SIM else THREADS
         if SIM:
             self.blocks = 1  # blocks run one after another there: a grid barrier would never open
@@ -747,11 +758,9 @@ class PersistentDecode:
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
         K/V written at the pool's row meta[0] (the caller has reserved it)."""
-        kv = self.kv
+        kv, pk = self.kv, self.pk
         self.kernel[self.blocks, self.threads, self.stream](
-            self.w, self.wtab, self.nw, self.ntab, self.emb.raw.reshape(self.emb.raw.size),
-            QTYPE_CODES[self.emb.qtype], self.outw, QTYPE_CODES[self.out.qtype],
-            self.out_norm, self.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
+            pk.w, pk.wtab, pk.nw, pk.ntab, pk.emb, pk.emb_qt, pk.outw, pk.out_qt, pk.out_norm, pk.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
             kv.pos_d, self.xg, self.qkv, self.att, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
             self.stamps)
         return self.logits
