@@ -279,7 +279,8 @@ def _row_dot(w, qt, hrow, cols, xs, xo, lpr, red, wid, lane):
 
 @device
 def _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane):
-    """Two rows of the same width against the same x (gate and up), their loads together."""
+    """Two rows of the same width against the same x (gate and up; two rows of the head),
+    their loads together."""
     sa = np.float32(0.0)
     sb = np.float32(0.0)
     na = _units(qa, cols)
@@ -638,11 +639,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         norm_into(xs, xg, out_norm, 0, bred, tid)
         rh = _row_h(out_qt, D)
         n_out = logits.shape[1]
-        for rb in range(gw * rpw, n_out, nw_all * rpw):
+        step = nw_all * rpw
+        for rb in range(gw * rpw, n_out, 2 * step):  # two rows a group at once: their loads in flight together
             r = rb + lane // lpr
-            y = _row_dot(outw, out_qt, np.int64(min(r, n_out - 1)) * rh, D, xs, 0, lpr, red, wid, lane)
+            ya, yb = _row_dot2(outw, out_qt, np.int64(min(r, n_out - 1)) * rh, out_qt,
+                               np.int64(min(r + step, n_out - 1)) * rh, D, xs, lpr, red, wid, lane)
             if mine and r < n_out:
-                logits[0, r] = y
+                logits[0, r] = ya
+            if mine and r + step < n_out:
+                logits[0, r + step] = yb
         # the last block out resets the barrier's counter for the next launch (no block
         # reads it after its own count here) and stamps the step's end
         cuda.syncthreads()
