@@ -729,7 +729,8 @@ class PersistentDecode:
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
     by the caches of one model."""
 
-    def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None):
+    def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
+                 threads: int = THREADS):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -751,7 +752,7 @@ class PersistentDecode:
         self.stamps = cuda.to_device(np.zeros(5 * L + 3, np.int64), stream=stream)
         self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
         self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
-        self.threads = 32 if SIM else THREADS
+        self.threads = 32 if SIM else threads
         if SIM:
             self.blocks = 1  # blocks run one after another there: a grid barrier would never open
         else:
