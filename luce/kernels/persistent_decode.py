@@ -101,16 +101,16 @@ else:
 @device
 def _grid_sync(cnt, target, tid):
     """Every block of the grid has reached its target-th barrier; their writes before it are
-    visible after it (each thread's release fence, one acquire spin a block, then every
-    thread's fence: cooperative groups' grid sync)."""
-    cuda.threadfence()
+    visible after it (cooperative groups' grid sync: a block barrier, then its thread 0's
+    fence, count and acquire spin, fence, and the block barrier again)."""
     cuda.syncthreads()
-    if tid == 0:
+    if tid == 0:  # the block's writes, ordered before this fence by the barrier, are released by it
+        cuda.threadfence()
         cuda.atomic.add(cnt, 0, 1)
         while _ld_acquire(cnt, 0) < target:
             pass
+        cuda.threadfence()
     cuda.syncthreads()
-    cuda.threadfence()
 
 
 @device
@@ -160,6 +160,15 @@ def _value(w, base, qt, j):
 # Row products: matvec_fast's units (a lane takes a fixed slice of a block in 16-byte loads
 # and turns each quant into a float with one logic op and one add), one row a unit, with x
 # from shared memory (each block norms the stream itself: nothing global to be stale).
+# The lanes of a row read x 16 or 128 columns apart, all on two of the 32 banks (8- to
+# 16-way conflicts: H200, 0.6B shape, the head's 127 MB took 170 us); x's column i sits at
+# _xi(i) = i + i // 64 in shared memory, which spreads them (at most 2-way for the three
+# types at 1024-3072 columns). A unit reads runs of 16 columns inside one 64.
+@device
+def _xi(i):
+    return i + (i >> 6)
+
+
 @device
 def _k4_word(q, xs, c, acc):
     """One word of a Q4_K piece: its low nibbles times xs[c:c+4], its high ones times
@@ -177,6 +186,7 @@ def _k4_piece(q, s, j, xs, c):
     """A 16-byte Q4_K piece of chunk j (sub-blocks 2j, 2j + 1) whose first low nibble is
     column c, with the block's header words s."""
     z = np.float32(0.0)
+    c = _xi(c)
     acc = _k4_word(q[0], xs, c, (z, z, z, z, z, z))
     acc = _k4_word(q[1], xs, c + 4, acc)
     acc = _k4_word(q[2], xs, c + 8, acc)
@@ -187,6 +197,7 @@ def _k4_piece(q, s, j, xs, c):
 @device
 def _q6_group(pl, qh, g, xs, c):
     z = np.float32(0.0)
+    c = _xi(c)
     a0, a8 = q6_acc(pl[0], qh[0], g, xs[c], xs[c + 1], xs[c + 2], xs[c + 3], z, z)
     a0, a8 = q6_acc(pl[1], qh[1], g, xs[c + 4], xs[c + 5], xs[c + 6], xs[c + 7], a0, a8)
     a0, a8 = q6_acc(pl[2], qh[2], g, xs[c + 8], xs[c + 9], xs[c + 10], xs[c + 11], a0, a8)
@@ -234,7 +245,7 @@ def _unit_dot(w, qt, hrow, u, xs, xo):
     h = hrow + 17 * b
     p0, p1, a = pieces(h + 1 + 8 * t)
     q = ld16(w, p0, p1, a)
-    c = xo + 32 * b + 16 * t
+    c = _xi(xo + 32 * b + 16 * t)
     a0, a8 = q8_acc(q[0], xs[c], xs[c + 1], xs[c + 2], xs[c + 3], z, z)
     a0, a8 = q8_acc(q[1], xs[c + 4], xs[c + 5], xs[c + 6], xs[c + 7], a0, a8)
     a0, a8 = q8_acc(q[2], xs[c + 8], xs[c + 9], xs[c + 10], xs[c + 11], a0, a8)
@@ -310,7 +321,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     W = NT // 32
     QR = HQ * DH
     KR = HKV * DH
-    XS = max(D, F, QR)
+    XS = max(D, F, QR) + max(D, F, QR) // 64 + 1  # x with _xi's gaps
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
     KC = PAGE * max(1, NT // PAGE)  # keys an attention pass scores (a thread a key)
@@ -328,18 +339,35 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
                          f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
 
+    def stager(n):
+        """stage(xs, src, tid): xs[_xi(i)] = src[i] for i < n (other blocks' writes, from L2),
+        every load of a thread issued before its first store; returns the sum of squares of
+        this thread's values."""
+        TR = (n + NT - 1) // NT
+
+        @device
+        def stage(xs, src, tid):
+            v = cuda.local.array(TR, np.float32)
+            for k in range(TR):
+                v[k] = ldcg_f32(src, min(tid + k * NT, n - 1))
+            ss = f32(0.0)
+            for k in range(TR):
+                i = tid + k * NT
+                if i < n:
+                    xs[_xi(i)] = v[k]
+                    ss += v[k] * v[k]
+            return ss
+        return stage
+
+    stage_d, stage_q, stage_f = stager(D), stager(QR), stager(F)
+
     @device
     def norm_into(xs, src, nw, off, bred, tid):
         """xs = rms_norm(src[:D]) * nw[off:] in this block (every thread calls it)."""
-        ss = f32(0.0)
-        for i in range(tid, D, NT):
-            v = ldcg_f32(src, i)
-            xs[i] = v
-            ss += v * v
-        tot = block_sum(ss, bred)
+        tot = block_sum(stage_d(xs, src, tid), bred)
         inv = f32(1.0) / math.sqrt(tot / f32(D) + eps)
         for i in range(tid, D, NT):
-            xs[i] = xs[i] * inv * nw[off + i]
+            xs[_xi(i)] = xs[_xi(i)] * inv * nw[off + i]
         cuda.syncthreads()
 
     @device
@@ -379,19 +407,23 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
 
     @device
     def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all):
-        """xg += W src for the D rows of an n-column weight at uint16 off (o, down): src
-        (other blocks' writes) staged in shared memory first."""
-        for i in range(tid, n, NT):
-            xs[i] = ldcg_f32(src, i)
+        """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
+        n = F): src (other blocks' writes) staged in shared memory first."""
+        if n == QR:
+            stage_q(xs, src, tid)
+        else:
+            stage_f(xs, src, tid)
         cuda.syncthreads()
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
         rpw = 32 // lpr
         for rb in range(gw * rpw, D, nw_all * rpw):  # the same trips in every lane of a warp
             r = rb + lane // lpr
-            y = _row_dot(w, qt, off + np.int64(min(r, D - 1)) * rh, n, xs, 0, lpr, red, wid, lane)
+            rc = min(r, D - 1)
+            old = ldcg_f32(xg, rc)  # in flight with the weights
+            y = _row_dot(w, qt, off + np.int64(rc) * rh, n, xs, 0, lpr, red, wid, lane)
             if (lane & (lpr - 1)) == 0 and r < D:
-                xg[r] = ldcg_f32(xg, r) + y
+                xg[r] = old + y
 
     @device
     def kv_index(table, li, h, key):
@@ -586,19 +618,33 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     part_ml[((h * G + tid) * MAXP + ch) * 2] = ml[tid]
                     part_ml[((h * G + tid) * MAXP + ch) * 2 + 1] = ml[G + tid]
                 if arrive(cnt, 2 + h, n_ch, ibuf, tid):
+                    # the head's splits: every (m, l) into shared memory at once (part is
+                    # free again), then each output column over the splits 4 at a time
+                    for i in range(tid, 2 * G * n_ch, NT):
+                        part[i] = ldcg_f32(part_ml, (h * G * MAXP + (i >> 1) // n_ch * MAXP + (i >> 1) % n_ch) * 2
+                                           + (i & 1))
+                    cuda.syncthreads()
                     for i in range(tid, G * DH, NT):
-                        hq = h * G + i // DH
+                        g = i // DH
                         d = i % DH
                         m = f32(-math.inf)
                         for c in range(n_ch):
-                            m = max(m, ldcg_f32(part_ml, (hq * MAXP + c) * 2))
+                            m = max(m, part[2 * (g * n_ch + c)])
                         num = f32(0.0)
                         den = f32(0.0)
-                        for c in range(n_ch):
-                            e = f32(math.exp(ldcg_f32(part_ml, (hq * MAXP + c) * 2) - m))
-                            num += e * ldcg_f32(part_o, (hq * MAXP + c) * DH + d)
-                            den += e * ldcg_f32(part_ml, (hq * MAXP + c) * 2 + 1)
-                        att[hq * DH + d] = num / den
+                        ob = ((h * G + g) * MAXP) * DH + d
+                        for c0 in range(0, n_ch, 4):
+                            o0 = ldcg_f32(part_o, ob + min(c0, n_ch - 1) * DH)
+                            o1 = ldcg_f32(part_o, ob + min(c0 + 1, n_ch - 1) * DH)
+                            o2 = ldcg_f32(part_o, ob + min(c0 + 2, n_ch - 1) * DH)
+                            o3 = ldcg_f32(part_o, ob + min(c0 + 3, n_ch - 1) * DH)
+                            for k in range(4):
+                                c = c0 + k
+                                if c < n_ch:
+                                    e = f32(math.exp(part[2 * (g * n_ch + c)] - m))
+                                    num += e * (o0 if k == 0 else o1 if k == 1 else o2 if k == 2 else o3)
+                                    den += e * part[2 * (g * n_ch + c) + 1]
+                        att[(h * G + g) * DH + d] = num / den
                 cuda.syncthreads()
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
