@@ -57,8 +57,6 @@ if SIM:
 
     def l2_prefetch(arr, i, nbytes):
         pass
-
-    l2_prefetch_always = l2_prefetch
 else:
     from llvmlite import ir
     from numba.cuda import types
@@ -80,25 +78,20 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    def _make_l2_prefetch(on: bool):
-        def l2_prefetch(typingctx, arr, i, nbytes):
-            """Start nbytes of global memory from arr[i] on their way to L2 (one bulk prefetch:
-            16-byte aligned, a multiple of 16 bytes)."""
-            sig = types.void(arr, i, nbytes)
+    @intrinsic
+    def l2_prefetch(typingctx, arr, i, nbytes):
+        """Start nbytes of global memory from arr[i] on their way to L2 (one bulk prefetch:
+        16-byte aligned, a multiple of 16 bytes); nothing unless PREFETCH."""
+        sig = types.void(arr, i, nbytes)
 
-            def codegen(context, builder, sig, args):
-                if on:
-                    addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                    n = context.cast(builder, args[2], sig.args[2], types.uint32)
-                    _asm(builder,
-                         "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
-                         "l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(32)], [addr, n], side_effect=True)
-                return context.get_dummy_value()
-            return sig, codegen
-        return intrinsic(l2_prefetch)
-
-    l2_prefetch = _make_l2_prefetch(PREFETCH)  # the matvecs' (LUCE_PDL=2): nothing unless PREFETCH
-    l2_prefetch_always = _make_l2_prefetch(True)
+        def codegen(context, builder, sig, args):
+            if PREFETCH:
+                addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                n = context.cast(builder, args[2], sig.args[2], types.uint32)
+                _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
+                     "l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(32)], [addr, n], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
 
 
 _MARK = "__luce_pdl_ready__"

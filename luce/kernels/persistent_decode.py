@@ -41,7 +41,6 @@ from numba import cuda
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_groupsum
 from .device import SIM, device
 from .matvec_fast import S8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc, q6_scales, q8_acc, shr32
-from .pdl import l2_prefetch_always
 from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
 
@@ -317,7 +316,7 @@ def _h2(wd):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, PF):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -585,16 +584,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, PF):
             if stamp:
                 stamps[epoch] = _globaltimer()
 
-            # (B) attention: items of (kv head, group of pages). Few SMs have work and the
-            # DRAM is idle: first every block starts its share of the weights from o to the
-            # next layer's v on their way to L2 (9.9 MB a layer at the 0.6B shape)
-            if PF and tid == 0:
-                lo = 2 * wtab[li, 3, 0]
-                hi = 2 * (wtab[li + 1, 3, 0] if li + 1 < L else w.shape[0])
-                per = ((hi - lo + nb - 1) // nb + 15) // 16 * 16
-                b0 = lo + bid * per
-                if b0 < hi:
-                    l2_prefetch_always(w, b0 // 2, min(per, hi - b0))
+            # (B) attention: items of (kv head, group of pages)
             n_pages = (n_keys + PAGE - 1) // PAGE
             ppi = max(1, (n_pages * HKV + nb - 1) // nb)
             n_ch = (n_pages + ppi - 1) // ppi
@@ -786,7 +776,7 @@ class PersistentDecode:
     by the caches of one model."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, prefetch: bool = True):
+                 threads: int = THREADS):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -815,8 +805,7 @@ class PersistentDecode:
             self.blocks = blocks or cuda.get_current_device().MULTIPROCESSOR_COUNT
         from ..models.config import ROPE_HALVES
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
-                              cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              prefetch)
+                              cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
