@@ -330,11 +330,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     KS = W * SPW
     GA = G * 8
     # shared arrays' sizes: compile-time constants only as plain closure values
-    QSH, SSN, MLN, TMPN, PARTN = G * DH + DH, G * KC, 3 * G, G + 1, W * G * DH
+    QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, G + 1
+    XSN = max(XS, W * G * DH)  # attention's per-warp partials live in xs (free in that phase)
+    PS = 64  # an attention item's first page slots, staged in shared memory
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
-    smem = 4 * (XS + RED + NT + QSH + SSN + MLN + TMPN + PARTN) + 8
+    smem = 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS) + 8
     if smem > 48 * 1024:
         raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
                          f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
@@ -426,13 +428,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 xg[r] = old + y
 
     @device
-    def kv_index(table, li, h, key):
-        """The uint16 index of key's row of kv head h in a flat pool."""
-        slot = np.int64(table[key // PAGE])
+    def kv_index(table, pslot, pg0, li, h, key):
+        """The uint16 index of key's row of kv head h in a flat pool (the page's slot from
+        pslot, the item's first PS pages from page pg0, or from the table past them)."""
+        pg = key // PAGE - pg0
+        slot = np.int64(pslot[pg] if pg < PS else table[pg + pg0])
         return (((slot * L + li) * HKV + h) * PAGE + key % PAGE) * DH
 
     @device
-    def attend(kp, vp, table, li, h, k0, k1, qsh, ss, ml, part, red, tid, wid, lane, acc):
+    def attend(kp, vp, table, pslot, pg0, li, h, k0, k1, qsh, ss, ml, part, red, tid, wid, lane, acc):
         """Keys k0..k1 of kv head h against the G query heads in qsh (online softmax, its
         state in ml: m, l a head); the unnormalized output summed over this block's warps
         into part[0:G * DH] (each warp's share at part[wid * G * DH:])."""
@@ -442,7 +446,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         for kc0 in range(k0, k1, KC):
             nk = min(KC, k1 - kc0)
             for j in range(tid, nk, NT):  # scores: a thread a key, its row in 16-byte loads
-                base = kv_index(table, li, h, kc0 + j)
+                base = kv_index(table, pslot, pg0, li, h, kc0 + j)
                 sg = cuda.local.array(G, np.float32)
                 for g in range(G):
                     sg[g] = f32(0.0)
@@ -481,22 +485,25 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 a = ml[2 * G + g]
                 for e in range(8):
                     acc[g * 8 + e] *= a
-            for j in range(wid * SPW + (lane & (SPW - 1)), nk, KS):
-                w0, w1, w2, w3 = ldcg_u16_u32x4(vp, kv_index(table, li, h, kc0 + j) + 8 * c)
-                e0, e1 = _h2(w0)
-                e2, e3 = _h2(w1)
-                e4, e5 = _h2(w2)
-                e6, e7 = _h2(w3)
-                for g in range(G):
-                    pj = ss[g * KC + j]
-                    acc[g * 8] += pj * e0
-                    acc[g * 8 + 1] += pj * e1
-                    acc[g * 8 + 2] += pj * e2
-                    acc[g * 8 + 3] += pj * e3
-                    acc[g * 8 + 4] += pj * e4
-                    acc[g * 8 + 5] += pj * e5
-                    acc[g * 8 + 6] += pj * e6
-                    acc[g * 8 + 7] += pj * e7
+            for j0 in range(wid * SPW + (lane & (SPW - 1)), nk, 2 * KS):  # two keys' loads in flight
+                for u in range(2):
+                    j = min(j0 + u * KS, nk - 1)
+                    w0, w1, w2, w3 = ldcg_u16_u32x4(vp, kv_index(table, pslot, pg0, li, h, kc0 + j) + 8 * c)
+                    e0, e1 = _h2(w0)
+                    e2, e3 = _h2(w1)
+                    e4, e5 = _h2(w2)
+                    e6, e7 = _h2(w3)
+                    live = j0 + u * KS < nk
+                    for g in range(G):
+                        pj = ss[g * KC + j] if live else f32(0.0)
+                        acc[g * 8] += pj * e0
+                        acc[g * 8 + 1] += pj * e1
+                        acc[g * 8 + 2] += pj * e2
+                        acc[g * 8 + 3] += pj * e3
+                        acc[g * 8 + 4] += pj * e4
+                        acc[g * 8 + 5] += pj * e5
+                        acc[g * 8 + 6] += pj * e6
+                        acc[g * 8 + 7] += pj * e7
             cuda.syncthreads()  # ss is the next pass's
         for i in range(GA):  # a warp's keys, summed in the first lane of each piece
             v = warp_groupsum(acc[i], SPW, red, wid, lane)
@@ -522,14 +529,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         nb = cuda.gridDim.x
         gw = bid * W + wid
         nw_all = nb * W
-        xs = cuda.shared.array(XS, np.float32)
+        xs = cuda.shared.array(XSN, np.float32)
         red = cuda.shared.array(RED, np.float32)
         bred = cuda.shared.array(NT, np.float32)
         qsh = cuda.shared.array(QSH, np.float32)  # the group's q heads, then the new k
         ss = cuda.shared.array(SSN, np.float32)
         ml = cuda.shared.array(MLN, np.float32)  # m, l, the pass's rescale a head
         tmp = cuda.shared.array(TMPN, np.float32)
-        part = cuda.shared.array(PARTN, np.float32)
+        part = xs
+        pslot = cuda.shared.array(PS, np.int32)
         ibuf = cuda.shared.array(2, np.int32)
         acc = cuda.local.array(GA, np.float32)
         n_past = meta[0]
@@ -591,15 +599,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             for it in range(bid, HKV * n_ch, nb):
                 h = it // n_ch
                 ch = it % n_ch
+                pg0 = ch * ppi
+                pg1 = min(n_pages, pg0 + ppi)
                 for i in range(tid, G * DH, NT):
                     qsh[i] = ldcg_f32(qkv, h * G * DH + i)
+                if tid < min(PS, pg1 - pg0):
+                    pslot[tid] = table[pg0 + tid]
                 if tid < G:
                     ml[tid] = f32(-math.inf)
                     ml[G + tid] = f32(0.0)
                 cuda.syncthreads()
                 head_norm_rope(qsh, 0, nw, ntab[li, 2] if QKN else -1, G, inv_freq, p, tmp, red, tid, wid, lane)
-                pg0 = ch * ppi
-                pg1 = min(n_pages, pg0 + ppi)
                 if pg1 == n_pages:  # this item holds the new row: its k, normed and rotated, into the pool
                     for i in range(tid, DH, NT):
                         qsh[G * DH + i] = ldcg_f32(qkv, QR + h * DH + i)
@@ -610,7 +620,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                         k_pool[slot_new, li, h, row_new, i] = np.float16(qsh[G * DH + i])
                     cuda.threadfence_block()
                     cuda.syncthreads()
-                attend(kp, vp, table, li, h, pg0 * PAGE, min(pg1 * PAGE, n_keys), qsh, ss, ml, part, red, tid,
+                attend(kp, vp, table, pslot, pg0, li, h, pg0 * PAGE, min(pg1 * PAGE, n_keys), qsh, ss, ml, part, red, tid,
                        wid, lane, acc)
                 for i in range(tid, G * DH, NT):
                     part_o[((h * G + i // DH) * MAXP + ch) * DH + i % DH] = part[i]
