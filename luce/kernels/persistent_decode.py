@@ -333,6 +333,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, G + 1
     XSN = max(XS, W * G * DH)  # attention's per-warp partials live in xs (free in that phase)
     PS = 64  # an attention item's first page slots, staged in shared memory
+    SUB = 5 * L + 3  # stamps inside block 0's first attention item start here
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
@@ -609,7 +610,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     ml[tid] = f32(-math.inf)
                     ml[G + tid] = f32(0.0)
                 cuda.syncthreads()
+                sub = stamp and it == 0  # block 0's first item: where an item's time goes
+                if sub:
+                    stamps[SUB + 4 * li] = _globaltimer()
                 head_norm_rope(qsh, 0, nw, ntab[li, 2] if QKN else -1, G, inv_freq, p, tmp, red, tid, wid, lane)
+                if sub:
+                    stamps[SUB + 4 * li + 1] = _globaltimer()
                 if pg1 == n_pages:  # this item holds the new row: its k, normed and rotated, into the pool
                     for i in range(tid, DH, NT):
                         qsh[G * DH + i] = ldcg_f32(qkv, QR + h * DH + i)
@@ -622,6 +628,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     cuda.syncthreads()
                 attend(kp, vp, table, pslot, pg0, li, h, pg0 * PAGE, min(pg1 * PAGE, n_keys), qsh, ss, ml, part, red, tid,
                        wid, lane, acc)
+                if sub:
+                    stamps[SUB + 4 * li + 2] = _globaltimer()
                 for i in range(tid, G * DH, NT):
                     part_o[((h * G + i // DH) * MAXP + ch) * DH + i % DH] = part[i]
                 if tid < G:
@@ -656,6 +664,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                                     den += e * part[2 * (g * n_ch + c) + 1]
                         att[(h * G + g) * DH + d] = num / den
                 cuda.syncthreads()
+                if sub:
+                    stamps[SUB + 4 * li + 3] = _globaltimer()
             epoch += 1
             _grid_sync(cnt, epoch * nb, tid)
             if stamp:
@@ -805,7 +815,8 @@ class PersistentDecode:
         self.cnt = cuda.to_device(np.zeros(2 + cfg.n_kv_heads, np.int32), stream=stream)
         self.logits = cuda.device_array((1, cfg.vocab_size), np.float32)
         # globaltimer stamps (ns): the start, after each grid barrier, and the step's end
-        self.stamps = cuda.to_device(np.zeros(5 * L + 3, np.int64), stream=stream)
+        # and inside block 0's first attention item of each layer (phase_times)
+        self.stamps = cuda.to_device(np.zeros(9 * L + 3, np.int64), stream=stream)
         self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
         self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
         self.threads = 32 if SIM else threads
@@ -834,3 +845,9 @@ class PersistentDecode:
         d = np.diff(st)
         L = self.cfg.n_layers
         return d[0], d[1:1 + 5 * L].reshape(L, 5), d[1 + 5 * L]
+
+    def attention_item_times(self):
+        """us of block 0's first attention item of the last step, mean over layers: (q norm
+        and rotation, the new k and the keys, the partials' write, count and merge)."""
+        st = self.stamps.copy_to_host().astype(np.float64)[5 * self.cfg.n_layers + 3:].reshape(-1, 4) / 1e3
+        return np.diff(st, axis=1).mean(axis=0)
