@@ -328,6 +328,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     CH = DH // 8                     # 16-byte pieces of a K/V row
     SPW = 32 // CH                   # keys a warp's value pass takes at once
     KS = W * SPW
+    KB = min(8, CH)                  # K pieces a thread has in flight
+    VB = 2                           # V rows a thread has in flight
     GA = G * 8
     # shared arrays' sizes: compile-time constants only as plain closure values
     QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, G + 1
@@ -451,16 +453,23 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 sg = cuda.local.array(G, np.float32)
                 for g in range(G):
                     sg[g] = f32(0.0)
-                for cc in range(CH):
-                    w0, w1, w2, w3 = ldcg_u16_u32x4(kp, base + 8 * cc)
-                    e0, e1 = _h2(w0)
-                    e2, e3 = _h2(w1)
-                    e4, e5 = _h2(w2)
-                    e6, e7 = _h2(w3)
-                    for g in range(G):
-                        q = g * DH + 8 * cc
-                        sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
-                            (qsh[q + 4] * e4 + qsh[q + 5] * e5) + (qsh[q + 6] * e6 + qsh[q + 7] * e7)
+                kw = cuda.local.array(4 * KB, np.uint32)
+                for cb in range(0, CH, KB):
+                    # KB pieces loaded before any is used: the L2 loads stay in program order
+                    # (volatile asm), so a load written after the last one's use waits for it
+                    # (H100, a1c21e5: one piece at a time, 64 keys took 11.4 us)
+                    for k in range(KB):
+                        kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = \
+                            ldcg_u16_u32x4(kp, base + 8 * (cb + k))
+                    for k in range(KB):
+                        e0, e1 = _h2(kw[4 * k])
+                        e2, e3 = _h2(kw[4 * k + 1])
+                        e4, e5 = _h2(kw[4 * k + 2])
+                        e6, e7 = _h2(kw[4 * k + 3])
+                        for g in range(G):
+                            q = g * DH + 8 * (cb + k)
+                            sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
+                                (qsh[q + 4] * e4 + qsh[q + 5] * e5) + (qsh[q + 6] * e6 + qsh[q + 7] * e7)
                 for g in range(G):
                     ss[g * KC + j] = sg[g] * SCALE
             cuda.syncthreads()
@@ -486,14 +495,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 a = ml[2 * G + g]
                 for e in range(8):
                     acc[g * 8 + e] *= a
-            for j0 in range(wid * SPW + (lane & (SPW - 1)), nk, 2 * KS):  # two keys' loads in flight
-                for u in range(2):
+            vw = cuda.local.array(4 * VB, np.uint32)
+            for j0 in range(wid * SPW + (lane & (SPW - 1)), nk, VB * KS):  # VB keys' loads in flight
+                for u in range(VB):
+                    vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
+                        vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * c)
+                for u in range(VB):
                     j = min(j0 + u * KS, nk - 1)
-                    w0, w1, w2, w3 = ldcg_u16_u32x4(vp, kv_index(table, pslot, pg0, li, h, kc0 + j) + 8 * c)
-                    e0, e1 = _h2(w0)
-                    e2, e3 = _h2(w1)
-                    e4, e5 = _h2(w2)
-                    e6, e7 = _h2(w3)
+                    e0, e1 = _h2(vw[4 * u])
+                    e2, e3 = _h2(vw[4 * u + 1])
+                    e4, e5 = _h2(vw[4 * u + 2])
+                    e6, e7 = _h2(vw[4 * u + 3])
                     live = j0 + u * KS < nk
                     for g in range(G):
                         pj = ss[g * KC + j] if live else f32(0.0)
