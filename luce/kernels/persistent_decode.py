@@ -17,10 +17,13 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
-Status (H100, e08e888): correct on the GPU against the CPU backend, and 2.9x slower than
-the backend's graph-replayed step at the Qwen3-0.6B shape (3,435 against 1,172 us): the
-row products here load bytes, one warp a row; the launch chain's kernels load 16 bytes at
-a time with rows in flight together. Not used by the backend until it is faster.
+Status (docs/benchmarks.md, thirty-sixth session): correct on the GPU (the backend's
+greedy tokens unchanged with it on) and still slower than the backend's graph-replayed
+launch chain at the synthetic Qwen3-0.6B shape: on an H100 1,702 us a step against 1,152
+(a1c21e5). Where it goes, us a layer: attention 22.2 (block 0's item: 11.4 in its keys,
+each thread's K loads issued one after another: batched since, not yet measured), gate/up
+10.7, down 10.0, q/k/v 8.3, o 5.7, each with its ~2 us grid barrier; the head 102 us
+(the backend's 43). So CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1.
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
