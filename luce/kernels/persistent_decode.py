@@ -318,6 +318,17 @@ def _h2(wd):
     return f16_bits_to_f32(wd & np.uint32(0xFFFF)), f16_bits_to_f32(wd >> np.uint32(16))
 
 
+SMEM_MAX = 48 * 1024  # static shared memory a block
+
+
+def _shared_bytes(D, HQ, HKV, DH, F, NT):
+    """The kernel's shared memory at a shape (the arrays _kernel allocates)."""
+    G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
+    KC = PAGE * max(1, NT // PAGE)
+    xsn = max(MX + MX // 64 + 1, W * G * DH)
+    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + (G + 1) + 64) + 8
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     G = HQ // HKV
@@ -342,8 +353,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
-    smem = 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS) + 8
-    if smem > 48 * 1024:
+    smem = _shared_bytes(D, HQ, HKV, DH, F, NT)
+    assert smem == 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS) + 8
+    if smem > SMEM_MAX:
         raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
                          f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
 
@@ -761,6 +773,9 @@ def applies(cfg, weights, kv) -> str | None:
         qk = _BLOCK[QTYPE_CODES[m.qtype]][0]
         if m.shape[1] % qk:
             return f"a {m.shape[1]}-column weight in {qk}-column blocks"
+    smem = _shared_bytes(cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_ff, 32 if SIM else THREADS)
+    if smem > SMEM_MAX:
+        return f"its shape needs {smem} bytes of shared memory a block (at most {SMEM_MAX})"
     if weights.output.raw.size % 16:
         return "an output head whose bytes are not a multiple of 16 (its rows are read 16 bytes at a time)"
     return None

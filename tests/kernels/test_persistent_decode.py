@@ -8,10 +8,8 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_k_quants(tmp_path_factory):
     import gguf
+    from tests.test_cuda_backend_sim import model_file
     Q = gguf.GGMLQuantizationType
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
-    from luce.plugins import family_for
 
     def types(n):
         if "norm" in n:
@@ -21,12 +19,8 @@ def tiny_k_quants(tmp_path_factory):
         if "attn_output" in n:
             return Q.Q8_0
         return Q.Q4_K
-    path = tmp_path_factory.mktemp("pd") / "tiny.gguf"
-    shape = tiny("qwen3", 32, n_layers=1, n_embd=256, n_ff=256, n_heads=4, n_kv_heads=2, head_dim=64)
-    write_gguf(path, shape, types=types, seed=5)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    return f, fam, fam.read_config(f)
+    return model_file(tmp_path_factory.mktemp("pd") / "tiny.gguf", "qwen3", types, seed=5, n_embd=256, n_ff=256,
+                      n_heads=4, n_kv_heads=2, head_dim=64)
 
 
 def test_persistent_decode_matches_cpu(tiny_k_quants, monkeypatch):
