@@ -59,3 +59,33 @@ def test_persistent_decode_matches_cpu(tiny_k_quants, monkeypatch):
         assert list(pg) == list(pc)
     # the grid barrier's counters are back at zero for the next launch
     assert not pd.cnt.copy_to_host().any()
+
+
+def test_persistent_decode_over_two_passes_of_keys(tiny_k_quants, monkeypatch):
+    """70 keys (the CPU backend's, copied into the device pool) and the new one: in the
+    simulator an attention pass scores 64 keys, so the online softmax carries across two
+    passes and the value pass's batches run past the keys' end."""
+    import luce.backends.cuda as cuda_backend
+    from luce.backends.cpu import CPUBackend
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
+    f, fam, cfg = tiny_k_quants
+    cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
+    w_cpu = build_weights(cfg, f, cpu.load_tensor)
+    w_gpu = build_weights(cfg, f, gpu.load_tensor)
+    kv_cpu, kv_gpu = cpu.new_cache(cfg, 128), gpu.new_cache(cfg, 128)
+    n = 70
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, n)
+    cpu.forward(fam, cfg, w_cpu, kv_cpu, prompt, np.arange(n), None, [n - 1])
+    kv_cpu.commit()
+    kv_gpu.reserve(n)
+    for layer in range(cfg.n_layers):
+        k, v, pos = kv_cpu.committed(layer)
+        kv_gpu.write(layer, k, v, pos)
+    kv_gpu.commit()
+    want = cpu.forward(fam, cfg, w_cpu, kv_cpu, [11], [n])
+    got = gpu.forward(fam, cfg, w_gpu, kv_gpu, [11], [n])
+    assert gpu._model_state(fam, cfg, w_gpu, kv_gpu)["persistent"] is not None
+    np.testing.assert_allclose(got, want, rtol=3e-3, atol=3e-3)
+    assert int(np.argmax(got)) == int(np.argmax(want))

@@ -1,0 +1,106 @@
+"""The persistent decode kernel (luce.kernels.persistent_decode) against the CUDA backend's
+launch chain on a synthetic model's one-token step, on the GPU:
+
+    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--no-record]
+
+SHAPE defaults to qwen3-0.6b (a draft's shape). After an N-token prompt (512), it checks
+the kernel's logits against the backend's forward for the same token, times the kernel
+alone (launches between two CUDA events, the same position each time), reads its phase
+stamps, then times the backend's decode with the next token on the device (as `luce
+bench` does) through the launch chain and with the kernel switched on (a new cache, so a
+new model state and graphs). Figures go to docs/benchmarks.md unless --no-record."""
+from __future__ import annotations
+
+import sys
+
+
+def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps: int = 50,
+        record: bool = True) -> tuple[list[dict], list[dict]]:
+    import numpy as np
+    from numba import cuda
+
+    from ..backends import cuda as cuda_backend
+    from ..kernels.persistent_decode import PersistentDecode
+    from .e2e import _decode_pipelined, _load
+    from .report import append_to_docs, print_table
+
+    n_ctx = max(2048, n_prompt + n_steps + 64)
+    be, fam, cfg, w, _wbytes, label, _ = _load(None, shape, "cuda", n_ctx)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, min(1000, cfg.vocab_size), n_prompt)]
+    token = 7
+
+    def new_cache():
+        kv = be.new_cache(cfg, n_ctx)
+        be.forward(fam, cfg, w, kv, prompt, np.arange(n_prompt), None, [n_prompt - 1])
+        kv.commit()
+        return kv
+
+    kv = new_cache()
+    ref = np.asarray(be.forward(fam, cfg, w, kv, [token], [n_prompt], None, [0])).reshape(-1)
+    kv.truncate(n_prompt)
+    pd = PersistentDecode(cfg, w, kv)
+    tok = cuda.to_device(np.array([token], np.int32))
+    pos = cuda.to_device(np.array([n_prompt], np.int32))
+    kv.reserve(1)
+    got = pd.forward(tok, pos).copy_to_host().reshape(-1)
+    diff = float(np.abs(got - ref).max())
+    for _ in range(3):
+        pd.forward(tok, pos)
+    ev0, ev1 = cuda.event(), cuda.event()
+    ev0.record()
+    for _ in range(reps):
+        pd.forward(tok, pos)
+    ev1.record()
+    ev1.synchronize()
+    alone = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
+    emb, per_layer, head = pd.phase_times()
+    item = pd.attention_item_times()
+    kv.truncate(n_prompt)
+
+    chain = _decode_pipelined(be, fam, cfg, w, kv, token, n_steps) / n_steps * 1e6
+    on = cuda_backend.PERSISTENT_DECODE
+    cuda_backend.PERSISTENT_DECODE = True
+    try:
+        kv2 = new_cache()
+        if be._model_state(fam, cfg, w, kv2)["persistent"] is None:
+            raise RuntimeError(f"the backend did not take the persistent kernel for {label}")
+        through = _decode_pipelined(be, fam, cfg, w, kv2, token, n_steps) / n_steps * 1e6
+    finally:
+        cuda_backend.PERSISTENT_DECODE = on
+
+    steps = [
+        {"step": "kernel alone (CUDA events)", "us": alone, "tok/s": 1e6 / alone, "vs launch chain": alone / chain},
+        {"step": "backend, launch chain (graph, next token on the device)", "us": chain, "tok/s": 1e6 / chain,
+         "vs launch chain": 1.0},
+        {"step": "backend through the kernel (LUCE_PERSISTENT_DECODE=1)", "us": through, "tok/s": 1e6 / through,
+         "vs launch chain": through / chain},
+    ]
+    m = per_layer.mean(axis=0)
+    phases = [{"phase": name, "us": float(v), "a step": float(v) * (cfg.n_layers if i < 5 else 1)}
+              for i, (name, v) in enumerate(zip(("q/k/v", "attention", "o", "gate/up", "down", "embedding", "head"),
+                                                list(m) + [emb, head]))]
+    phases += [{"phase": f"attention item: {name}", "us": float(v), "a step": None}
+               for name, v in zip(("q norm and rotation", "new k and the keys", "partials, count, merge"), item)]
+    cols_s, cols_p = ["step", "us", "tok/s", "vs launch chain"], ["phase", "us", "a step"]
+    title = f"persistent decode, {label}, {n_prompt}-token prompt"
+    print_table(f"{title}: a decode step (logits within {diff:.2e} of the backend's)", steps, cols_s)
+    print_table(f"{title}: phase stamps of the kernel's last step (us a layer, mean over layers; block 0's "
+                "view, each phase ending in its grid barrier)", phases, cols_p)
+    if record:
+        append_to_docs(f"luce.bench.persistent_decode {shape}",
+                       [("a decode step", steps, cols_s), ("phase stamps (us a layer; head and embedding a step)",
+                                                           phases, cols_p)],
+                       notes=f"{n_prompt}-token prompt, {reps} kernel launches, {n_steps} backend steps; largest "
+                             f"logit difference to the backend's forward {diff:.2e}")
+    return steps, phases
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    record = "--no-record" not in args
+    n = 512
+    if "--prompt" in args:
+        n = int(args[args.index("--prompt") + 1])
+    names = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--prompt")]
+    run(names[0] if names else "qwen3-0.6b", n, record=record)
