@@ -344,6 +344,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     KS = W * SPW
     KB = min(8, CH)                  # K pieces a thread has in flight
     VB = 2                           # V rows a thread has in flight
+    KW, VW = 4 * KB, 4 * VB          # their words (local arrays' sizes: plain closure values)
     GA = G * 8
     # shared arrays' sizes: compile-time constants only as plain closure values
     QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, G + 1
@@ -468,7 +469,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 sg = cuda.local.array(G, np.float32)
                 for g in range(G):
                     sg[g] = f32(0.0)
-                kw = cuda.local.array(4 * KB, np.uint32)
+                kw = cuda.local.array(KW, np.uint32)
                 for cb in range(0, CH, KB):
                     # KB pieces loaded before any is used: the L2 loads stay in program order
                     # (volatile asm), so a load written after the last one's use waits for it
@@ -510,7 +511,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 a = ml[2 * G + g]
                 for e in range(8):
                     acc[g * 8 + e] *= a
-            vw = cuda.local.array(4 * VB, np.uint32)
+            vw = cuda.local.array(VW, np.uint32)
             for j0 in range(wid * SPW + (lane & (SPW - 1)), nk, VB * KS):  # VB keys' loads in flight
                 for u in range(VB):
                     vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
@@ -751,6 +752,21 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 stamps[epoch + 1] = _globaltimer()
 
     return kernel
+
+
+def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
+                   max_pages: int = 32) -> str:
+    """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
+    included), for a machine without one (luce.kernels.ptx.offline_target first): the
+    simulator runs the Python and misses what only the compiler rejects."""
+    from numba import types as T
+    A = lambda dt, nd=1: T.Array(dt, nd, "C")  # noqa: E731
+    f32, i32, u16 = A(T.float32), A(T.int32), A(T.uint16)
+    sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
+           A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
+           A(T.float32, 2), A(T.int64))
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages)
+    return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
 # ----------------------------------------------------------------------------- host side

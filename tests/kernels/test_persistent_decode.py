@@ -4,6 +4,21 @@ kernel reads, three steps from an empty cache."""
 import numpy as np
 import pytest
 
+from tests.ptx_background import assert_ptx_ok, background_ptx_check
+
+# The real compiler's view at the Qwen3-0.6B shape, compiled in the background while the
+# simulator tests run: it rejects what the simulator runs (a local array sized by an
+# expression, not a constant, once), and the loads the kernel relies on must be there.
+ptx_check = background_ptx_check("""
+from luce.kernels.persistent_decode import compile_ptx_at
+ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28)
+assert ".maxntid 512" in ptx
+assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
+assert "ld.acquire.gpu.global.b32" in ptx and "%globaltimer" in ptx
+assert "ld.global.nc.L2::256B.v4.u32" in ptx or "ld.global.nc.v4.u32" in ptx, "16-byte weight loads"
+print("PTX OK")
+""")
+
 
 @pytest.fixture(scope="module")
 def tiny_k_quants(tmp_path_factory):
@@ -89,3 +104,7 @@ def test_persistent_decode_over_two_passes_of_keys(tiny_k_quants, monkeypatch):
     assert gpu._model_state(fam, cfg, w_gpu, kv_gpu)["persistent"] is not None
     np.testing.assert_allclose(got, want, rtol=3e-3, atol=3e-3)
     assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_persistent_decode_compiles_for_sm_90(ptx_check):
+    assert_ptx_ok(ptx_check)
