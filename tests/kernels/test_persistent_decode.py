@@ -38,20 +38,26 @@ def tiny_k_quants(tmp_path_factory):
                       n_heads=4, n_kv_heads=2, head_dim=64)
 
 
-def test_persistent_decode_matches_cpu(tiny_k_quants, monkeypatch):
-    """Through the CUDA backend's one-token forward with the kernel switched on (the kernel
-    then runs every step, the first included: its own K/V rows are the context)."""
+@pytest.fixture
+def backends(tiny_k_quants, monkeypatch):
+    """The CPU backend and the simulated CUDA backend with the kernel switched on, each with
+    the model's weights and a fresh cache."""
     import luce.backends.cuda as cuda_backend
     from luce.backends.cpu import CPUBackend
     from luce.backends.cuda import CUDABackend
-    from luce.kernels.persistent_decode import applies
     from luce.models.transformer import build_weights
     monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
     f, fam, cfg = tiny_k_quants
     cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
-    w_cpu = build_weights(cfg, f, cpu.load_tensor)
-    w_gpu = build_weights(cfg, f, gpu.load_tensor)
-    kv_cpu, kv_gpu = cpu.new_cache(cfg, 128), gpu.new_cache(cfg, 128)
+    return (fam, cfg, cpu, gpu, build_weights(cfg, f, cpu.load_tensor), build_weights(cfg, f, gpu.load_tensor),
+            cpu.new_cache(cfg, 128), gpu.new_cache(cfg, 128))
+
+
+def test_persistent_decode_matches_cpu(backends):
+    """Through the CUDA backend's one-token forward with the kernel switched on (the kernel
+    then runs every step, the first included: its own K/V rows are the context)."""
+    from luce.kernels.persistent_decode import applies
+    fam, cfg, cpu, gpu, w_cpu, w_gpu, kv_cpu, kv_gpu = backends
     assert applies(cfg, w_gpu, kv_gpu) is None
     assert {w_gpu.layers[0].wq.qtype.name, w_gpu.layers[0].wv.qtype.name, w_gpu.layers[0].wo.qtype.name} == \
         {"Q4_K", "Q6_K", "Q8_0"}
@@ -76,20 +82,11 @@ def test_persistent_decode_matches_cpu(tiny_k_quants, monkeypatch):
     assert not pd.cnt.copy_to_host().any()
 
 
-def test_persistent_decode_over_two_passes_of_keys(tiny_k_quants, monkeypatch):
+def test_persistent_decode_over_two_passes_of_keys(backends):
     """70 keys (the CPU backend's, copied into the device pool) and the new one: in the
     simulator an attention pass scores 64 keys, so the online softmax carries across two
     passes and the value pass's batches run past the keys' end."""
-    import luce.backends.cuda as cuda_backend
-    from luce.backends.cpu import CPUBackend
-    from luce.backends.cuda import CUDABackend
-    from luce.models.transformer import build_weights
-    monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
-    f, fam, cfg = tiny_k_quants
-    cpu, gpu = CPUBackend(), CUDABackend(use_graphs=False)
-    w_cpu = build_weights(cfg, f, cpu.load_tensor)
-    w_gpu = build_weights(cfg, f, gpu.load_tensor)
-    kv_cpu, kv_gpu = cpu.new_cache(cfg, 128), gpu.new_cache(cfg, 128)
+    fam, cfg, cpu, gpu, w_cpu, w_gpu, kv_cpu, kv_gpu = backends
     n = 70
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, n)
     cpu.forward(fam, cfg, w_cpu, kv_cpu, prompt, np.arange(n), None, [n - 1])
