@@ -23,7 +23,9 @@ launch chain at the synthetic Qwen3-0.6B shape: on an H100 1,702 us a step again
 (a1c21e5). Where it goes, us a layer: attention 22.2 (block 0's item: 11.4 in its keys,
 each thread's K loads issued one after another: batched since, not yet measured), gate/up
 10.7, down 10.0, q/k/v 8.3, o 5.7, each with its ~2 us grid barrier; the head 102 us
-(the backend's 43). So CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1.
+(the backend's 43). So CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1. It also
+spills (ptxas, sm_90, that shape: 128 registers and 852 bytes of spills a thread at 512
+threads a block, 88 bytes at 256). `python -m luce.bench.persistent_decode` measures it.
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
