@@ -882,6 +882,7 @@ class CUDABackend:
         self.use_graphs = use_graphs and not cuda.config.ENABLE_CUDASIM  # the simulator has no graphs
         self.kv_dtype = kv_dtype
         self._state = {}  # (id(weights), id(cache)) -> device state of a model and a cache
+        self._persistent_packs = {}  # id(weights) -> PackedWeights (LUCE_PERSISTENT_DECODE)
         # (width, tree, logits rows) forms that have run eagerly on this backend: their kernels
         # are compiled, so a graph may be recorded at once (compiling inside a capture is not safe)
         self._compiled = set()
@@ -996,7 +997,7 @@ class CUDABackend:
         from ..kernels.persistent_decode import PackedWeights, PersistentDecode, applies
         if applies(cfg, weights, kv) is not None:
             return None
-        packs = self.__dict__.setdefault("_persistent_packs", {})
+        packs = self._persistent_packs
         pack = packs.get(id(weights))
         if pack is None:
             pack = packs[id(weights)] = PackedWeights(cfg, weights, self.stream)

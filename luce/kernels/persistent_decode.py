@@ -119,6 +119,14 @@ def _grid_sync(cnt, target, tid):
 
 
 @device
+def _phase_end(cnt, epoch, nb, tid, stamp, stamps):
+    """The grid barrier that ends the epoch-th phase, its time stamped by block 0's thread 0."""
+    _grid_sync(cnt, epoch * nb, tid)
+    if stamp:
+        stamps[epoch] = _globaltimer()
+
+
+@device
 def _f16(w, o):
     return f16_bits_to_f32(np.uint32(w[o]) | (np.uint32(w[o + 1]) << 8))
 
@@ -211,8 +219,8 @@ def _q6_group(pl, qh, g, xs, c):
 
 
 @device
-def _unit_dot(w, qt, hrow, u, xs, xo):
-    """Unit u of the row at uint16 hrow of w, dotted with xs[xo:] (the units' layouts are
+def _unit_dot(w, qt, hrow, u, xs):
+    """Unit u of the row at uint16 hrow of w, dotted with x (the units' layouts are
     matvec_fast's load_q4_k, load_q6_k and load_q8_0, for one row)."""
     z = np.float32(0.0)
     if qt == _Q4K:
@@ -223,7 +231,7 @@ def _unit_dot(w, qt, hrow, u, xs, xo):
         qb = ldw_u16_u32x4(w, h + 40 + 8 * t)
         s = ldw_u16_u32x4(w, h)
         p = t >> 1
-        c = xo + 256 * b + 16 * (t & 1) + 64 * p
+        c = 256 * b + 16 * (t & 1) + 64 * p
         return _k4_piece(qa, s, p, xs, c) + _k4_piece(qb, s, p + 2, xs, c + 128)
     if qt == _Q6K:
         b = u >> 2
@@ -238,7 +246,7 @@ def _unit_dot(w, qt, hrow, u, xs, xo):
         l1 = ld16(w, p0 + o + 16, p1 + o + 16, a)
         qh = ld16(w, p0 + oh, p1 + oh, a)
         sc = q6_scales(w, h, n)
-        c = xo + 256 * b + 128 * n + 16 * hh
+        c = 256 * b + 128 * n + 16 * hh
         ssh = np.uint32(8 * hh)
         y = i8f(shr32(np.uint32(sc[0]), ssh)) * _q6_group(l0, qh, 0, xs, c)
         y += i8f(shr32(np.uint32(sc[1]), ssh)) * _q6_group(l1, qh, 1, xs, c + 32)
@@ -250,7 +258,7 @@ def _unit_dot(w, qt, hrow, u, xs, xo):
     h = hrow + 17 * b
     p0, p1, a = pieces(h + 1 + 8 * t)
     q = ld16(w, p0, p1, a)
-    c = _xi(xo + 32 * b + 16 * t)
+    c = _xi(32 * b + 16 * t)
     a0, a8 = q8_acc(q[0], xs[c], xs[c + 1], xs[c + 2], xs[c + 3], z, z)
     a0, a8 = q8_acc(q[1], xs[c + 4], xs[c + 5], xs[c + 6], xs[c + 7], a0, a8)
     a0, a8 = q8_acc(q[2], xs[c + 8], xs[c + 9], xs[c + 10], xs[c + 11], a0, a8)
@@ -285,11 +293,11 @@ def _lanes_a_row(cols):
 
 
 @device
-def _row_dot(w, qt, hrow, cols, xs, xo, lpr, red, wid, lane):
-    """The row's dot with xs[xo:], in every lane of lane's group of lpr lanes."""
+def _row_dot(w, qt, hrow, cols, xs, lpr, red, wid, lane):
+    """The row's dot with x, in every lane of lane's group of lpr lanes."""
     s = np.float32(0.0)
     for u in range(lane & (lpr - 1), _units(qt, cols), lpr):
-        s += _unit_dot(w, qt, hrow, u, xs, xo)
+        s += _unit_dot(w, qt, hrow, u, xs)
     return warp_groupsum(s, lpr, red, wid, lane)
 
 
@@ -303,9 +311,9 @@ def _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane):
     nb = _units(qb, cols)
     for u in range(lane & (lpr - 1), max(na, nb), lpr):
         if u < na:
-            sa += _unit_dot(w, qa, ha, u, xs, 0)
+            sa += _unit_dot(w, qa, ha, u, xs)
         if u < nb:
-            sb += _unit_dot(w, qb, hb, u, xs, 0)
+            sb += _unit_dot(w, qb, hb, u, xs)
     return warp_groupsum(sa, lpr, red, wid, lane), warp_groupsum(sb, lpr, red, wid, lane)
 
 
@@ -444,7 +452,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             r = rb + lane // lpr
             rc = min(r, D - 1)
             old = ldcg_f32(xg, rc)  # in flight with the weights
-            y = _row_dot(w, qt, off + np.int64(rc) * rh, n, xs, 0, lpr, red, wid, lane)
+            y = _row_dot(w, qt, off + np.int64(rc) * rh, n, xs, lpr, red, wid, lane)
             if (lane & (lpr - 1)) == 0 and r < D:
                 xg[r] = old + y
 
@@ -590,9 +598,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             if tid == 0:
                 kv_pos[n_past] = p
         epoch += 1
-        _grid_sync(cnt, epoch * nb, tid)
-        if stamp:
-            stamps[epoch] = _globaltimer()
+        _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         lpr = _lanes_a_row(D)
         rpw = 32 // lpr
@@ -613,15 +619,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     kind = 2
                     rr = r - QR - KR
                 qt = wtab[li, kind, 1]
-                y = _row_dot(w, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D), D, xs, 0, lpr, red, wid, lane)
+                y = _row_dot(w, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D), D, xs, lpr, red, wid, lane)
                 if mine and r0 == r:
                     qkv[r] = y
                     if kind == 2:
                         v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(y)
             epoch += 1
-            _grid_sync(cnt, epoch * nb, tid)
-            if stamp:
-                stamps[epoch] = _globaltimer()
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (B) attention: items of (kv head, group of pages)
             n_pages = (n_keys + PAGE - 1) // PAGE
@@ -697,16 +701,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 if sub:
                     stamps[SUB + 4 * li + 3] = _globaltimer()
             epoch += 1
-            _grid_sync(cnt, epoch * nb, tid)
-            if stamp:
-                stamps[epoch] = _globaltimer()
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (C) o rows into the residual stream
             into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
-            _grid_sync(cnt, epoch * nb, tid)
-            if stamp:
-                stamps[epoch] = _globaltimer()
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
             norm_into(xs, xg, nw, ntab[li, 1], bred, tid)
@@ -720,16 +720,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             epoch += 1
-            _grid_sync(cnt, epoch * nb, tid)
-            if stamp:
-                stamps[epoch] = _globaltimer()
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (E) down rows into the residual stream
             into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all)
             epoch += 1
-            _grid_sync(cnt, epoch * nb, tid)
-            if stamp:
-                stamps[epoch] = _globaltimer()
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         # the head
         norm_into(xs, xg, out_norm, 0, bred, tid)

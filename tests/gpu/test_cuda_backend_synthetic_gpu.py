@@ -31,16 +31,22 @@ def _cpu_and_gpu(fam, cfg, f, n_ctx):
     return both, (gpu, wg, kc, kg)
 
 
-def test_random_qwen3_matches_cpu(tmp_path):
+def random_qwen3(tmp_path):
+    """A random Q4_K_M-typed qwen3 (two layers, head_dim 128, a 2,048 vocabulary): (file,
+    family, config)."""
     from luce.bench.synthetic import tiny, write_gguf
     from luce.gguf_file import GGUFFile
-    from luce.kernels.attention import tree_mask
     from luce.plugins import family_for
     shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
     path = write_gguf(tmp_path / "q3.gguf", shape, seed=5)
     f = GGUFFile(path)
     fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    return f, fam, fam.read_config(f)
+
+
+def test_random_qwen3_matches_cpu(tmp_path):
+    from luce.kernels.attention import tree_mask
+    f, fam, cfg = random_qwen3(tmp_path)
     both, (gpu, wg, kc, kg) = _cpu_and_gpu(fam, cfg, f, 512)
 
     rng = np.random.default_rng(0)

@@ -9,23 +9,16 @@ error per row below 2e-2."""
 import numpy as np
 import pytest
 
-from tests.gpu.test_cuda_backend_synthetic_gpu import _cpu_and_gpu
+from tests.gpu.test_cuda_backend_synthetic_gpu import _cpu_and_gpu, random_qwen3
 
 pytestmark = pytest.mark.gpu
 
 
 def test_persistent_decode_matches_cpu_on_gpu(tmp_path, monkeypatch):
     import luce.backends.cuda as cuda_backend
-    from luce.bench.synthetic import tiny, write_gguf
-    from luce.gguf_file import GGUFFile
     from luce.kernels.attention import tree_mask
-    from luce.plugins import family_for
     monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
-    shape = tiny("qwen3", 2048, n_layers=2, n_embd=512, n_ff=1024, n_heads=8, n_kv_heads=2, head_dim=128)
-    path = write_gguf(tmp_path / "q3.gguf", shape, seed=5)
-    f = GGUFFile(path)
-    fam = family_for(path, f.architecture)
-    cfg = fam.read_config(f)
+    f, fam, cfg = random_qwen3(tmp_path)
     both, (gpu, wg, kc, kg) = _cpu_and_gpu(fam, cfg, f, 512)
     prompt = np.random.default_rng(0).integers(0, 2048, 100)
     logits = both(prompt, np.arange(100), rows=[99])
