@@ -56,6 +56,7 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     alone = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
     emb, per_layer, head = pd.phase_times()
     item = pd.attention_item_times()
+    detail, (head_norm, head_rows) = pd.phase_detail()
     kv.truncate(n_prompt)
 
     chain = _decode_pipelined(be, fam, cfg, w, kv, token, n_steps) / n_steps * 1e6
@@ -82,6 +83,12 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
                                                 list(m) + [emb, head]))]
     phases += [{"phase": f"attention item: {name}", "us": float(v), "a step": None}
                for name, v in zip(("q norm and rotation", "new k and the keys", "partials, count, merge"), item)]
+    for name, (staged, rows, rest) in zip(("q/k/v", "o", "gate/up", "down"), detail):
+        phases += [{"phase": f"{name}: x staged (and normed)", "us": float(staged), "a step": None},
+                   {"phase": f"{name}: block 0's rows", "us": float(rows), "a step": None},
+                   {"phase": f"{name}: waiting and the barrier", "us": float(rest), "a step": None}]
+    phases += [{"phase": "head: x normed", "us": float(head_norm), "a step": None},
+               {"phase": "head: rows, to the last block's end", "us": float(head_rows), "a step": None}]
     cols_s, cols_p = ["step", "us", "tok/s", "vs launch chain"], ["phase", "us", "a step"]
     title = f"persistent decode, {label}, {n_prompt}-token prompt"
     print_table(f"{title}: a decode step (logits within {diff:.2e} of the backend's)", steps, cols_s)

@@ -127,6 +127,13 @@ def _phase_end(cnt, epoch, nb, tid, stamp, stamps):
 
 
 @device
+def _mark(stamp, stamps, i):
+    """Block 0's thread 0 stamps the time at stamps[i] (inside a phase: phase_detail)."""
+    if stamp:
+        stamps[i] = _globaltimer()
+
+
+@device
 def _f16(w, o):
     return f16_bits_to_f32(np.uint32(w[o]) | (np.uint32(w[o + 1]) << 8))
 
@@ -361,6 +368,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     XSN = max(XS, W * G * DH)  # attention's per-warp partials live in xs (free in that phase)
     PS = 64  # an attention item's first page slots, staged in shared memory
     SUB = 5 * L + 3  # stamps inside block 0's first attention item start here
+    DET = 9 * L + 3  # then stamps inside block 0's row phases: 8 a layer, one for the head
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
@@ -437,7 +445,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         cuda.syncthreads()
 
     @device
-    def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all):
+    def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F): src (other blocks' writes) staged in shared memory first."""
         if n == QR:
@@ -445,6 +453,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         else:
             stage_f(xs, src, tid)
         cuda.syncthreads()
+        _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
         rpw = 32 // lpr
@@ -455,6 +464,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             y = _row_dot(w, qt, off + np.int64(rc) * rh, n, xs, lpr, red, wid, lane)
             if (lane & (lpr - 1)) == 0 and r < D:
                 xg[r] = old + y
+        _mark(stamp, stamps, si + 1)
 
     @device
     def kv_index(table, pslot, pg0, li, h, key):
@@ -606,6 +616,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
             norm_into(xs, xg, nw, ntab[li, 0], bred, tid)
+            _mark(stamp, stamps, DET + 8 * li)
             for rb in range(gw * rpw, QR + 2 * KR, nw_all * rpw):  # the same trips in a warp's lanes
                 r0 = rb + lane // lpr
                 r = min(r0, QR + 2 * KR - 1)
@@ -624,6 +635,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     qkv[r] = y
                     if kind == 2:
                         v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(y)
+            _mark(stamp, stamps, DET + 8 * li + 1)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -704,12 +716,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (C) o rows into the residual stream
-            into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all)
+            into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 2)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
             norm_into(xs, xg, nw, ntab[li, 1], bred, tid)
+            _mark(stamp, stamps, DET + 8 * li + 4)
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
             for rb in range(gw * rpw, F, nw_all * rpw):
@@ -719,16 +733,19 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                                    wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, lpr, red, wid, lane)
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
+            _mark(stamp, stamps, DET + 8 * li + 5)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (E) down rows into the residual stream
-            into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all)
+            into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 6)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         # the head
         norm_into(xs, xg, out_norm, 0, bred, tid)
+        _mark(stamp, stamps, DET + 8 * L)
         rh = _row_h(out_qt, D)
         n_out = logits.shape[1]
         step = nw_all * rpw
@@ -860,7 +877,8 @@ class PersistentDecode:
         self.logits = cuda.device_array((1, cfg.vocab_size), np.float32)
         # globaltimer stamps (ns): the start, after each grid barrier, and the step's end
         # and inside block 0's first attention item of each layer (phase_times)
-        self.stamps = cuda.to_device(np.zeros(9 * L + 3, np.int64), stream=stream)
+        # and inside block 0's row phases (phase_detail)
+        self.stamps = cuda.to_device(np.zeros(17 * L + 4, np.int64), stream=stream)
         self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
         self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
         self.threads = 32 if SIM else threads
@@ -893,5 +911,23 @@ class PersistentDecode:
     def attention_item_times(self):
         """us of block 0's first attention item of the last step, mean over layers: (q norm
         and rotation, the new k and the keys, the partials' write, count and merge)."""
-        st = self.stamps.copy_to_host().astype(np.float64)[5 * self.cfg.n_layers + 3:].reshape(-1, 4) / 1e3
+        L = self.cfg.n_layers
+        st = self.stamps.copy_to_host().astype(np.float64)[5 * L + 3:9 * L + 3].reshape(-1, 4) / 1e3
         return np.diff(st, axis=1).mean(axis=0)
+
+    def phase_detail(self):
+        """us inside block 0's row phases of the last step, mean over layers: for q/k/v, o,
+        gate/up and down each (x staged and normed, its rows, the rest of the phase: the
+        wait for the other blocks and the grid barrier); then the head's norm and rows."""
+        L = self.cfg.n_layers
+        st = self.stamps.copy_to_host().astype(np.float64) / 1e3
+        ends = st[1:2 + 5 * L]  # ends[e]: the barrier that ends phase e (0: the embedding)
+        det = st[9 * L + 3:17 * L + 3].reshape(L, 4, 2)
+        out = np.zeros((L, 4, 3))
+        for li in range(L):
+            for j, ph in enumerate((0, 2, 3, 4)):  # q/k/v, o, gate/up, down among a layer's 5 phases
+                start, end = ends[5 * li + ph], ends[5 * li + ph + 1]
+                out[li, j] = (det[li, j, 0] - start, det[li, j, 1] - det[li, j, 0], end - det[li, j, 1])
+        head_norm = st[17 * L + 3] - ends[5 * L]
+        head_rows = st[5 * L + 2] - st[17 * L + 3]
+        return out.mean(axis=0), (head_norm, head_rows)
