@@ -54,6 +54,19 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     ev1.record()
     ev1.synchronize()
     alone = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
+    alone_float = None
+    if pd.x8:  # the same kernel with its rows over float x, for the comparison
+        pdf = PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False)
+        for _ in range(3):
+            pdf.forward(tok, pos)
+        ev0.record()
+        for _ in range(reps):
+            pdf.forward(tok, pos)
+        ev1.record()
+        ev1.synchronize()
+        alone_float = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
+        pd.forward(tok, pos)  # its stamps are the ones read below
+        cuda.synchronize()
     emb, per_layer, head = pd.phase_times()
     item = pd.attention_item_times()
     detail, (head_norm, head_rows) = pd.phase_detail()
@@ -71,7 +84,9 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
         cuda_backend.PERSISTENT_DECODE = on
 
     steps = [
-        {"step": "kernel alone (CUDA events)", "us": alone, "tok/s": 1e6 / alone, "vs launch chain": alone / chain},
+        {"step": f"kernel alone (CUDA events), rows over {'int8' if pd.x8 else 'float'} x", "us": alone, "tok/s": 1e6 / alone, "vs launch chain": alone / chain},
+        *([{"step": "kernel alone, rows over float x", "us": alone_float, "tok/s": 1e6 / alone_float,
+            "vs launch chain": alone_float / chain}] if alone_float else []),
         {"step": "backend, launch chain (graph, next token on the device)", "us": chain, "tok/s": 1e6 / chain,
          "vs launch chain": 1.0},
         {"step": "backend through the kernel (LUCE_PERSISTENT_DECODE=1)", "us": through, "tok/s": 1e6 / through,

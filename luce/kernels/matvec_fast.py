@@ -332,11 +332,12 @@ def k4x8_row(s0, s1, s2, s3, j, fl, fh, sxl, sxh):
     return d * (scl * fl + sch * (fh * S8)) - dm * (mnl * sxl + mnh * (sxh * S8))
 
 
-def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
+def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1, xload=ldg_u16_u32x4):
     """Q4_K units over int8 x (luce.kernels.quantize_x, `planes` planes): the same weight
     loads as the float units; per 16-byte piece and row 8 dp4a a plane and 8 logic ops
     where the float unit has ~70 instructions. The mins multiply the exact float sums of x
-    kept with it, so the only error is x's rounding (to 8 bits; with two planes, ~16)."""
+    kept with it, so the only error is x's rounding (to 8 bits; with two planes, ~16).
+    xload reads x's words (luce.kernels.persistent_decode: from shared memory)."""
     XB = block_bytes(planes) // 2  # uint16 of a 32-column block of quantized x
     TWO = planes == 2
     MO = 16 * planes  # its 16 bytes of step and sums
@@ -344,18 +345,18 @@ def _make_unit_q4_k_x8(inline_sums: bool, planes: int = 1):
     @_dev
     def piece(qa, qb, sa, sb, xq, sxs, c, j, l):
         bl = ((c + 64 * j) >> 5) * XB  # sub-block 2j's x block; 2j + 1's follows
-        lo = ldg_u16_u32x4(xq, bl + (l >> 1))
-        hi = ldg_u16_u32x4(xq, bl + XB + (l >> 1))
-        ml = ldg_u16_u32x4(xq, bl + MO)
-        mh = ldg_u16_u32x4(xq, bl + XB + MO)
+        lo = xload(xq, bl + (l >> 1))
+        hi = xload(xq, bl + XB + (l >> 1))
+        ml = xload(xq, bl + MO)
+        mh = xload(xq, bl + XB + MO)
         first = l == 0  # this piece's 16 columns: the first or the last half of each block
         sxl = u32_bits_to_f32(ml[2] if first else ml[3])
         sxh = u32_bits_to_f32(mh[2] if first else mh[3])
         ila, iha = k4x8_ints(qa, lo, hi)
         ilb, ihb = k4x8_ints(qb, lo, hi)
         if TWO:  # the fine plane: the same nibbles (their masks computed once) with its x
-            lo2 = ldg_u16_u32x4(xq, bl + 16 + (l >> 1))
-            hi2 = ldg_u16_u32x4(xq, bl + XB + 16 + (l >> 1))
+            lo2 = xload(xq, bl + 16 + (l >> 1))
+            hi2 = xload(xq, bl + XB + 16 + (l >> 1))
             fla, fha = k4x8_ints(qa, lo2, hi2)
             flb, fhb = k4x8_ints(qb, lo2, hi2)
             # exact in 32 bits (below 2**23); int32 spelled out: numba widens int32 sums to 64
@@ -556,7 +557,7 @@ def load_q6_k_g8(w, ha, hb, t):
     return la0, la1, lha, lb0, lb1, lhb, sa, sb
 
 
-def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
+def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1, xload=ldg_u16_u32x4):
     """Q6_K units over int8 x (`planes` planes): dot_q6_k's loads and scales, each group's
     16 quants times x with four dp4a a row and plane (the float unit: ~100 instructions a
     group and row)."""
@@ -582,10 +583,10 @@ def _make_unit_q6_k_x8(inline_sums: bool, planes: int = 1):
         """Rows a and b of group g's 16 columns of this unit (x block at uint16 xb): the sums
         of q x as x's int8 form holds it less 32 times the exact x (the quants are stored
         plus 32)."""
-        m = ldg_u16_u32x4(xq, xb + MO)
-        ia, ib = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 8 * hh))
+        m = xload(xq, xb + MO)
+        ia, ib = ints(pa, qa, pb, qb, g, xload(xq, xb + 8 * hh))
         if TWO:
-            fa, fb = ints(pa, qa, pb, qb, g, ldg_u16_u32x4(xq, xb + 16 + 8 * hh))
+            fa, fb = ints(pa, qa, pb, qb, g, xload(xq, xb + 16 + 8 * hh))
             ia, ib = np.int32(FINE * ia + fa), np.int32(FINE * ib + fb)  # below 2**25
         off = np.float32(-32.0) * u32_bits_to_f32(m[3] if hh else m[2])
         dx = u32_bits_to_f32(m[1] if hh else m[0])

@@ -45,9 +45,11 @@ from numba import cuda
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_groupsum
 from .device import SIM, device
-from .matvec_fast import S8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc, q6_scales, q8_acc, shr32
+from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
+                          q6_scales, q8_acc, shr32)
+from .quantize_x import XQ2_BYTES, int8_block_store
 from .split_merge import arrive
-from .vector_load import f16_bits_to_f32, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
+from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
 
@@ -300,18 +302,9 @@ def _lanes_a_row(cols):
 
 
 @device
-def _row_dot(w, qt, hrow, cols, xs, lpr, red, wid, lane):
-    """The row's dot with x, in every lane of lane's group of lpr lanes."""
-    s = np.float32(0.0)
-    for u in range(lane & (lpr - 1), _units(qt, cols), lpr):
-        s += _unit_dot(w, qt, hrow, u, xs)
-    return warp_groupsum(s, lpr, red, wid, lane)
-
-
-@device
 def _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane):
-    """Two rows of the same width against the same x (gate and up; two rows of the head),
-    their loads together."""
+    """Two rows of the same width against float x in shared memory, their loads together,
+    in every lane of lane's group of lpr lanes."""
     sa = np.float32(0.0)
     sb = np.float32(0.0)
     na = _units(qa, cols)
@@ -338,16 +331,22 @@ def _h2(wd):
 SMEM_MAX = 48 * 1024  # static shared memory a block
 
 
-def _shared_bytes(D, HQ, HKV, DH, F, NT):
+def _xq_floats(D, HQ, DH, F, x8):
+    """x in int8 (two planes, quantize_x's layout) in shared memory, as float32 words."""
+    return max(D, F, HQ * DH) // 32 * XQ2_BYTES // 4 if x8 else 4
+
+
+def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
     """The kernel's shared memory at a shape (the arrays _kernel allocates)."""
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
     KC = PAGE * max(1, NT // PAGE)
     xsn = max(MX + MX // 64 + 1, W * G * DH)
-    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + (G + 1) + 64) + 8
+    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + (G + 1) + 64
+                + _xq_floats(D, HQ, DH, F, x8)) + 8
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -372,8 +371,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
-    smem = _shared_bytes(D, HQ, HKV, DH, F, NT)
-    assert smem == 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS) + 8
+    XQN = _xq_floats(D, HQ, DH, F, X8)
+    smem = _shared_bytes(D, HQ, HKV, DH, F, NT, X8)
+    assert smem == 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN) + 8
     if smem > SMEM_MAX:
         raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
                          f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
@@ -401,13 +401,62 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
     stage_d, stage_q, stage_f = stager(D), stager(QR), stager(F)
 
     @device
-    def norm_into(xs, src, nw, off, bred, tid):
-        """xs = rms_norm(src[:D]) * nw[off:] in this block (every thread calls it)."""
+    def norm_into(xs, src, nw, off, bred, xqb, xqf, red, tid, wid, lane):
+        """xs = rms_norm(src[:D]) * nw[off:] in this block, and in xq (X8); every thread
+        calls it."""
         tot = block_sum(stage_d(xs, src, tid), bred)
         inv = f32(1.0) / math.sqrt(tot / f32(D) + eps)
         for i in range(tid, D, NT):
             xs[_xi(i)] = xs[_xi(i)] * inv * nw[off + i]
         cuda.syncthreads()
+        if X8:
+            quantize_xs(xs, D, xqb, xqf, red, wid, lane)
+
+    # X8: every row product over x in int8 (two planes: ~16 bits, what the launch chain's
+    # products take by default), a row pair a lane group with matvec_fast's x8 units and x's
+    # words from shared memory. Over float x (ncu, H100, a1c21e5's kernel) the rows ran ~16
+    # instructions a weight, the row phases bound by issue; dp4a takes four quants at once.
+    ld4, dot4 = _make_unit_q4_k_x8(True, 2, ld_u16_u32x4)
+    ld6, dot6 = _make_unit_q6_k_x8(True, 2, ld_u16_u32x4)
+
+    @device
+    def quantize_xs(xs, n, xqb, xqf, red, wid, lane):
+        """xs's n floats (swizzled) into xq's int8 blocks: a warp a 32-column block."""
+        for blk in range(wid, n >> 5, W):
+            int8_block_store(xs[_xi(32 * blk + lane)], True, blk, lane, wid, red, xqb, xqf, 2)
+        cuda.syncthreads()
+
+    @device
+    def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane):
+        sa = f32(0.0)
+        sb = f32(0.0)
+        if qt == _Q4K:
+            for u in range(lane & (lpr - 1), cols >> 6, lpr):
+                b = u >> 2
+                t = u & 3
+                oa = ha + 72 * b
+                ob = hb + 72 * b
+                ya, yb = dot4(ld4(w, oa, ob, t), w, oa, ob, xq, xq, 256 * b, t)
+                sa += ya
+                sb += yb
+        else:
+            for u in range(lane & (lpr - 1), cols >> 6, lpr):
+                b = u >> 2
+                t = u & 3
+                oa = ha + 105 * b
+                ob = hb + 105 * b
+                ya, yb = dot6(ld6(w, oa, ob, t), w, oa, ob, xq, xq, 256 * b, t)
+                sa += ya
+                sb += yb
+        return warp_groupsum(sa, lpr, red, wid, lane), warp_groupsum(sb, lpr, red, wid, lane)
+
+    @device
+    def dot2(w, qa, ha, qb, hb, cols, xs, xq, lpr, red, wid, lane):
+        """Rows at uint16 ha (type qa) and hb (qb) with x, in every lane of lane's group of
+        lpr lanes (X8: the same type, as the host checks)."""
+        if X8:
+            return pair_x8(w, qa, ha, hb, cols, xq, lpr, red, wid, lane)
+        return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
     def head_norm_rope(v, base, nw, off, ntot, inv_freq, p, tmp, red, tid, wid, lane):
@@ -445,25 +494,31 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         cuda.syncthreads()
 
     @device
-    def into_stream(xs, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
+    def into_stream(xs, xqb, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
-        n = F): src (other blocks' writes) staged in shared memory first."""
+        n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
+        first."""
         if n == QR:
             stage_q(xs, src, tid)
         else:
             stage_f(xs, src, tid)
         cuda.syncthreads()
+        if X8:
+            quantize_xs(xs, n, xqb, xqf, red, wid, lane)
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
         rpw = 32 // lpr
-        for rb in range(gw * rpw, D, nw_all * rpw):  # the same trips in every lane of a warp
-            r = rb + lane // lpr
-            rc = min(r, D - 1)
-            old = ldcg_f32(xg, rc)  # in flight with the weights
-            y = _row_dot(w, qt, off + np.int64(rc) * rh, n, xs, lpr, red, wid, lane)
-            if (lane & (lpr - 1)) == 0 and r < D:
-                xg[r] = old + y
+        for pb in range(gw * rpw, D // 2, nw_all * rpw):  # the same trips in every lane of a warp
+            p = pb + lane // lpr
+            r = 2 * min(p, D // 2 - 1)
+            old0 = ldcg_f32(xg, r)  # in flight with the weights
+            old1 = ldcg_f32(xg, r + 1)
+            y0, y1 = dot2(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, xs, xq, lpr, red, wid,
+                          lane)
+            if (lane & (lpr - 1)) == 0 and p < D // 2:
+                xg[r] = old0 + y0
+                xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
 
     @device
@@ -566,6 +621,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             part[i] = o
         cuda.syncthreads()
 
+    NPA = (QR + 2 * KR) // 2  # q, k and v's row pairs
+
     # ptxas must fit NT threads a block (at 512 without the bound: out of resources)
     @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
@@ -586,6 +643,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         ml = cuda.shared.array(MLN, np.float32)  # m, l, the pass's rescale a head
         tmp = cuda.shared.array(TMPN, np.float32)
         part = xs
+        if SIM:  # no alignment argument there
+            xqf = cuda.shared.array(XQN, np.float32)
+        else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time
+            xqf = cuda.shared.array(XQN, np.float32, alignment=16)
+        xqb = xqf.view(np.uint8)
+        xq = xqf.view(np.uint16)
         pslot = cuda.shared.array(PS, np.int32)
         ibuf = cuda.shared.array(2, np.int32)
         acc = cuda.local.array(GA, np.float32)
@@ -615,11 +678,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
         mine = (lane & (lpr - 1)) == 0
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
-            norm_into(xs, xg, nw, ntab[li, 0], bred, tid)
+            norm_into(xs, xg, nw, ntab[li, 0], bred, xqb, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li)
-            for rb in range(gw * rpw, QR + 2 * KR, nw_all * rpw):  # the same trips in a warp's lanes
-                r0 = rb + lane // lpr
-                r = min(r0, QR + 2 * KR - 1)
+            for pb in range(gw * rpw, NPA, nw_all * rpw):  # row pairs, the same trips in a warp's lanes
+                p0 = pb + lane // lpr
+                r = 2 * min(p0, NPA - 1)
                 if r < QR:
                     kind = 0
                     rr = r
@@ -630,11 +693,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
                     kind = 2
                     rr = r - QR - KR
                 qt = wtab[li, kind, 1]
-                y = _row_dot(w, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D), D, xs, lpr, red, wid, lane)
-                if mine and r0 == r:
-                    qkv[r] = y
+                ha = wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
+                ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
+                if mine and p0 < NPA:
+                    qkv[r] = ya
+                    qkv[r + 1] = yb
                     if kind == 2:
-                        v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(y)
+                        v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(ya)
+                        v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
@@ -716,21 +782,21 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (C) o rows into the residual stream
-            into_stream(xs, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
+            into_stream(xs, xqb, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 2)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
-            norm_into(xs, xg, nw, ntab[li, 1], bred, tid)
+            norm_into(xs, xg, nw, ntab[li, 1], bred, xqb, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li + 4)
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
             for rb in range(gw * rpw, F, nw_all * rpw):
                 r = rb + lane // lpr
                 rr = min(r, F - 1)
-                yg, yu = _row_dot2(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
-                                   wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, lpr, red, wid, lane)
+                yg, yu = dot2(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
+                              wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, xq, lpr, red, wid, lane)
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
@@ -738,25 +804,26 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (E) down rows into the residual stream
-            into_stream(xs, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
+            into_stream(xs, xqb, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 6)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         # the head
-        norm_into(xs, xg, out_norm, 0, bred, tid)
+        norm_into(xs, xg, out_norm, 0, bred, xqb, xqf, red, tid, wid, lane)
         _mark(stamp, stamps, DET + 8 * L)
         rh = _row_h(out_qt, D)
         n_out = logits.shape[1]
-        step = nw_all * rpw
-        for rb in range(gw * rpw, n_out, 2 * step):  # two rows a group at once: their loads in flight together
-            r = rb + lane // lpr
-            ya, yb = _row_dot2(outw, out_qt, np.int64(min(r, n_out - 1)) * rh, out_qt,
-                               np.int64(min(r + step, n_out - 1)) * rh, D, xs, lpr, red, wid, lane)
-            if mine and r < n_out:
+        n_pairs = (n_out + 1) // 2
+        for pb in range(gw * rpw, n_pairs, nw_all * rpw):  # row pairs: their loads in flight together
+            p = pb + lane // lpr
+            r = 2 * min(p, n_pairs - 1)
+            ya, yb = dot2(outw, out_qt, np.int64(r) * rh, out_qt, np.int64(min(r + 1, n_out - 1)) * rh, D, xs, xq,
+                          lpr, red, wid, lane)
+            if mine and p < n_pairs:
                 logits[0, r] = ya
-            if mine and r + step < n_out:
-                logits[0, r + step] = yb
+                if r + 1 < n_out:
+                    logits[0, r + 1] = yb
         # the last block out resets the barrier's counter for the next launch (no block
         # reads it after its own count here) and stamps the step's end
         cuda.syncthreads()
@@ -770,7 +837,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP):
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32) -> str:
+                   max_pages: int = 32, x8: bool = True) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -780,11 +847,20 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
 # ----------------------------------------------------------------------------- host side
+def x8_fits(weights) -> bool:
+    """Whether every row product can take x in int8 (matvec_fast's x8 units: Q4_K and
+    Q6_K), gate and up of one type in each layer (they run as one row pair)."""
+    x8 = {QTYPE_CODES[t] for t in QTYPE_CODES} - {_Q8_0}
+    mats = [getattr(lw, k) for lw in weights.layers for k in KINDS] + [weights.output]
+    return all(QTYPE_CODES.get(m.qtype) in x8 for m in mats) and \
+        all(lw.w_gate.qtype == lw.w_up.qtype for lw in weights.layers)
+
+
 def applies(cfg, weights, kv) -> str | None:
     """None where the persistent kernel runs this model's decode, else why not."""
     if cfg.qkv_bias or cfg.post_norms or cfg.embed_scale != 1.0 or cfg.attn_scale is not None:
@@ -804,7 +880,8 @@ def applies(cfg, weights, kv) -> str | None:
         qk = _BLOCK[QTYPE_CODES[m.qtype]][0]
         if m.shape[1] % qk:
             return f"a {m.shape[1]}-column weight in {qk}-column blocks"
-    smem = _shared_bytes(cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_ff, 32 if SIM else THREADS)
+    smem = _shared_bytes(cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_ff, 32 if SIM else THREADS,
+                         x8_fits(weights))
     if smem > SMEM_MAX:
         return f"its shape needs {smem} bytes of shared memory a block (at most {SMEM_MAX})"
     if weights.output.raw.size % 16:
@@ -854,10 +931,11 @@ class PackedWeights:
 class PersistentDecode:
     """A model's one-token forward on one cache through the persistent kernel: scratch at
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
-    by the caches of one model."""
+    by the caches of one model. x8: the row products over x in int8 (two planes, as the
+    launch chain's products by default) where x8_fits (None), or over float x (False)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS):
+                 threads: int = THREADS, x8: bool | None = None):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -887,8 +965,13 @@ class PersistentDecode:
         else:
             self.blocks = blocks or cuda.get_current_device().MULTIPROCESSOR_COUNT
         from ..models.config import ROPE_HALVES
+        fits = x8_fits(weights)
+        if x8 and not fits:
+            raise ValueError("int8 x needs Q4_K / Q6_K row products, gate and up of one type")
+        self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
-                              cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages)
+                              cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
+                              self.x8)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

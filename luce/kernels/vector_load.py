@@ -22,7 +22,7 @@ from .device import device
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16_u32x4", "ldg_u16_u32x2", "ldg_u16_u32", "ldg_f32x4", "f16_bits_to_f32", "u32_bits_to_f32",
-           "f32_to_u32_bits", "ldw_u16_u32x4", "ldw_u16_u32", "ldcg_u16_u32x4", "ldcg_f32", "WEIGHT_HINTS"]
+           "f32_to_u32_bits", "ldw_u16_u32x4", "ldw_u16_u32", "ldcg_u16_u32x4", "ldcg_f32", "ld_u16_u32x4", "WEIGHT_HINTS"]
 
 # Cache hints for streamed weight loads (ldw_*: read once a forward), LUCE_WEIGHT_HINT picks
 # one. H200, 5fab17b, `luce.bench.kernels_matvec_mma` (us, none / prefetch / no_allocate /
@@ -58,6 +58,7 @@ if SIM:
 
     ldw_u16_u32x4, ldw_u16_u32 = ldg_u16_u32x4, ldg_u16_u32  # hints mean nothing here
     ldcg_u16_u32x4 = ldg_u16_u32x4  # the simulator's memory is numpy's: no cache to be stale
+    ld_u16_u32x4 = ldg_u16_u32x4
 
     @device
     def ldcg_f32(a, i):
@@ -111,9 +112,11 @@ else:
 
     def _ldg_u32(n: int, hint: str = "", op: str = "nc"):
         """op "cg": from L2, for data other blocks write during the kernel (the asm is then
-        volatile, so that it stays on its side of the barriers that order those writes)."""
+        volatile, so that it stays on its side of the barriers that order those writes);
+        op "generic": a generic address (shared memory's included), volatile likewise."""
         regs = ",".join(f"${k}" for k in range(n))
-        ptx = (f"ld.global.{op}{hint}.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else f"ld.global.{op}{hint}.u32 $0, [$1];")
+        space = "" if op == "generic" else f".global.{op}"
+        ptx = f"ld{space}{hint}.v{n}.u32 {{{regs}}}, [${n}];" if n > 1 else f"ld{space}{hint}.u32 $0, [$1];"
 
         def ldg(typingctx, a, i):
             sig = (types.UniTuple(types.uint32, n) if n > 1 else types.uint32)(a, types.intp)
@@ -130,6 +133,8 @@ else:
     ldw_u16_u32x4 = _ldg_u32(4, WEIGHT_HINTS[WEIGHT_HINT])
     ldw_u16_u32 = _ldg_u32(1, WEIGHT_HINTS[WEIGHT_HINT])
     ldcg_u16_u32x4 = _ldg_u32(4, op="cg")
+    # from an array in shared memory (16-byte aligned), ordered among the block's barriers
+    ld_u16_u32x4 = _ldg_u32(4, op="generic")
 
     @intrinsic
     def ldcg_f32(typingctx, a, i):
