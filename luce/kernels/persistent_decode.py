@@ -336,10 +336,15 @@ def _xq_floats(D, HQ, DH, F, x8):
     return max(D, F, HQ * DH) // 32 * XQ2_BYTES // 4 if x8 else 4
 
 
+def _key_threads(DH):
+    """Threads that share a key's score in attention (its 16-byte K pieces split among them)."""
+    return min(8, DH // 8)
+
+
 def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
     """The kernel's shared memory at a shape (the arrays _kernel allocates)."""
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
-    KC = PAGE * max(1, NT // PAGE)
+    KC = NT // _key_threads(DH)
     xsn = max(MX + MX // 64 + 1, W * G * DH)
     return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + (G + 1) + 64
                 + _xq_floats(D, HQ, DH, F, x8)) + 8
@@ -354,11 +359,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     XS = max(D, F, QR) + max(D, F, QR) // 64 + 1  # x with _xi's gaps
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
-    KC = PAGE * max(1, NT // PAGE)  # keys an attention pass scores (a thread a key)
+    TPK = _key_threads(DH)           # threads a key's score
+    KC = NT // TPK                   # keys an attention pass scores
     CH = DH // 8                     # 16-byte pieces of a K/V row
     SPW = 32 // CH                   # keys a warp's value pass takes at once
     KS = W * SPW
-    KB = min(8, CH)                  # K pieces a thread has in flight
+    KB = CH // TPK                   # K pieces a thread loads, all in flight together
     VB = 2                           # V rows a thread has in flight
     KW, VW = 4 * KB, 4 * VB          # their words (local arrays' sizes: plain closure values)
     GA = G * 8
@@ -539,30 +545,32 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             acc[i] = f32(0.0)
         for kc0 in range(k0, k1, KC):
             nk = min(KC, k1 - kc0)
-            for j in range(tid, nk, NT):  # scores: a thread a key, its row in 16-byte loads
-                base = kv_index(table, pslot, pg0, li, h, kc0 + j)
-                sg = cuda.local.array(G, np.float32)
+            # scores: TPK adjacent threads a key, each KB of its 16-byte pieces (all loaded
+            # before any is used: the L2 loads keep program order), summed over the group.
+            # A thread a key left 64-key items to two warps' long serial chains (H100,
+            # a1c21e5 / d59ff40: 11.4-12.0 us for 64 keys).
+            j = tid // TPK
+            sub = tid % TPK
+            base = kv_index(table, pslot, pg0, li, h, kc0 + min(j, nk - 1))
+            kw = cuda.local.array(KW, np.uint32)
+            for k in range(KB):
+                kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = ldcg_u16_u32x4(kp, base + 8 * (sub + TPK * k))
+            sg = cuda.local.array(G, np.float32)
+            for g in range(G):
+                sg[g] = f32(0.0)
+            for k in range(KB):
+                e0, e1 = _h2(kw[4 * k])
+                e2, e3 = _h2(kw[4 * k + 1])
+                e4, e5 = _h2(kw[4 * k + 2])
+                e6, e7 = _h2(kw[4 * k + 3])
                 for g in range(G):
-                    sg[g] = f32(0.0)
-                kw = cuda.local.array(KW, np.uint32)
-                for cb in range(0, CH, KB):
-                    # KB pieces loaded before any is used: the L2 loads stay in program order
-                    # (volatile asm), so a load written after the last one's use waits for it
-                    # (H100, a1c21e5: one piece at a time, 64 keys took 11.4 us)
-                    for k in range(KB):
-                        kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = \
-                            ldcg_u16_u32x4(kp, base + 8 * (cb + k))
-                    for k in range(KB):
-                        e0, e1 = _h2(kw[4 * k])
-                        e2, e3 = _h2(kw[4 * k + 1])
-                        e4, e5 = _h2(kw[4 * k + 2])
-                        e6, e7 = _h2(kw[4 * k + 3])
-                        for g in range(G):
-                            q = g * DH + 8 * (cb + k)
-                            sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
-                                (qsh[q + 4] * e4 + qsh[q + 5] * e5) + (qsh[q + 6] * e6 + qsh[q + 7] * e7)
-                for g in range(G):
-                    ss[g * KC + j] = sg[g] * SCALE
+                    q = g * DH + 8 * (sub + TPK * k)
+                    sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
+                        (qsh[q + 4] * e4 + qsh[q + 5] * e5) + (qsh[q + 6] * e6 + qsh[q + 7] * e7)
+            for g in range(G):
+                v = warp_groupsum(sg[g], TPK, red, wid, lane)
+                if sub == 0 and j < nk:
+                    ss[g * KC + j] = v * SCALE
             cuda.syncthreads()
             for g in range(wid, G, W):  # softmax: a warp a head
                 m_old = ml[g]
