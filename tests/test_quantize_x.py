@@ -10,8 +10,8 @@ from numba import cuda
 
 from luce.kernels.matvec import matvec_ref, swiglu_ref
 from luce.kernels.matvec_fast import matvec_fast, swiglu_fast
-from luce.kernels.quantize_x import (block_bytes, dequantize_x_ref, matvec_x8_ref, quantize_x, quantize_x_ref,
-                                     xq_size)
+from luce.kernels.quantize_x import (block_bytes, dequantize_x_ref, int8_quad_store, matvec_x8_ref, quantize_x,
+                                     quantize_x_ref, xq_size)
 from test_matvec import nan_device, weights
 
 
@@ -50,6 +50,32 @@ def test_quantize_x_matches_reference_and_bounds_its_error(planes):
         xq_size(100)
     with pytest.raises(ValueError):
         xq_size(256, 1, 3)
+
+
+@cuda.jit
+def _quad_kernel(x, xq_w, xq_f, n, planes):
+    red = cuda.shared.array(64, np.float32)  # the simulator's reductions: 32 slots a warp
+    t = cuda.threadIdx.x
+    c = 4 * (cuda.blockIdx.x * cuda.blockDim.x + t)
+    live = c < n
+    cc = min(c, n - 4)
+    int8_quad_store(x[cc], x[cc + 1], x[cc + 2], x[cc + 3], live, c, t & 31, t >> 5, red, xq_w, xq_f, planes)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int8_quad_store_writes_quantize_xs_form(planes):
+    """Four columns a thread (persistent_decode's staging) give quantize_x's form; the last
+    block's threads past n write nothing (poisoned words beyond stay)."""
+    rng = np.random.default_rng(11)
+    n = 224  # 56 live threads of 64: two warps, the second partly past the end
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    x[32:48] = 0  # a zero half
+    size = xq_size(n, 1, planes)
+    out = cuda.to_device(np.full(size + 8, 0xFFFF, np.uint16))
+    _quad_kernel[1, 64](cuda.to_device(x), out.view(np.uint32), out.view(np.float32), n, planes)
+    got = out.copy_to_host()
+    assert_same_form(got[:size], quantize_x_ref(x, planes), planes, rtol=1e-6, atol=1e-5)
+    assert (got[size:] == 0xFFFF).all()
 
 
 def assert_same_form(got, want, planes, rtol, atol):

@@ -47,9 +47,9 @@ from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_g
 from .device import SIM, device
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
-from .quantize_x import XQ2_BYTES, int8_block_store
+from .quantize_x import XQ2_BYTES, int8_quad_store
 from .split_merge import arrive
-from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4
+from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
 
@@ -407,16 +407,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     stage_d, stage_q, stage_f = stager(D), stager(QR), stager(F)
 
     @device
-    def norm_into(xs, src, nw, off, bred, xqb, xqf, red, tid, wid, lane):
-        """xs = rms_norm(src[:D]) * nw[off:] in this block, and in xq (X8); every thread
-        calls it."""
+    def norm_into(xs, src, nw, off, bred, xqw, xqf, red, tid, wid, lane):
+        """xs = rms_norm(src[:D]) * nw[off:] in this block (X8: into xq instead); every
+        thread calls it."""
         tot = block_sum(stage_d(xs, src, tid), bred)
         inv = f32(1.0) / math.sqrt(tot / f32(D) + eps)
-        for i in range(tid, D, NT):
-            xs[_xi(i)] = xs[_xi(i)] * inv * nw[off + i]
-        cuda.syncthreads()
         if X8:
-            quantize_xs(xs, D, xqb, xqf, red, wid, lane)
+            quantize_normed(xs, inv, nw, off, xqw, xqf, red, tid, wid, lane)
+        else:
+            for i in range(tid, D, NT):
+                xs[_xi(i)] = xs[_xi(i)] * inv * nw[off + i]
+            cuda.syncthreads()
 
     # X8: every row product over x in int8 (two planes: ~16 bits, what the launch chain's
     # products take by default), a row pair a lane group with matvec_fast's x8 units and x's
@@ -425,12 +426,44 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     ld4, dot4 = _make_unit_q4_k_x8(True, 2, ld_u16_u32x4)
     ld6, dot6 = _make_unit_q6_k_x8(True, 2, ld_u16_u32x4)
 
+    # x into xq four columns a thread (int8_quad_store: a warp a 32-column block and two
+    # 16-lane reductions took 2.4-3.4 us a phase with the staging, d59ff40)
+    TQD = (D // 4 + NT - 1) // NT
+
     @device
-    def quantize_xs(xs, n, xqb, xqf, red, wid, lane):
-        """xs's n floats (swizzled) into xq's int8 blocks: a warp a 32-column block."""
-        for blk in range(wid, n >> 5, W):
-            int8_block_store(xs[_xi(32 * blk + lane)], True, blk, lane, wid, red, xqb, xqf, 2)
+    def quantize_normed(xs, inv, nw, off, xqw, xqf, red, tid, wid, lane):
+        """rms_norm's output (xs, staged, times inv and nw[off:]) into xq."""
+        for k in range(TQD):
+            c = 4 * (tid + k * NT)
+            live = c < D
+            cc = min(c, D - 4)
+            i = _xi(cc)  # a run of four inside one 64
+            int8_quad_store(xs[i] * inv * nw[off + cc], xs[i + 1] * inv * nw[off + cc + 1],
+                            xs[i + 2] * inv * nw[off + cc + 2], xs[i + 3] * inv * nw[off + cc + 3], live, c, lane, wid,
+                            red, xqw, xqf, 2)
         cuda.syncthreads()
+
+    def quad_stager(n):
+        """stage(src16, xqw, xqf, ...): src[:n] (other blocks' writes; float32 seen as
+        uint16) straight into xq, every load of a thread issued before the first store."""
+        TQ = (n // 4 + NT - 1) // NT
+        TW = 4 * TQ
+
+        @device
+        def stage(src16, xqw, xqf, red, tid, wid, lane):
+            v = cuda.local.array(TW, np.uint32)
+            for k in range(TQ):
+                c = min(4 * (tid + k * NT), n - 4)
+                v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3] = ldcg_u16_u32x4(src16, 2 * c)
+            for k in range(TQ):
+                c = 4 * (tid + k * NT)
+                int8_quad_store(u32_bits_to_f32(v[4 * k]), u32_bits_to_f32(v[4 * k + 1]),
+                                u32_bits_to_f32(v[4 * k + 2]), u32_bits_to_f32(v[4 * k + 3]), c < n, c, lane, wid, red,
+                                xqw, xqf, 2)
+            cuda.syncthreads()
+        return stage
+
+    qstage_q, qstage_f = quad_stager(QR), quad_stager(F)
 
     @device
     def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane):
@@ -500,17 +533,21 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         cuda.syncthreads()
 
     @device
-    def into_stream(xs, xqb, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
+    def into_stream(xs, xqw, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
-        first."""
-        if n == QR:
-            stage_q(xs, src, tid)
-        else:
-            stage_f(xs, src, tid)
-        cuda.syncthreads()
+        first (X8: into xq)."""
         if X8:
-            quantize_xs(xs, n, xqb, xqf, red, wid, lane)
+            if n == QR:
+                qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
+            else:
+                qstage_f(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
+        else:
+            if n == QR:
+                stage_q(xs, src, tid)
+            else:
+                stage_f(xs, src, tid)
+            cuda.syncthreads()
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
@@ -655,7 +692,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             xqf = cuda.shared.array(XQN, np.float32)
         else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time
             xqf = cuda.shared.array(XQN, np.float32, alignment=16)
-        xqb = xqf.view(np.uint8)
+        xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
         pslot = cuda.shared.array(PS, np.int32)
         ibuf = cuda.shared.array(2, np.int32)
@@ -686,7 +723,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         mine = (lane & (lpr - 1)) == 0
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
-            norm_into(xs, xg, nw, ntab[li, 0], bred, xqb, xqf, red, tid, wid, lane)
+            norm_into(xs, xg, nw, ntab[li, 0], bred, xqw, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li)
             for pb in range(gw * rpw, NPA, nw_all * rpw):  # row pairs, the same trips in a warp's lanes
                 p0 = pb + lane // lpr
@@ -790,13 +827,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (C) o rows into the residual stream
-            into_stream(xs, xqb, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
+            into_stream(xs, xqw, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 2)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
-            norm_into(xs, xg, nw, ntab[li, 1], bred, xqb, xqf, red, tid, wid, lane)
+            norm_into(xs, xg, nw, ntab[li, 1], bred, xqw, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li + 4)
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
@@ -812,13 +849,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (E) down rows into the residual stream
-            into_stream(xs, xqb, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
+            into_stream(xs, xqw, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 6)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         # the head
-        norm_into(xs, xg, out_norm, 0, bred, xqb, xqf, red, tid, wid, lane)
+        norm_into(xs, xg, out_norm, 0, bred, xqw, xqf, red, tid, wid, lane)
         _mark(stamp, stamps, DET + 8 * L)
         rh = _row_h(out_qt, D)
         n_out = logits.shape[1]

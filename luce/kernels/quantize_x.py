@@ -42,7 +42,7 @@ from .pdl import grid_dependency_sync, ready as pdl_ready
 from .vector_load import ldg_f32x4
 
 __all__ = ["XQ_BYTES", "xq_size", "quantize_x_ref", "dequantize_x_ref", "matvec_x8_ref", "quantize_x",
-           "rms_norm_quantize"]
+           "rms_norm_quantize", "int8_half_store", "int8_quad_store"]
 
 QB = 32         # columns a block
 HB = 16         # columns a step
@@ -174,6 +174,47 @@ def int8_half_store(o, live, at, c, lane, wid, red, xq_b, xq_f, planes):
             xq_b[at + QB + c] = np.uint8(max(-127, min(127, q2)) & 255)
         if (c & (HB - 1)) == 0:
             h = c >> 4
+            xq_f[meta + h] = d if planes == 1 else d / np.float32(FINE)
+            xq_f[meta + 2 + h] = s
+
+
+@device
+def _pack4(a, b, c, d):
+    """Four int8 (in ints) as one little-endian word."""
+    return (np.uint32(a & 255) | (np.uint32(b & 255) << np.uint32(8)) | (np.uint32(c & 255) << np.uint32(16)) |
+            (np.uint32(d & 255) << np.uint32(24)))
+
+
+@device
+def int8_quad_store(v0, v1, v2, v3, live, c, lane, wid, red, xq_w, xq_f, planes):
+    """As int8_half_store with four consecutive columns c .. c + 3 a thread (c % 4 == 0;
+    the four lanes of each 16-column half adjacent and aligned): two reductions over four
+    lanes instead of four over sixteen, and each plane's four int8 written as one word of
+    xq_w (the memory as uint32). Every lane of the block's threads must call it."""
+    zero = np.float32(0.0)
+    if not live:
+        v0 = v1 = v2 = v3 = zero
+    amax = warp_groupmax(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), 4, red, wid, lane)
+    s = warp_groupsum((v0 + v1) + (v2 + v3), 4, red, wid, lane)
+    sc = np.float32(127.0) / amax if amax > 0 else zero
+    d = amax / np.float32(127.0)
+    q0 = np.int32(math.floor(v0 * sc + np.float32(0.5)))
+    q1 = np.int32(math.floor(v1 * sc + np.float32(0.5)))
+    q2 = np.int32(math.floor(v2 * sc + np.float32(0.5)))
+    q3 = np.int32(math.floor(v3 * sc + np.float32(0.5)))
+    at = (XQ_BYTES if planes == 1 else XQ2_BYTES) * (c >> 5)  # the block's first byte
+    if live:
+        xq_w[(at + (c & 31)) >> 2] = _pack4(q0, q1, q2, q3)
+        if planes == 2:
+            fine = sc * np.float32(FINE)
+            r0 = max(-127, min(127, np.int32(math.floor(_remainder(v0, np.float32(q0), d) * fine + np.float32(0.5)))))
+            r1 = max(-127, min(127, np.int32(math.floor(_remainder(v1, np.float32(q1), d) * fine + np.float32(0.5)))))
+            r2 = max(-127, min(127, np.int32(math.floor(_remainder(v2, np.float32(q2), d) * fine + np.float32(0.5)))))
+            r3 = max(-127, min(127, np.int32(math.floor(_remainder(v3, np.float32(q3), d) * fine + np.float32(0.5)))))
+            xq_w[(at + QB + (c & 31)) >> 2] = _pack4(r0, r1, r2, r3)
+        if (c & (HB - 1)) == 0:
+            meta = (at + QB * planes) >> 2
+            h = (c >> 4) & 1
             xq_f[meta + h] = d if planes == 1 else d / np.float32(FINE)
             xq_f[meta + 2 + h] = s
 
