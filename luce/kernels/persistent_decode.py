@@ -43,11 +43,12 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_groupsum
+from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
 from .device import SIM, device
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
+from .rope import sincos_at
 from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
@@ -346,7 +347,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
     KC = NT // _key_threads(DH)
     xsn = max(MX + MX // 64 + 1, W * G * DH)
-    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + (G + 1) + 64
+    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + DH + 64
                 + _xq_floats(D, HQ, DH, F, x8)) + 8
 
 
@@ -369,7 +370,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     KW, VW = 4 * KB, 4 * VB          # their words (local arrays' sizes: plain closure values)
     GA = G * 8
     # shared arrays' sizes: compile-time constants only as plain closure values
-    QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, G + 1
+    QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, DH
     XSN = max(XS, W * G * DH)  # attention's per-warp partials live in xs (free in that phase)
     PS = 64  # an attention item's first page slots, staged in shared memory
     SUB = 5 * L + 3  # stamps inside block 0's first attention item start here
@@ -498,39 +499,39 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
-    def head_norm_rope(v, base, nw, off, ntot, inv_freq, p, tmp, red, tid, wid, lane):
-        """ntot heads of DH floats at v[base:] in shared memory: each head's RMSNorm (a warp
-        a head) times nw[off:] (off < 0: none), then RoPE at position p."""
-        if off >= 0:
-            for hd in range(wid, ntot, W):
-                ss = f32(0.0)
+    def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane):
+        """ntot heads of DH floats into v (shared memory), a warp a head: heads < nq from
+        src[qb + hd DH:] (other blocks' writes), head nq from src[kb:]; each RMSNormed (by
+        nw[offq:], head nq by nw[offk:]; off < 0: none) and rotated by cs (the step's cos
+        and sin) in its warp's registers and shared memory, no block barrier until the
+        caller's (a block's passes over all heads took 1.9 us an item each for q and the
+        new k, H100)."""
+        for hd in range(wid, ntot, W):
+            sb = qb + hd * DH if hd < nq else kb
+            hb = hd * DH
+            off = offq if hd < nq else offk
+            ss = f32(0.0)
+            for d in range(lane, DH, 32):
+                x = ldcg_f32(src, sb + d)
+                v[hb + d] = x
+                ss += x * x
+            if off >= 0:
+                inv = f32(1.0) / math.sqrt(warp_allsum(ss, red, wid, lane) / f32(DH) + eps)
                 for d in range(lane, DH, 32):
-                    x = v[base + hd * DH + d]
-                    ss += x * x
-                ss = warp_allsum(ss, red, wid, lane)
-                if lane == 0:
-                    tmp[hd] = f32(1.0) / math.sqrt(ss / f32(DH) + eps)
-            cuda.syncthreads()
-            for i in range(tid, ntot * DH, NT):
-                v[base + i] = v[base + i] * tmp[i // DH] * nw[off + i % DH]
-            cuda.syncthreads()
-        for i in range(tid, ntot * HALF, NT):
-            hd = i // HALF
-            k = i % HALF
-            ang = np.float64(p) * inv_freq[k]
-            c = f32(math.cos(ang))
-            s = f32(math.sin(ang))
-            if HALVES:
-                ia = base + hd * DH + k
-                ib = ia + HALF
-            else:
-                ia = base + hd * DH + 2 * k
-                ib = ia + 1
-            a = v[ia]
-            b = v[ib]
-            v[ia] = a * c - b * s
-            v[ib] = a * s + b * c
-        cuda.syncthreads()
+                    v[hb + d] = v[hb + d] * inv * nw[off + d]
+            warp_barrier()
+            for k in range(lane, HALF, 32):
+                if HALVES:
+                    ia = hb + k
+                    ib = ia + HALF
+                else:
+                    ia = hb + 2 * k
+                    ib = ia + 1
+                a = v[ia]
+                b = v[ib]
+                v[ia] = a * cs[k] - b * cs[HALF + k]
+                v[ib] = a * cs[HALF + k] + b * cs[k]
+            warp_barrier()
 
     @device
     def into_stream(xs, xqw, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
@@ -573,33 +574,60 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         return (((slot * L + li) * HKV + h) * PAGE + key % PAGE) * DH
 
     @device
-    def attend(kp, vp, table, pslot, pg0, li, h, k0, k1, qsh, ss, ml, part, red, tid, wid, lane, acc):
+    def load_pass(kp, vp, table, pslot, pg0, li, h, kc0, nk, kw, vw, tid, wid, lane):
+        """A pass's K words (TPK adjacent threads a key, each KB 16-byte pieces) and its
+        value loop's first V words (VB keys a lane) into kw and vw: loads issued together,
+        before anything waits on them."""
+        j = tid // TPK
+        sub = tid % TPK
+        base = kv_index(table, pslot, pg0, li, h, kc0 + min(j, nk - 1))
+        for k in range(KB):
+            kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = ldcg_u16_u32x4(kp, base + 8 * (sub + TPK * k))
+        j0 = wid * SPW + (lane & (SPW - 1))
+        for u in range(VB):
+            vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
+                vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * (lane // SPW))
+
+    @device
+    def k_piece(kw, k, fresh, qsh, at):
+        """Piece k of a thread's K row: from its loaded words, or (fresh: the step's new row,
+        which this block is writing to the pool) qsh[at:at + 8] as the pool's f16 holds it."""
+        if fresh:
+            return (f32(np.float16(qsh[at])), f32(np.float16(qsh[at + 1])), f32(np.float16(qsh[at + 2])),
+                    f32(np.float16(qsh[at + 3])), f32(np.float16(qsh[at + 4])), f32(np.float16(qsh[at + 5])),
+                    f32(np.float16(qsh[at + 6])), f32(np.float16(qsh[at + 7])))
+        e0, e1 = _h2(kw[4 * k])
+        e2, e3 = _h2(kw[4 * k + 1])
+        e4, e5 = _h2(kw[4 * k + 2])
+        e6, e7 = _h2(kw[4 * k + 3])
+        return e0, e1, e2, e3, e4, e5, e6, e7
+
+    @device
+    def attend(kp, vp, table, pslot, pg0, li, h, k0, k1, newk, qsh, ss, ml, part, red, tid, wid, lane, acc, kw, vw):
         """Keys k0..k1 of kv head h against the G query heads in qsh (online softmax, its
         state in ml: m, l a head); the unnormalized output summed over this block's warps
-        into part[0:G * DH] (each warp's share at part[wid * G * DH:])."""
+        into part[0:G * DH] (each warp's share at part[wid * G * DH:]). kw and vw hold the
+        first pass's loads (load_pass, issued before q was normed); newk: key k1 - 1 is the
+        step's new row, its K in qsh[G * DH:]."""
         c = lane // SPW  # the value pass: the lanes of one 16-byte column piece are adjacent
         for i in range(GA):
             acc[i] = f32(0.0)
+        jv = wid * SPW + (lane & (SPW - 1))
         for kc0 in range(k0, k1, KC):
             nk = min(KC, k1 - kc0)
-            # scores: TPK adjacent threads a key, each KB of its 16-byte pieces (all loaded
-            # before any is used: the L2 loads keep program order), summed over the group.
-            # A thread a key left 64-key items to two warps' long serial chains (H100,
-            # a1c21e5 / d59ff40: 11.4-12.0 us for 64 keys).
+            if kc0 != k0:
+                load_pass(kp, vp, table, pslot, pg0, li, h, kc0, nk, kw, vw, tid, wid, lane)
+            # scores: TPK adjacent threads a key, each KB of its 16-byte pieces, summed over
+            # the group. A thread a key left 64-key items to two warps' long serial chains
+            # (H100, a1c21e5 / d59ff40: 11.4-12.0 us for 64 keys).
             j = tid // TPK
             sub = tid % TPK
-            base = kv_index(table, pslot, pg0, li, h, kc0 + min(j, nk - 1))
-            kw = cuda.local.array(KW, np.uint32)
-            for k in range(KB):
-                kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = ldcg_u16_u32x4(kp, base + 8 * (sub + TPK * k))
+            fresh = newk and kc0 + j == k1 - 1
             sg = cuda.local.array(G, np.float32)
             for g in range(G):
                 sg[g] = f32(0.0)
             for k in range(KB):
-                e0, e1 = _h2(kw[4 * k])
-                e2, e3 = _h2(kw[4 * k + 1])
-                e4, e5 = _h2(kw[4 * k + 2])
-                e6, e7 = _h2(kw[4 * k + 3])
+                e0, e1, e2, e3, e4, e5, e6, e7 = k_piece(kw, k, fresh, qsh, G * DH + 8 * (sub + TPK * k))
                 for g in range(G):
                     q = g * DH + 8 * (sub + TPK * k)
                     sg[g] += (qsh[q] * e0 + qsh[q + 1] * e1) + (qsh[q + 2] * e2 + qsh[q + 3] * e3) + \
@@ -631,11 +659,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 a = ml[2 * G + g]
                 for e in range(8):
                     acc[g * 8 + e] *= a
-            vw = cuda.local.array(VW, np.uint32)
-            for j0 in range(wid * SPW + (lane & (SPW - 1)), nk, VB * KS):  # VB keys' loads in flight
-                for u in range(VB):
-                    vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
-                        vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * c)
+            for j0 in range(jv, nk, VB * KS):  # VB keys' loads in flight
+                if j0 != jv:
+                    for u in range(VB):
+                        vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
+                            vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * c)
                 for u in range(VB):
                     j = min(j0 + u * KS, nk - 1)
                     e0, e1 = _h2(vw[4 * u])
@@ -686,7 +714,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         qsh = cuda.shared.array(QSH, np.float32)  # the group's q heads, then the new k
         ss = cuda.shared.array(SSN, np.float32)
         ml = cuda.shared.array(MLN, np.float32)  # m, l, the pass's rescale a head
-        tmp = cuda.shared.array(TMPN, np.float32)
+        cs = cuda.shared.array(TMPN, np.float32)  # the step's RoPE cos, then sin
         part = xs
         if SIM:  # no alignment argument there
             xqf = cuda.shared.array(XQN, np.float32)
@@ -697,11 +725,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         pslot = cuda.shared.array(PS, np.int32)
         ibuf = cuda.shared.array(2, np.int32)
         acc = cuda.local.array(GA, np.float32)
+        kw = cuda.local.array(KW, np.uint32)
+        vw = cuda.local.array(VW, np.uint32)
+        pslot_pg0 = -1
         n_past = meta[0]
         p = pos[0]
         n_keys = n_past + 1
         slot_new = table[n_past // PAGE]
         row_new = n_past % PAGE
+        for k in range(tid, HALF, NT):  # one position a step: its angles once, not per head and layer
+            sn, cn = sincos_at(p, inv_freq[k])
+            cs[k] = cn
+            cs[HALF + k] = sn
         epoch = 0
         stamp = bid == 0 and tid == 0
         if stamp:
@@ -759,32 +794,32 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 ch = it % n_ch
                 pg0 = ch * ppi
                 pg1 = min(n_pages, pg0 + ppi)
-                for i in range(tid, G * DH, NT):
-                    qsh[i] = ldcg_f32(qkv, h * G * DH + i)
-                if tid < min(PS, pg1 - pg0):
-                    pslot[tid] = table[pg0 + tid]
+                if pg0 != pslot_pg0:  # an item's pages are the same every layer: staged once unless a block has several
+                    if tid < min(PS, pg1 - pg0):
+                        pslot[tid] = table[pg0 + tid]
+                    pslot_pg0 = pg0
+                    cuda.syncthreads()
                 if tid < G:
                     ml[tid] = f32(-math.inf)
                     ml[G + tid] = f32(0.0)
-                cuda.syncthreads()
                 sub = stamp and it == 0  # block 0's first item: where an item's time goes
                 if sub:
                     stamps[SUB + 4 * li] = _globaltimer()
-                head_norm_rope(qsh, 0, nw, ntab[li, 2] if QKN else -1, G, inv_freq, p, tmp, red, tid, wid, lane)
+                k0 = pg0 * PAGE
+                k1 = min(pg1 * PAGE, n_keys)
+                # K and the first V in flight while q (and the new row's k) are normed
+                load_pass(kp, vp, table, pslot, pg0, li, h, k0, min(KC, k1 - k0), kw, vw, tid, wid, lane)
+                last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
+                head_norm_rope(qkv, h * G * DH, QR + h * DH, qsh, nw, ntab[li, 2] if QKN else -1,
+                               ntab[li, 3] if QKN else -1, G, G + 1 if last else G, cs, red, wid, lane)
+                cuda.syncthreads()
                 if sub:
                     stamps[SUB + 4 * li + 1] = _globaltimer()
-                if pg1 == n_pages:  # this item holds the new row: its k, normed and rotated, into the pool
-                    for i in range(tid, DH, NT):
-                        qsh[G * DH + i] = ldcg_f32(qkv, QR + h * DH + i)
-                    cuda.syncthreads()
-                    head_norm_rope(qsh, G * DH, nw, ntab[li, 3] if QKN else -1, 1, inv_freq, p, tmp, red, tid,
-                                   wid, lane)
+                if last:  # for later steps: this step's scores take it from qsh
                     for i in range(tid, DH, NT):
                         k_pool[slot_new, li, h, row_new, i] = np.float16(qsh[G * DH + i])
-                    cuda.threadfence_block()
-                    cuda.syncthreads()
-                attend(kp, vp, table, pslot, pg0, li, h, pg0 * PAGE, min(pg1 * PAGE, n_keys), qsh, ss, ml, part, red, tid,
-                       wid, lane, acc)
+                attend(kp, vp, table, pslot, pg0, li, h, k0, k1, last, qsh, ss, ml, part, red, tid, wid, lane, acc, kw,
+                       vw)
                 if sub:
                     stamps[SUB + 4 * li + 2] = _globaltimer()
                 for i in range(tid, G * DH, NT):

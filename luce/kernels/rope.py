@@ -72,10 +72,16 @@ def rotate(a, b, pos, inv_freq):
     kernel that rotates; in the decode attention kernel, 32 bytes of spills and 128 -> 168
     registers), where sinpi's reduction is exact and needs none; the accuracy is the same
     (float32 t: ~2e-7 rad, as a float32 angle on [-pi, pi])."""
+    s, c = sincos_at(pos, inv_freq)
+    return a * c - b * s, a * s + b * c
+
+
+@device(inline=True)
+def sincos_at(pos, inv_freq):
+    """sin and cos of the angle pos * inv_freq, as rotate takes them."""
     t = float(pos) * inv_freq * _INV_PI
     t -= 2.0 * math.floor(t * 0.5 + 0.5)
-    s, c = _sincospi(np.float32(t))
-    return a * c - b * s, a * s + b * c
+    return _sincospi(np.float32(t))
 
 
 def inv_freq_table(rope_dim: int, base: float, freq_scale: float = 1.0):
