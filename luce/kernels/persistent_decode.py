@@ -6,26 +6,25 @@ us of ops, each 3-9 us; docs/benchmarks.md, thirty-fifth session), and speculati
 decoding runs ~8 of those steps for every target forward. Here one launch of one block an
 SM runs every layer, the phases separated by a grid barrier instead of a kernel boundary:
 
-  (A) each block norms the residual stream itself (1-4 KB), warps take q/k/v rows; v goes
-      straight into the paged pool;
-  (B) attention items (kv head x group of 64-key pages): q's and the new k's head norm and
-      rotation in the item, the new k stored by the item holding its row, online softmax
-      over the item's keys, each head's partials merged by its last block (split_merge);
+  (A) each block norms the residual stream itself (1-4 KB) into int8 x (or float x where
+      a matrix is not Q4_K / Q6_K), warps take q/k/v row pairs; v goes straight into the
+      paged pool;
+  (B) attention items (kv head x group of 64-key pages): each item's K and first V loads
+      issued first, then q's and the new k's head norm and rotation (a warp a head), the
+      new k stored by the item holding its row, online softmax over the item's keys
+      (TPK threads a key), each head's partials merged by its last block (split_merge);
   (C) o rows, added into the residual stream;
   (D) the norm again in each block, gate and up rows with SwiGLU;
   (E) down rows, added into the residual stream;
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
-Status (docs/benchmarks.md, thirty-sixth session): correct on the GPU (the backend's
-greedy tokens unchanged with it on) and still slower than the backend's graph-replayed
-launch chain at the synthetic Qwen3-0.6B shape: on an H100 1,702 us a step against 1,152
-(a1c21e5). Where it goes, us a layer: attention 22.2 (block 0's item: 11.4 in its keys,
-each thread's K loads issued one after another: batched since, not yet measured), gate/up
-10.7, down 10.0, q/k/v 8.3, o 5.7, each with its ~2 us grid barrier; the head 102 us
-(the backend's 43). So CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1. It also
-spills (ptxas, sm_90, that shape: 128 registers and 852 bytes of spills a thread at 512
-threads a block, 88 bytes at 256). `python -m luce.bench.persistent_decode` measures it.
+Status (docs/benchmarks.md, thirty-seventh session): correct on the GPU and, at the
+synthetic Qwen3-0.6B shape on an H100, still slower than the backend's graph-replayed
+launch chain: 1,266 us a step (b9372f0) against 1,153, where it took 1,702 at a1c21e5.
+Where it goes is printed by `python -m luce.bench.persistent_decode` (the phases' grid
+barriers, block 0's stamps inside them). So CUDABackend takes it only with
+LUCE_PERSISTENT_DECODE=1.
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
@@ -50,7 +49,8 @@ from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_ro
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
 from .split_merge import arrive
-from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
+from .vector_load import (f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, prefetch_l1,
+                          u32_bits_to_f32)
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
 
@@ -352,7 +352,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PRE=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -499,6 +499,34 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
+    def prefetch_pair(w, qa, ha, qb, hb, cols, lpr, lane):
+        """PRE: start the lines of rows ha (type qa) and hb (qb) toward this SM's L1, a line
+        a lane of the group, before x is staged: a phase's loads then wait on L1, not HBM.
+        Each lane group's first row pair only (every row phase gives most groups one)."""
+        if PRE:
+            g = lane & (lpr - 1)
+            ra = _row_h(qa, cols)
+            rb = _row_h(qb, cols)
+            for k in range(g, (max(ra, rb) + 63) // 64 + 1, lpr):  # 64 uint16 a 128-byte line
+                prefetch_l1(w, ha + min(64 * k, ra - 1))
+                prefetch_l1(w, hb + min(64 * k, rb - 1))
+
+    @device
+    def qkv_row(wtab, li, r):
+        """Row r of q|k|v (layer li): which (0, 1, 2), its row in it, its type and uint16 start."""
+        if r < QR:
+            kind = 0
+            rr = r
+        elif r < QR + KR:
+            kind = 1
+            rr = r - QR
+        else:
+            kind = 2
+            rr = r - QR - KR
+        qt = wtab[li, kind, 1]
+        return kind, rr, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
+
+    @device
     def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane):
         """ntot heads of DH floats into v (shared memory), a warp a head: heads < nq from
         src[qb + hd DH:] (other blocks' writes), head nq from src[kb:]; each RMSNormed (by
@@ -538,6 +566,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
         first (X8: into xq)."""
+        rh = _row_h(qt, n)
+        lpr = _lanes_a_row(n)
+        rpw = 32 // lpr
+        if PRE and gw * rpw < D // 2:
+            r = 2 * min(gw * rpw + lane // lpr, D // 2 - 1)
+            prefetch_pair(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, lpr, lane)
         if X8:
             if n == QR:
                 qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
@@ -550,9 +584,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 stage_f(xs, src, tid)
             cuda.syncthreads()
         _mark(stamp, stamps, si)
-        rh = _row_h(qt, n)
-        lpr = _lanes_a_row(n)
-        rpw = 32 // lpr
         for pb in range(gw * rpw, D // 2, nw_all * rpw):  # the same trips in every lane of a warp
             p = pb + lane // lpr
             r = 2 * min(p, D // 2 - 1)
@@ -758,22 +789,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         mine = (lane & (lpr - 1)) == 0
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
+            if PRE and gw * rpw < NPA:
+                _, _, qt, ha = qkv_row(wtab, li, 2 * min(gw * rpw + lane // lpr, NPA - 1))
+                prefetch_pair(w, qt, ha, qt, ha + _row_h(qt, D), D, lpr, lane)
             norm_into(xs, xg, nw, ntab[li, 0], bred, xqw, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li)
             for pb in range(gw * rpw, NPA, nw_all * rpw):  # row pairs, the same trips in a warp's lanes
                 p0 = pb + lane // lpr
                 r = 2 * min(p0, NPA - 1)
-                if r < QR:
-                    kind = 0
-                    rr = r
-                elif r < QR + KR:
-                    kind = 1
-                    rr = r - QR
-                else:
-                    kind = 2
-                    rr = r - QR - KR
-                qt = wtab[li, kind, 1]
-                ha = wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
+                kind, rr, qt, ha = qkv_row(wtab, li, r)
                 ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
                 if mine and p0 < NPA:
                     qkv[r] = ya
@@ -868,10 +892,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
-            norm_into(xs, xg, nw, ntab[li, 1], bred, xqw, xqf, red, tid, wid, lane)
-            _mark(stamp, stamps, DET + 8 * li + 4)
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
+            if PRE and gw * rpw < F:
+                rr = min(gw * rpw + lane // lpr, F - 1)
+                prefetch_pair(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
+                              wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, lpr, lane)
+            norm_into(xs, xg, nw, ntab[li, 1], bred, xqw, xqf, red, tid, wid, lane)
+            _mark(stamp, stamps, DET + 8 * li + 4)
             for rb in range(gw * rpw, F, nw_all * rpw):
                 r = rb + lane // lpr
                 rr = min(r, F - 1)
@@ -917,7 +945,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True) -> str:
+                   max_pages: int = 32, x8: bool = True, prefetch: bool = False) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -927,7 +955,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, prefetch)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1012,10 +1040,11 @@ class PersistentDecode:
     """A model's one-token forward on one cache through the persistent kernel: scratch at
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
-    launch chain's products by default) where x8_fits (None), or over float x (False)."""
+    launch chain's products by default) where x8_fits (None), or over float x (False).
+    prefetch: each row phase starts its first rows toward L1 before x is staged."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None):
+                 threads: int = THREADS, x8: bool | None = None, prefetch: bool = False):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1049,9 +1078,10 @@ class PersistentDecode:
         if x8 and not fits:
             raise ValueError("int8 x needs Q4_K / Q6_K row products, gate and up of one type")
         self.x8 = fits if x8 is None else x8
+        self.prefetch = prefetch
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8)
+                              self.x8, prefetch)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
