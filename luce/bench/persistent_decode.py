@@ -1,21 +1,23 @@
 """The persistent decode kernel (luce.kernels.persistent_decode) against the CUDA backend's
 launch chain on a synthetic model's one-token step, on the GPU:
 
-    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--no-record]
+    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--float-x] [--no-record]
 
 SHAPE defaults to qwen3-0.6b (a draft's shape). After an N-token prompt (512), it checks
 the kernel's logits against the backend's forward for the same token, times the kernel
 alone (launches between two CUDA events, the same position each time), reads its phase
 stamps, then times the backend's decode with the next token on the device (as `luce
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
-new model state and graphs). Figures go to docs/benchmarks.md unless --no-record."""
+new model state and graphs). The kernel is also timed with its rows' L1 prefetch
+toggled and, with --float-x, with its rows over float x. Figures go to docs/benchmarks.md
+unless --no-record."""
 from __future__ import annotations
 
 import sys
 
 
 def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps: int = 50,
-        record: bool = True) -> tuple[list[dict], list[dict]]:
+        record: bool = True, float_x: bool = False) -> tuple[list[dict], list[dict]]:
     import numpy as np
     from numba import cuda
 
@@ -66,7 +68,7 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     ev1.synchronize()
     alone_pre = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
     diff_pre = float(np.abs(pdp.forward(tok, pos).copy_to_host().reshape(-1) - ref).max())
-    if pd.x8:  # the same kernel with its rows over float x, for the comparison
+    if pd.x8 and float_x:  # the same kernel with its rows over float x, for the comparison
         pdf = PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False)
         for _ in range(3):
             pdf.forward(tok, pos)
@@ -138,4 +140,4 @@ if __name__ == "__main__":
     if "--prompt" in args:
         n = int(args[args.index("--prompt") + 1])
     names = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--prompt")]
-    run(names[0] if names else "qwen3-0.6b", n, record=record)
+    run(names[0] if names else "qwen3-0.6b", n, record=record, float_x="--float-x" in args)
