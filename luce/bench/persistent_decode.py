@@ -8,9 +8,8 @@ the kernel's logits against the backend's forward for the same token, times the 
 alone (launches between two CUDA events, the same position each time), reads its phase
 stamps, then times the backend's decode with the next token on the device (as `luce
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
-new model state and graphs). The kernel is also timed with its rows' L1 prefetch
-toggled and, with --float-x, with its rows over float x. Figures go to docs/benchmarks.md
-unless --no-record."""
+new model state and graphs). With --float-x the kernel is also timed with its rows over
+float x. Figures go to docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
 
 import sys
@@ -57,17 +56,6 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     ev1.synchronize()
     alone = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
     alone_float = None
-    # the same kernel with each row phase's first rows started toward L1 before x is staged
-    pdp = PersistentDecode(cfg, w, kv, packed=pd.pk, prefetch=not pd.prefetch)
-    for _ in range(3):
-        pdp.forward(tok, pos)
-    ev0.record()
-    for _ in range(reps):
-        pdp.forward(tok, pos)
-    ev1.record()
-    ev1.synchronize()
-    alone_pre = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
-    diff_pre = float(np.abs(pdp.forward(tok, pos).copy_to_host().reshape(-1) - ref).max())
     if pd.x8 and float_x:  # the same kernel with its rows over float x, for the comparison
         pdf = PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False)
         for _ in range(3):
@@ -98,8 +86,6 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
 
     steps = [
         {"step": f"kernel alone (CUDA events), rows over {'int8' if pd.x8 else 'float'} x", "us": alone, "tok/s": 1e6 / alone, "vs launch chain": alone / chain},
-        {"step": f"kernel alone, {'without' if pd.prefetch else 'with'} the rows' L1 prefetch (logits within "
-                 f"{diff_pre:.2e})", "us": alone_pre, "tok/s": 1e6 / alone_pre, "vs launch chain": alone_pre / chain},
         *([{"step": "kernel alone, rows over float x", "us": alone_float, "tok/s": 1e6 / alone_float,
             "vs launch chain": alone_float / chain}] if alone_float else []),
         {"step": "backend, launch chain (graph, next token on the device)", "us": chain, "tok/s": 1e6 / chain,

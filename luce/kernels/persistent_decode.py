@@ -49,8 +49,7 @@ from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_ro
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
 from .split_merge import arrive
-from .vector_load import (f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, prefetch_l1,
-                          u32_bits_to_f32)
+from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
 
@@ -352,7 +351,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PRE=False):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -360,6 +359,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
     XS = max(D, F, QR) + max(D, F, QR) // 64 + 1  # x with _xi's gaps
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
+    NPL = DH // 32                   # a head's values a lane
     TPK = _key_threads(DH)           # threads a key's score
     KC = NT // TPK                   # keys an attention pass scores
     CH = DH // 8                     # 16-byte pieces of a K/V row
@@ -499,19 +499,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
         return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
-    def prefetch_pair(w, qa, ha, qb, hb, cols, lpr, lane):
-        """PRE: start the lines of rows ha (type qa) and hb (qb) toward this SM's L1, a line
-        a lane of the group, before x is staged: a phase's loads then wait on L1, not HBM.
-        Each lane group's first row pair only (every row phase gives most groups one)."""
-        if PRE:
-            g = lane & (lpr - 1)
-            ra = _row_h(qa, cols)
-            rb = _row_h(qb, cols)
-            for k in range(g, (max(ra, rb) + 63) // 64 + 1, lpr):  # 64 uint16 a 128-byte line
-                prefetch_l1(w, ha + min(64 * k, ra - 1))
-                prefetch_l1(w, hb + min(64 * k, rb - 1))
-
-    @device
     def qkv_row(wtab, li, r):
         """Row r of q|k|v (layer li): which (0, 1, 2), its row in it, its type and uint16 start."""
         if r < QR:
@@ -538,15 +525,21 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
             sb = qb + hd * DH if hd < nq else kb
             hb = hd * DH
             off = offq if hd < nq else offk
+            # every load issued before the first store: a store between them waits on its
+            # load (the L2 loads keep program order), four round trips a head at 128
+            # (3.5 us with the item's K/V loads, 485b280, H100)
+            xv = cuda.local.array(NPL, np.float32)
+            for m in range(NPL):
+                xv[m] = ldcg_f32(src, sb + lane + 32 * m)
             ss = f32(0.0)
-            for d in range(lane, DH, 32):
-                x = ldcg_f32(src, sb + d)
-                v[hb + d] = x
-                ss += x * x
+            for m in range(NPL):
+                ss += xv[m] * xv[m]
+            inv = f32(1.0)
             if off >= 0:
                 inv = f32(1.0) / math.sqrt(warp_allsum(ss, red, wid, lane) / f32(DH) + eps)
-                for d in range(lane, DH, 32):
-                    v[hb + d] = v[hb + d] * inv * nw[off + d]
+            for m in range(NPL):
+                d = lane + 32 * m
+                v[hb + d] = xv[m] * inv * nw[off + d] if off >= 0 else xv[m]
             warp_barrier()
             for k in range(lane, HALF, 32):
                 if HALVES:
@@ -566,12 +559,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
         first (X8: into xq)."""
-        rh = _row_h(qt, n)
-        lpr = _lanes_a_row(n)
-        rpw = 32 // lpr
-        if PRE and gw * rpw < D // 2:
-            r = 2 * min(gw * rpw + lane // lpr, D // 2 - 1)
-            prefetch_pair(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, lpr, lane)
         if X8:
             if n == QR:
                 qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
@@ -584,6 +571,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
                 stage_f(xs, src, tid)
             cuda.syncthreads()
         _mark(stamp, stamps, si)
+        rh = _row_h(qt, n)
+        lpr = _lanes_a_row(n)
+        rpw = 32 // lpr
         for pb in range(gw * rpw, D // 2, nw_all * rpw):  # the same trips in every lane of a warp
             p = pb + lane // lpr
             r = 2 * min(p, D // 2 - 1)
@@ -789,9 +779,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
         mine = (lane & (lpr - 1)) == 0
         for li in range(L):
             # (A) q, k, v rows of the normed stream; v into the pool
-            if PRE and gw * rpw < NPA:
-                _, _, qt, ha = qkv_row(wtab, li, 2 * min(gw * rpw + lane // lpr, NPA - 1))
-                prefetch_pair(w, qt, ha, qt, ha + _row_h(qt, D), D, lpr, lane)
             norm_into(xs, xg, nw, ntab[li, 0], bred, xqw, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li)
             for pb in range(gw * rpw, NPA, nw_all * rpw):  # row pairs, the same trips in a warp's lanes
@@ -894,10 +881,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
             # (D) gate and up rows of the normed stream, SwiGLU
             qg = wtab[li, 4, 1]
             qu = wtab[li, 5, 1]
-            if PRE and gw * rpw < F:
-                rr = min(gw * rpw + lane // lpr, F - 1)
-                prefetch_pair(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
-                              wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, lpr, lane)
             norm_into(xs, xg, nw, ntab[li, 1], bred, xqw, xqf, red, tid, wid, lane)
             _mark(stamp, stamps, DET + 8 * li + 4)
             for rb in range(gw * rpw, F, nw_all * rpw):
@@ -945,7 +928,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PR
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True, prefetch: bool = False) -> str:
+                   max_pages: int = 32, x8: bool = True) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -955,7 +938,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, prefetch)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1040,11 +1023,10 @@ class PersistentDecode:
     """A model's one-token forward on one cache through the persistent kernel: scratch at
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
-    launch chain's products by default) where x8_fits (None), or over float x (False).
-    prefetch: each row phase starts its first rows toward L1 before x is staged."""
+    launch chain's products by default) where x8_fits (None), or over float x (False)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, prefetch: bool = False):
+                 threads: int = THREADS, x8: bool | None = None):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1078,10 +1060,9 @@ class PersistentDecode:
         if x8 and not fits:
             raise ValueError("int8 x needs Q4_K / Q6_K row products, gate and up of one type")
         self.x8 = fits if x8 is None else x8
-        self.prefetch = prefetch
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, prefetch)
+                              self.x8)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

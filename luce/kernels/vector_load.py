@@ -65,10 +65,6 @@ if SIM:
         return a[i]
 
     @device
-    def prefetch_l1(a, i):
-        pass
-
-    @device
     def ldg_f32x4(a, i):
         return (np.float32(a[i]), np.float32(a[i + 1]), np.float32(a[i + 2]), np.float32(a[i + 3]))
 
@@ -139,18 +135,6 @@ else:
     ldcg_u16_u32x4 = _ldg_u32(4, op="cg")
     # from an array in shared memory (16-byte aligned), ordered among the block's barriers
     ld_u16_u32x4 = _ldg_u32(4, op="generic")
-
-    @intrinsic
-    def prefetch_l1(typingctx, a, i):
-        """Start the line holding a[i] toward this SM's L1 (no register waits on it)."""
-        sig = types.void(a, types.intp)
-
-        def codegen(context, builder, sig, args):
-            addr = _address(context, builder, sig.args[0], args[0], args[1])
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.global.L1 [$0];",
-                                      "l", side_effect=True), [addr])
-            return context.get_dummy_value()
-        return sig, codegen
 
     @intrinsic
     def ldcg_f32(typingctx, a, i):
