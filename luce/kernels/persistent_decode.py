@@ -21,7 +21,9 @@ argmax / top-k launches take them from there).
 
 Status (docs/benchmarks.md, thirty-seventh session): correct on the GPU and, at the
 synthetic Qwen3-0.6B shape on an H100, still slower than the backend's graph-replayed
-launch chain: 1,266 us a step (b9372f0) against 1,153, where it took 1,702 at a1c21e5.
+launch chain: 1,240 us a step (485b280; through the backend 1,261) against 1,151, where it
+took 1,702 at a1c21e5. A layer (us): attention 16.3, down 8.0, q/k/v 7.6, gate/up 6.1, o
+4.8, each phase ending in a grid barrier of ~1.5-2.3 us with its wait; the head 39.8.
 Where it goes is printed by `python -m luce.bench.persistent_decode` (the phases' grid
 barriers, block 0's stamps inside them). So CUDABackend takes it only with
 LUCE_PERSISTENT_DECODE=1.
