@@ -46,26 +46,23 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     kv.reserve(1)
     got = pd.forward(tok, pos).copy_to_host().reshape(-1)
     diff = float(np.abs(got - ref).max())
-    for _ in range(3):
-        pd.forward(tok, pos)
-    ev0, ev1 = cuda.event(), cuda.event()
-    ev0.record()
-    for _ in range(reps):
-        pd.forward(tok, pos)
-    ev1.record()
-    ev1.synchronize()
-    alone = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
-    alone_float = None
-    if pd.x8 and float_x:  # the same kernel with its rows over float x, for the comparison
-        pdf = PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False)
+
+    def time_alone(k):
+        """us a launch of k's kernel: three to warm, then reps between two CUDA events."""
         for _ in range(3):
-            pdf.forward(tok, pos)
+            k.forward(tok, pos)
+        ev0, ev1 = cuda.event(), cuda.event()
         ev0.record()
         for _ in range(reps):
-            pdf.forward(tok, pos)
+            k.forward(tok, pos)
         ev1.record()
         ev1.synchronize()
-        alone_float = cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
+        return cuda.event_elapsed_time(ev0, ev1) * 1e3 / reps
+
+    alone = time_alone(pd)
+    alone_float = None
+    if pd.x8 and float_x:  # the same kernel with its rows over float x, for the comparison
+        alone_float = time_alone(PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False))
     pd.forward(tok, pos)  # its stamps are the ones read below
     cuda.synchronize()
     emb, per_layer, head = pd.phase_times()

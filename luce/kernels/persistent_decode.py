@@ -468,28 +468,31 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
 
     qstage_q, qstage_f = quad_stager(QR), quad_stager(F)
 
+    def unit_loop(ld, dot, BH):
+        """A lane's units of a row pair (ld / dot: a type's x8 unit; BH: its uint16 a block)."""
+        @device
+        def rows(w, ha, hb, cols, xq, lpr, lane):
+            sa = f32(0.0)
+            sb = f32(0.0)
+            for u in range(lane & (lpr - 1), cols >> 6, lpr):
+                b = u >> 2
+                t = u & 3
+                oa = ha + BH * b
+                ob = hb + BH * b
+                ya, yb = dot(ld(w, oa, ob, t), w, oa, ob, xq, xq, 256 * b, t)
+                sa += ya
+                sb += yb
+            return sa, sb
+        return rows
+
+    rows4, rows6 = unit_loop(ld4, dot4, 72), unit_loop(ld6, dot6, 105)
+
     @device
     def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane):
-        sa = f32(0.0)
-        sb = f32(0.0)
         if qt == _Q4K:
-            for u in range(lane & (lpr - 1), cols >> 6, lpr):
-                b = u >> 2
-                t = u & 3
-                oa = ha + 72 * b
-                ob = hb + 72 * b
-                ya, yb = dot4(ld4(w, oa, ob, t), w, oa, ob, xq, xq, 256 * b, t)
-                sa += ya
-                sb += yb
+            sa, sb = rows4(w, ha, hb, cols, xq, lpr, lane)
         else:
-            for u in range(lane & (lpr - 1), cols >> 6, lpr):
-                b = u >> 2
-                t = u & 3
-                oa = ha + 105 * b
-                ob = hb + 105 * b
-                ya, yb = dot6(ld6(w, oa, ob, t), w, oa, ob, xq, xq, 256 * b, t)
-                sa += ya
-                sb += yb
+            sa, sb = rows6(w, ha, hb, cols, xq, lpr, lane)
         return warp_groupsum(sa, lpr, red, wid, lane), warp_groupsum(sb, lpr, red, wid, lane)
 
     @device
