@@ -648,7 +648,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             # (H100, a1c21e5 / d59ff40: 11.4-12.0 us for 64 keys).
             j = tid // TPK
             sub = tid % TPK
-            fresh = newk and kc0 + j == k1 - 1
+            fresh = newk and kc0 + min(j, nk - 1) == k1 - 1  # threads past the keys repeat the last
             sg = cuda.local.array(G, np.float32)
             for g in range(G):
                 sg[g] = f32(0.0)
