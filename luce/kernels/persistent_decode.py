@@ -600,6 +600,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         return (((slot * L + li) * HKV + h) * PAGE + key % PAGE) * DH
 
     @device
+    def load_v(vp, table, pslot, pg0, li, h, kc0, nk, j0, vw, lane):
+        """The value loop's V words of keys j0, j0 + KS, .. (VB of them) of a pass into vw:
+        the lane's 16-byte piece of each row."""
+        for u in range(VB):
+            vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
+                vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * (lane // SPW))
+
+    @device
     def load_pass(kp, vp, table, pslot, pg0, li, h, kc0, nk, kw, vw, tid, wid, lane):
         """A pass's K words (TPK adjacent threads a key, each KB 16-byte pieces) and its
         value loop's first V words (VB keys a lane) into kw and vw: loads issued together,
@@ -609,10 +617,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         base = kv_index(table, pslot, pg0, li, h, kc0 + min(j, nk - 1))
         for k in range(KB):
             kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3] = ldcg_u16_u32x4(kp, base + 8 * (sub + TPK * k))
-        j0 = wid * SPW + (lane & (SPW - 1))
-        for u in range(VB):
-            vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
-                vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * (lane // SPW))
+        load_v(vp, table, pslot, pg0, li, h, kc0, nk, wid * SPW + (lane & (SPW - 1)), vw, lane)
 
     @device
     def k_piece(kw, k, fresh, qsh, at):
@@ -686,10 +691,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 for e in range(8):
                     acc[g * 8 + e] *= a
             for j0 in range(jv, nk, VB * KS):  # VB keys' loads in flight
-                if j0 != jv:
-                    for u in range(VB):
-                        vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = ldcg_u16_u32x4(
-                            vp, kv_index(table, pslot, pg0, li, h, kc0 + min(j0 + u * KS, nk - 1)) + 8 * c)
+                if j0 != jv:  # the first keys' came with load_pass
+                    load_v(vp, table, pslot, pg0, li, h, kc0, nk, j0, vw, lane)
                 for u in range(VB):
                     j = min(j0 + u * KS, nk - 1)
                     e0, e1 = _h2(vw[4 * u])

@@ -155,6 +155,19 @@ def int8_block_store(o, live, blk, lane, wid, red, xq_b, xq_f, planes):
 
 
 @device
+def _q8(v, sc):
+    """v's first-plane int8 at scale sc (127 / the half's absmax)."""
+    return np.int32(math.floor(v * sc + np.float32(0.5)))
+
+
+@device
+def _q8_fine(v, q, d, sc):
+    """The second plane: what q (step d) left of v, in steps FINE times finer, clamped."""
+    return max(-127, min(127, np.int32(math.floor(_remainder(v, np.float32(q), d) * (sc * np.float32(FINE)) +
+                                                  np.float32(0.5)))))
+
+
+@device
 def int8_half_store(o, live, at, c, lane, wid, red, xq_b, xq_f, planes):
     """As int8_block_store for the 32-column block at byte `at`, whose column c this lane
     holds: each aligned 16 lanes of the warp (c & 15 = lane & 15) make one half's step and
@@ -164,14 +177,13 @@ def int8_half_store(o, live, at, c, lane, wid, red, xq_b, xq_f, planes):
     amax = warp_groupmax(abs(v), HB, red, wid, lane)
     s = warp_groupsum(v, HB, red, wid, lane)
     sc = np.float32(127.0) / amax if amax > 0 else zero
-    q = np.int32(math.floor(v * sc + np.float32(0.5)))
+    q = _q8(v, sc)
     d = amax / np.float32(127.0)
     meta = (at + QB * planes) >> 2
     if live:
         xq_b[at + c] = np.uint8(q & 255)
         if planes == 2:
-            q2 = np.int32(math.floor(_remainder(v, np.float32(q), d) * (sc * np.float32(FINE)) + np.float32(0.5)))
-            xq_b[at + QB + c] = np.uint8(max(-127, min(127, q2)) & 255)
+            xq_b[at + QB + c] = np.uint8(_q8_fine(v, q, d, sc) & 255)
         if (c & (HB - 1)) == 0:
             h = c >> 4
             xq_f[meta + h] = d if planes == 1 else d / np.float32(FINE)
@@ -198,20 +210,13 @@ def int8_quad_store(v0, v1, v2, v3, live, c, lane, wid, red, xq_w, xq_f, planes)
     s = warp_groupsum((v0 + v1) + (v2 + v3), 4, red, wid, lane)
     sc = np.float32(127.0) / amax if amax > 0 else zero
     d = amax / np.float32(127.0)
-    q0 = np.int32(math.floor(v0 * sc + np.float32(0.5)))
-    q1 = np.int32(math.floor(v1 * sc + np.float32(0.5)))
-    q2 = np.int32(math.floor(v2 * sc + np.float32(0.5)))
-    q3 = np.int32(math.floor(v3 * sc + np.float32(0.5)))
+    q0, q1, q2, q3 = _q8(v0, sc), _q8(v1, sc), _q8(v2, sc), _q8(v3, sc)
     at = (XQ_BYTES if planes == 1 else XQ2_BYTES) * (c >> 5)  # the block's first byte
     if live:
         xq_w[(at + (c & 31)) >> 2] = _pack4(q0, q1, q2, q3)
         if planes == 2:
-            fine = sc * np.float32(FINE)
-            r0 = max(-127, min(127, np.int32(math.floor(_remainder(v0, np.float32(q0), d) * fine + np.float32(0.5)))))
-            r1 = max(-127, min(127, np.int32(math.floor(_remainder(v1, np.float32(q1), d) * fine + np.float32(0.5)))))
-            r2 = max(-127, min(127, np.int32(math.floor(_remainder(v2, np.float32(q2), d) * fine + np.float32(0.5)))))
-            r3 = max(-127, min(127, np.int32(math.floor(_remainder(v3, np.float32(q3), d) * fine + np.float32(0.5)))))
-            xq_w[(at + QB + (c & 31)) >> 2] = _pack4(r0, r1, r2, r3)
+            xq_w[(at + QB + (c & 31)) >> 2] = _pack4(_q8_fine(v0, q0, d, sc), _q8_fine(v1, q1, d, sc),
+                                                       _q8_fine(v2, q2, d, sc), _q8_fine(v3, q3, d, sc))
         if (c & (HB - 1)) == 0:
             meta = (at + QB * planes) >> 2
             h = (c >> 4) & 1
