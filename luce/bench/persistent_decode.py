@@ -1,7 +1,7 @@
 """The persistent decode kernel (luce.kernels.persistent_decode) against the CUDA backend's
 launch chain on a synthetic model's one-token step, on the GPU:
 
-    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--float-x] [--no-record]
+    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--float-x] [--variants] [--no-record]
 
 SHAPE defaults to qwen3-0.6b (a draft's shape). After an N-token prompt (512), it checks
 the kernel's logits against the backend's forward for the same token, times the kernel
@@ -9,14 +9,15 @@ alone (launches between two CUDA events, the same position each time), reads its
 stamps, then times the backend's decode with the next token on the device (as `luce
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
 new model state and graphs). With --float-x the kernel is also timed with its rows over
-float x. Figures go to docs/benchmarks.md unless --no-record."""
+float x; with --variants, with each choice of its grid barrier (a release reduction, or
+full fences around an atomic) and its L2 prefetches (on, off), alternating, twice each. Figures go to docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
 
 import sys
 
 
 def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps: int = 50,
-        record: bool = True, float_x: bool = False) -> tuple[list[dict], list[dict]]:
+        record: bool = True, float_x: bool = False, variants: bool = False) -> tuple[list[dict], list[dict]]:
     import numpy as np
     from numba import cuda
 
@@ -63,6 +64,18 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     alone_float = None
     if pd.x8 and float_x:  # the same kernel with its rows over float x, for the comparison
         alone_float = time_alone(PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False))
+    var_rows = []
+    if variants:
+        choices = [(r, a) for r in (False, True) for a in (False, True)]
+        ks = {c: PersistentDecode(cfg, w, kv, packed=pd.pk, release=c[0], ahead=c[1]) for c in choices}
+        diffs = {c: float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()) for c, k in ks.items()}
+        times = {c: [] for c in choices}
+        for _ in range(2):
+            for c in choices:
+                times[c].append(time_alone(ks[c]))
+        var_rows = [{"barrier": "release" if r else "fences", "L2 prefetch": "on" if a else "off",
+                     "us (two runs)": " / ".join(f"{t:,.1f}" for t in times[(r, a)]),
+                     "logits within": f"{diffs[(r, a)]:.2e}"} for r, a in choices]
     pd.forward(tok, pos)  # its stamps are the ones read below
     cuda.synchronize()
     emb, per_layer, head = pd.phase_times()
@@ -105,12 +118,16 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     cols_s, cols_p = ["step", "us", "tok/s", "vs launch chain"], ["phase", "us", "a step"]
     title = f"persistent decode, {label}, {n_prompt}-token prompt"
     print_table(f"{title}: a decode step (logits within {diff:.2e} of the backend's)", steps, cols_s)
+    cols_v = ["barrier", "L2 prefetch", "us (two runs)", "logits within"]
+    if var_rows:
+        print_table(f"{title}: the kernel alone by variant", var_rows, cols_v)
     print_table(f"{title}: phase stamps of the kernel's last step (us a layer, mean over layers; block 0's "
                 "view, each phase ending in its grid barrier)", phases, cols_p)
     if record:
         append_to_docs(f"luce.bench.persistent_decode {shape}",
                        [("a decode step", steps, cols_s), ("phase stamps (us a layer; head and embedding a step)",
-                                                           phases, cols_p)],
+                                                           phases, cols_p)]
+                       + ([("the kernel alone by variant", var_rows, cols_v)] if var_rows else []),
                        notes=f"{n_prompt}-token prompt, {reps} kernel launches, {n_steps} backend steps; largest "
                              f"logit difference to the backend's forward {diff:.2e}")
     return steps, phases
@@ -123,4 +140,5 @@ if __name__ == "__main__":
     if "--prompt" in args:
         n = int(args[args.index("--prompt") + 1])
     names = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--prompt")]
-    run(names[0] if names else "qwen3-0.6b", n, record=record, float_x="--float-x" in args)
+    run(names[0] if names else "qwen3-0.6b", n, record=record, float_x="--float-x" in args,
+        variants="--variants" in args)

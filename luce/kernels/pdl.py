@@ -62,7 +62,7 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
-    from .mma import _asm, _generic_addr
+    from .mma import _asm
 
     @intrinsic
     def grid_dependency_sync(typingctx):
@@ -80,16 +80,13 @@ else:
 
     @intrinsic
     def l2_prefetch(typingctx, arr, i, nbytes):
-        """Start nbytes of global memory from arr[i] on their way to L2 (one bulk prefetch:
-        16-byte aligned, a multiple of 16 bytes); nothing unless PREFETCH."""
+        """bulk_copy.l2_prefetch where PREFETCH, else nothing."""
         sig = types.void(arr, i, nbytes)
 
         def codegen(context, builder, sig, args):
             if PREFETCH:
-                addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                n = context.cast(builder, args[2], sig.args[2], types.uint32)
-                _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
-                     "l,r", ir.VoidType(), [ir.IntType(64), ir.IntType(32)], [addr, n], side_effect=True)
+                from .bulk_copy import emit_l2_prefetch
+                emit_l2_prefetch(context, builder, sig, args)
             return context.get_dummy_value()
         return sig, codegen
 

@@ -50,6 +50,7 @@ from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_ro
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
+from .bulk_copy import l2_prefetch
 from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
@@ -77,6 +78,9 @@ if SIM:
     def _ld_acquire(a, i):
         return a[i]
 
+    def _red_release(a, i, v):
+        a[i] += v
+
     def _globaltimer():
         return np.int64(0)
 else:
@@ -98,6 +102,20 @@ else:
         return sig, codegen
 
     @intrinsic
+    def _red_release(typingctx, a, i, v):
+        """a[i] += v (int32) with release semantics at GPU scope, nothing returned (the
+        barrier's arrival: ordered after the block's writes without a full fence)."""
+        sig = _types.void(a, i, v)
+
+        def codegen(context, builder, sig, args):
+            addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            val = context.cast(builder, args[2], sig.args[2], _types.int32)
+            _asm(builder, "red.release.gpu.global.add.s32 [$0], $1;", "l,r", ir.VoidType(),
+                 [ir.IntType(64), ir.IntType(32)], [addr, val], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
     def _globaltimer(typingctx):
         """The GPU's nanosecond clock (the phase stamps)."""
         sig = _types.int64()
@@ -108,24 +126,31 @@ else:
 
 
 @device
-def _grid_sync(cnt, target, tid):
+def _grid_sync(cnt, target, tid, release):
     """Every block of the grid has reached its target-th barrier; their writes before it are
-    visible after it (cooperative groups' grid sync: a block barrier, then its thread 0's
-    fence, count and acquire spin, fence, and the block barrier again)."""
+    visible after it. A block barrier, then its thread 0 counts and spins, then the block
+    barrier again; release: the count a release reduction and the spin's acquire loads
+    order it (CUTLASS's generic barrier), else cooperative groups' full fences around an
+    atomic add."""
     cuda.syncthreads()
-    if tid == 0:  # the block's writes, ordered before this fence by the barrier, are released by it
-        cuda.threadfence()
-        cuda.atomic.add(cnt, 0, 1)
-        while _ld_acquire(cnt, 0) < target:
-            pass
-        cuda.threadfence()
+    if tid == 0:  # the block's writes, ordered before thread 0's count by the barrier
+        if release:
+            _red_release(cnt, 0, 1)
+            while _ld_acquire(cnt, 0) < target:
+                pass
+        else:
+            cuda.threadfence()
+            cuda.atomic.add(cnt, 0, 1)
+            while _ld_acquire(cnt, 0) < target:
+                pass
+            cuda.threadfence()
     cuda.syncthreads()
 
 
 @device
-def _phase_end(cnt, epoch, nb, tid, stamp, stamps):
+def _phase_end(cnt, epoch, nb, tid, stamp, stamps, release):
     """The grid barrier that ends the epoch-th phase, its time stamped by block 0's thread 0."""
-    _grid_sync(cnt, epoch * nb, tid)
+    _grid_sync(cnt, epoch * nb, tid, release)
     if stamp:
         stamps[epoch] = _globaltimer()
 
@@ -353,7 +378,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=True):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -591,6 +616,39 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
 
+    # AHEAD: the row phases' weights start toward L2 a phase or more before they are read,
+    # one bulk prefetch a lane (no registers held, nothing waited on): a row phase's first
+    # loads were a DRAM round trip after x was staged
+    @device
+    def prefetch_span(w, a, b, part, parts):
+        """Part `part` of `parts` of w[a:b] (uint16; a, b 16-byte multiples) toward L2."""
+        n16 = (b - a) >> 3
+        per = (n16 + parts - 1) // parts
+        lo = min(np.int64(part) * per, n16)
+        hi = min(lo + per, n16)
+        if hi > lo:
+            l2_prefetch(w, a + 8 * lo, (hi - lo) * 16)
+
+    @device
+    def prefetch_kv(kp, vp, table, li, n_pages, part, parts):
+        """Layer li's K and V pages (the step's, whole) toward L2, spread over parts."""
+        for j in range(part, 2 * HKV * n_pages, parts):
+            base = ((np.int64(table[j // (2 * HKV)]) * L + li) * HKV + (j % (2 * HKV)) // 2) * (PAGE * DH)
+            if j & 1:
+                l2_prefetch(vp, base, PAGE * DH * 2)
+            else:
+                l2_prefetch(kp, base, PAGE * DH * 2)
+
+    @device
+    def prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane):
+        """What comes after layer li's attention (its o, gate, up and down, the next layer's
+        q, k and v: one contiguous span of the pack) by the block's first warp, and the next
+        layer's K/V pages by its last."""
+        if wid == 0:
+            prefetch_span(w, wtab[li, 3, 0], wtab[li + 1, 3, 0] if li + 1 < L else w.size, bid * 32 + lane, nb * 32)
+        if wid == W - 1 and li + 1 < L:
+            prefetch_kv(kp, vp, table, li + 1, n_pages, bid * 32 + lane, nb * 32)
+
     @device
     def kv_index(table, pslot, pg0, li, h, key):
         """The uint16 index of key's row of kv head h in a flat pool (the page's slot from
@@ -770,6 +828,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
         stamp = bid == 0 and tid == 0
         if stamp:
             stamps[0] = _globaltimer()
+        n_pages = (n_keys + PAGE - 1) // PAGE
+        if AHEAD:  # layer 0's q, k and v, and its K/V pages
+            if wid == 0:
+                prefetch_span(w, 0, wtab[0, 3, 0], bid * 32 + lane, nb * 32)
+            if wid == W - 1:
+                prefetch_kv(kp, vp, table, 0, n_pages, bid * 32 + lane, nb * 32)
 
         # the token's embedding: block 0 writes the residual stream
         t = tok[0]
@@ -780,7 +844,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
             if tid == 0:
                 kv_pos[n_past] = p
         epoch += 1
-        _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+        _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
         lpr = _lanes_a_row(D)
         rpw = 32 // lpr
@@ -802,12 +866,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                         v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (B) attention: items of (kv head, group of pages)
-            n_pages = (n_keys + PAGE - 1) // PAGE
             ppi = max(1, (n_pages * HKV + nb - 1) // nb)
             n_ch = (n_pages + ppi - 1) // ppi
+            if AHEAD and bid >= HKV * n_ch:  # no item here: the prefetches at once
+                prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane)
             for it in range(bid, HKV * n_ch, nb):
                 h = it // n_ch
                 ch = it % n_ch
@@ -828,6 +893,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 k1 = min(pg1 * PAGE, n_keys)
                 # K and the first V in flight while q (and the new row's k) are normed
                 load_pass(kp, vp, table, pslot, pg0, li, h, k0, min(KC, k1 - k0), kw, vw, tid, wid, lane)
+                if AHEAD and it == bid:  # behind the first item's K/V loads, which the item waits on
+                    prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane)
                 last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
                 head_norm_rope(qkv, h * G * DH, QR + h * DH, qsh, nw, ntab[li, 2] if QKN else -1,
                                ntab[li, 3] if QKN else -1, G, G + 1 if last else G, cs, red, wid, lane)
@@ -878,13 +945,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                 if sub:
                     stamps[SUB + 4 * li + 3] = _globaltimer()
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (C) o rows into the residual stream
             into_stream(xs, xqw, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 2)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (D) gate and up rows of the normed stream, SwiGLU
             qg = wtab[li, 4, 1]
@@ -900,13 +967,13 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (E) down rows into the residual stream
             into_stream(xs, xqw, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 6)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
         # the head
         norm_into(xs, xg, out_norm, 0, bred, xqw, xqf, red, tid, wid, lane)
@@ -936,7 +1003,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False):
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True) -> str:
+                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = True) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -946,7 +1013,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1034,7 +1101,7 @@ class PersistentDecode:
     launch chain's products by default) where x8_fits (None), or over float x (False)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None):
+                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = True):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1070,7 +1137,7 @@ class PersistentDecode:
         self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8)
+                              self.x8, release, ahead)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
