@@ -616,9 +616,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
 
-    # AHEAD: the row phases' weights start toward L2 a phase or more before they are read,
-    # one bulk prefetch a lane (no registers held, nothing waited on): a row phase's first
-    # loads were a DRAM round trip after x was staged
+    # AHEAD: each row phase's weights start toward L2 just before the grid barrier that
+    # opens it (one bulk prefetch a lane of the block's first warp: no registers held,
+    # nothing waited on), so its loads after x's staging hit L2 instead of DRAM; the next
+    # layer's K/V pages with its q/k/v. Issued during attention instead, the traffic held
+    # up the items' own K/V loads (H100: 1,159 against 1,143 us a step without, df85697).
     @device
     def prefetch_span(w, a, b, part, parts):
         """Part `part` of `parts` of w[a:b] (uint16; a, b 16-byte multiples) toward L2."""
@@ -630,24 +632,23 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             l2_prefetch(w, a + 8 * lo, (hi - lo) * 16)
 
     @device
-    def prefetch_kv(kp, vp, table, li, n_pages, part, parts):
-        """Layer li's K and V pages (the step's, whole) toward L2, spread over parts."""
-        for j in range(part, 2 * HKV * n_pages, parts):
-            base = ((np.int64(table[j // (2 * HKV)]) * L + li) * HKV + (j % (2 * HKV)) // 2) * (PAGE * DH)
-            if j & 1:
-                l2_prefetch(vp, base, PAGE * DH * 2)
-            else:
-                l2_prefetch(kp, base, PAGE * DH * 2)
+    def prefetch_next(w, wtab, li, k0, k1, bid, nb, wid, lane):
+        """Layer li's matrices k0 .. k1 - 1 (KINDS order: contiguous in the pack) by the
+        block's first warp."""
+        if AHEAD and wid == 0:
+            end = wtab[li, k1, 0] if k1 < len(KINDS) else (wtab[li + 1, 0, 0] if li + 1 < L else w.size)
+            prefetch_span(w, wtab[li, k0, 0], end, bid * 32 + lane, nb * 32)
 
     @device
-    def prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane):
-        """What comes after layer li's attention (its o, gate, up and down, the next layer's
-        q, k and v: one contiguous span of the pack) by the block's first warp, and the next
-        layer's K/V pages by its last."""
-        if wid == 0:
-            prefetch_span(w, wtab[li, 3, 0], wtab[li + 1, 3, 0] if li + 1 < L else w.size, bid * 32 + lane, nb * 32)
-        if wid == W - 1 and li + 1 < L:
-            prefetch_kv(kp, vp, table, li + 1, n_pages, bid * 32 + lane, nb * 32)
+    def prefetch_kv(kp, vp, table, li, n_pages, bid, nb, wid, lane):
+        """Layer li's K and V pages (the step's, whole) by the block's last warp."""
+        if AHEAD and wid == W - 1:
+            for j in range(bid * 32 + lane, 2 * HKV * n_pages, nb * 32):
+                base = ((np.int64(table[j // (2 * HKV)]) * L + li) * HKV + (j % (2 * HKV)) // 2) * (PAGE * DH)
+                if j & 1:
+                    l2_prefetch(vp, base, PAGE * DH * 2)
+                else:
+                    l2_prefetch(kp, base, PAGE * DH * 2)
 
     @device
     def kv_index(table, pslot, pg0, li, h, key):
@@ -829,11 +830,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         if stamp:
             stamps[0] = _globaltimer()
         n_pages = (n_keys + PAGE - 1) // PAGE
-        if AHEAD:  # layer 0's q, k and v, and its K/V pages
-            if wid == 0:
-                prefetch_span(w, 0, wtab[0, 3, 0], bid * 32 + lane, nb * 32)
-            if wid == W - 1:
-                prefetch_kv(kp, vp, table, 0, n_pages, bid * 32 + lane, nb * 32)
+        prefetch_next(w, wtab, 0, 0, 3, bid, nb, wid, lane)  # layer 0's q, k and v, and its K/V
+        prefetch_kv(kp, vp, table, 0, n_pages, bid, nb, wid, lane)
 
         # the token's embedding: block 0 writes the residual stream
         t = tok[0]
@@ -871,8 +869,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             # (B) attention: items of (kv head, group of pages)
             ppi = max(1, (n_pages * HKV + nb - 1) // nb)
             n_ch = (n_pages + ppi - 1) // ppi
-            if AHEAD and bid >= HKV * n_ch:  # no item here: the prefetches at once
-                prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane)
             for it in range(bid, HKV * n_ch, nb):
                 h = it // n_ch
                 ch = it % n_ch
@@ -893,8 +889,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 k1 = min(pg1 * PAGE, n_keys)
                 # K and the first V in flight while q (and the new row's k) are normed
                 load_pass(kp, vp, table, pslot, pg0, li, h, k0, min(KC, k1 - k0), kw, vw, tid, wid, lane)
-                if AHEAD and it == bid:  # behind the first item's K/V loads, which the item waits on
-                    prefetch_ahead(w, wtab, kp, vp, table, li, n_pages, bid, nb, wid, lane)
                 last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
                 head_norm_rope(qkv, h * G * DH, QR + h * DH, qsh, nw, ntab[li, 2] if QKN else -1,
                                ntab[li, 3] if QKN else -1, G, G + 1 if last else G, cs, red, wid, lane)
@@ -944,12 +938,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 cuda.syncthreads()
                 if sub:
                     stamps[SUB + 4 * li + 3] = _globaltimer()
+            prefetch_next(w, wtab, li, 3, 4, bid, nb, wid, lane)  # o
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (C) o rows into the residual stream
             into_stream(xs, xqw, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 2)
+            prefetch_next(w, wtab, li, 4, 6, bid, nb, wid, lane)  # gate and up
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
@@ -966,12 +962,16 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
+            prefetch_next(w, wtab, li, 6, 7, bid, nb, wid, lane)  # down
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (E) down rows into the residual stream
             into_stream(xs, xqw, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
                         stamp, stamps, DET + 8 * li + 6)
+            if li + 1 < L:  # the next layer's q, k and v, and its K/V
+                prefetch_next(w, wtab, li + 1, 0, 3, bid, nb, wid, lane)
+                prefetch_kv(kp, vp, table, li + 1, n_pages, bid, nb, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
