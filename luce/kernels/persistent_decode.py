@@ -378,7 +378,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=True):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -1003,7 +1003,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = True) -> str:
+                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1101,7 +1101,7 @@ class PersistentDecode:
     launch chain's products by default) where x8_fits (None), or over float x (False)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = True):
+                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")

@@ -110,9 +110,18 @@ def test_persistent_decode_over_two_passes_of_keys(backends):
     kv_gpu.commit()
     want = cpu.forward(fam, cfg, w_cpu, kv_cpu, [11], [n])
     got = gpu.forward(fam, cfg, w_gpu, kv_gpu, [11], [n])
-    assert gpu._model_state(fam, cfg, w_gpu, kv_gpu)["persistent"] is not None
+    pd = gpu._model_state(fam, cfg, w_gpu, kv_gpu)["persistent"]
+    assert pd is not None
     np.testing.assert_allclose(got, want, **_tolerance(x8, want))
     assert int(np.argmax(got)) == int(np.argmax(want))
+    # the kernel's other grid barrier (full fences) with its L2 prefetches on (their spans
+    # checked in bounds here): the same step again, the same logits bit for bit
+    from numba import cuda
+
+    from luce.kernels.persistent_decode import PersistentDecode
+    alt = PersistentDecode(cfg, w_gpu, kv_gpu, packed=pd.pk, release=False, ahead=True)
+    again = alt.forward(cuda.to_device(np.array([11], np.int32)), cuda.to_device(np.array([n], np.int32)))
+    np.testing.assert_array_equal(again.copy_to_host(), pd.logits.copy_to_host())
 
 
 def test_persistent_decode_compiles_for_sm_90(ptx_check):
