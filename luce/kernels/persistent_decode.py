@@ -378,7 +378,8 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False,
+            OMERGE=False, PPI=0):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -585,11 +586,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             warp_barrier()
 
     @device
-    def into_stream(xs, xqw, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si):
+    def into_stream(xs, xqw, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si,
+                    staged):
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
-        first (X8: into xq)."""
-        if X8:
+        first (X8: into xq), unless the caller has (staged)."""
+        if staged:
+            pass
+        elif X8:
             if n == QR:
                 qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
             else:
@@ -649,6 +653,77 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                     l2_prefetch(vp, base, PAGE * DH * 2)
                 else:
                     l2_prefetch(kp, base, PAGE * DH * 2)
+
+    # OMERGE: attention's splits merged where o's rows take their x, by every block for
+    # itself (four splits' partials in flight a trip, online softmax over the splits)
+    # instead of by each head's last item: no count, no merge on attention's critical path
+    # (at the Qwen3-0.6B shape the items' partials, count and merge took ~2-3 us a layer
+    # of block 0's item) and no round trip through att
+    TQQ = (QR // 4 + NT - 1) // NT
+
+    @device
+    def merged_quad(po16, pml, hq, d, n_ch):
+        """Columns d .. d + 3 of q head hq's attention output from its n_ch splits'
+        partials (unnormalized output, m and l a split)."""
+        mx = f32(-math.inf)
+        den = f32(0.0)
+        n0 = f32(0.0)
+        n1 = f32(0.0)
+        n2 = f32(0.0)
+        n3 = f32(0.0)
+        base = hq * MAXP
+        for c0 in range(0, n_ch, 4):
+            ia = base + c0
+            ib = base + min(c0 + 1, n_ch - 1)
+            ic = base + min(c0 + 2, n_ch - 1)
+            idd = base + min(c0 + 3, n_ch - 1)
+            ma, la = ldcg_f32(pml, 2 * ia), ldcg_f32(pml, 2 * ia + 1)
+            mb, lb = ldcg_f32(pml, 2 * ib), ldcg_f32(pml, 2 * ib + 1)
+            mc, lc = ldcg_f32(pml, 2 * ic), ldcg_f32(pml, 2 * ic + 1)
+            md, ld = ldcg_f32(pml, 2 * idd), ldcg_f32(pml, 2 * idd + 1)
+            oa = ldcg_u16_u32x4(po16, 2 * (ia * DH + d))
+            ob = ldcg_u16_u32x4(po16, 2 * (ib * DH + d))
+            oc = ldcg_u16_u32x4(po16, 2 * (ic * DH + d))
+            od = ldcg_u16_u32x4(po16, 2 * (idd * DH + d))
+            # a clamped split repeats the last one: it takes no weight
+            mb = mb if c0 + 1 < n_ch else f32(-math.inf)
+            mc = mc if c0 + 2 < n_ch else f32(-math.inf)
+            md = md if c0 + 3 < n_ch else f32(-math.inf)
+            m_new = max(max(mx, ma), max(max(mb, mc), md))
+            a = f32(math.exp(mx - m_new)) if mx > -math.inf else f32(0.0)
+            ea = f32(math.exp(ma - m_new))
+            eb = f32(math.exp(mb - m_new)) if mb > -math.inf else f32(0.0)
+            ec = f32(math.exp(mc - m_new)) if mc > -math.inf else f32(0.0)
+            ed = f32(math.exp(md - m_new)) if md > -math.inf else f32(0.0)
+            den = den * a + ea * la + eb * lb + ec * lc + ed * ld
+            n0 = n0 * a + ea * u32_bits_to_f32(oa[0]) + eb * u32_bits_to_f32(ob[0]) + \
+                ec * u32_bits_to_f32(oc[0]) + ed * u32_bits_to_f32(od[0])
+            n1 = n1 * a + ea * u32_bits_to_f32(oa[1]) + eb * u32_bits_to_f32(ob[1]) + \
+                ec * u32_bits_to_f32(oc[1]) + ed * u32_bits_to_f32(od[1])
+            n2 = n2 * a + ea * u32_bits_to_f32(oa[2]) + eb * u32_bits_to_f32(ob[2]) + \
+                ec * u32_bits_to_f32(oc[2]) + ed * u32_bits_to_f32(od[2])
+            n3 = n3 * a + ea * u32_bits_to_f32(oa[3]) + eb * u32_bits_to_f32(ob[3]) + \
+                ec * u32_bits_to_f32(oc[3]) + ed * u32_bits_to_f32(od[3])
+            mx = m_new
+        inv = f32(1.0) / den
+        return n0 * inv, n1 * inv, n2 * inv, n3 * inv
+
+    @device
+    def merge_stage(po16, pml, n_ch, xs, xqw, xqf, red, tid, wid, lane):
+        """Attention's output, merged from its splits, staged for o's rows (X8: into xq)."""
+        for k in range(TQQ):
+            c = 4 * (tid + k * NT)
+            cc = min(c, QR - 4)
+            v0, v1, v2, v3 = merged_quad(po16, pml, cc // DH, cc % DH, n_ch)
+            if X8:
+                int8_quad_store(v0, v1, v2, v3, c < QR, c, lane, wid, red, xqw, xqf, 2)
+            elif c < QR:
+                i = _xi(cc)  # a run of four inside one 64
+                xs[i] = v0
+                xs[i + 1] = v1
+                xs[i + 2] = v2
+                xs[i + 3] = v3
+        cuda.syncthreads()
 
     @device
     def kv_index(table, pslot, pg0, li, h, key):
@@ -867,7 +942,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (B) attention: items of (kv head, group of pages)
-            ppi = max(1, (n_pages * HKV + nb - 1) // nb)
+            ppi = PPI if PPI > 0 else max(1, (n_pages * HKV + nb - 1) // nb)
             n_ch = (n_pages + ppi - 1) // ppi
             for it in range(bid, HKV * n_ch, nb):
                 h = it // n_ch
@@ -907,7 +982,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 if tid < G:
                     part_ml[((h * G + tid) * MAXP + ch) * 2] = ml[tid]
                     part_ml[((h * G + tid) * MAXP + ch) * 2 + 1] = ml[G + tid]
-                if arrive(cnt, 2 + h, n_ch, ibuf, tid):
+                if not OMERGE and arrive(cnt, 2 + h, n_ch, ibuf, tid):
                     # the head's splits: every (m, l) into shared memory at once (part is
                     # free again), then each output column over the splits 4 at a time
                     for i in range(tid, 2 * G * n_ch, NT):
@@ -943,8 +1018,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
 
             # (C) o rows into the residual stream
+            if OMERGE:
+                merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
             into_stream(xs, xqw, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 2)
+                        stamp, stamps, DET + 8 * li + 2, OMERGE)
             prefetch_next(w, wtab, li, 4, 6, bid, nb, wid, lane)  # gate and up
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
@@ -968,7 +1045,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
             # (E) down rows into the residual stream
             into_stream(xs, xqw, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 6)
+                        stamp, stamps, DET + 8 * li + 6, False)
             if li + 1 < L:  # the next layer's q, k and v, and its K/V
                 prefetch_next(w, wtab, li + 1, 0, 3, bid, nb, wid, lane)
                 prefetch_kv(kp, vp, table, li + 1, n_pages, bid, nb, wid, lane)
@@ -1003,7 +1080,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False) -> str:
+                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False,
+                   merge_in_o: bool = False) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1013,7 +1091,8 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead,
+                merge_in_o)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1098,10 +1177,17 @@ class PersistentDecode:
     """A model's one-token forward on one cache through the persistent kernel: scratch at
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
-    launch chain's products by default) where x8_fits (None), or over float x (False)."""
+    launch chain's products by default) where x8_fits (None), or over float x (False).
+    Choices measured against each other by `python -m luce.bench.persistent_decode
+    --variants`: release (the grid barrier's count a release reduction, else full fences
+    around an atomic), ahead (each row phase's weights prefetched to L2 before its
+    barrier), merge_in_o (attention's splits merged in o's staging, not by each head's last
+    item); pages_an_item > 0 fixes attention's pages an item (else as many as spread the
+    items over the grid; the simulator's one block then still has several splits)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False):
+                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False,
+                 merge_in_o: bool = False, pages_an_item: int = 0):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1137,7 +1223,7 @@ class PersistentDecode:
         self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, release, ahead)
+                              self.x8, release, ahead, merge_in_o, pages_an_item)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

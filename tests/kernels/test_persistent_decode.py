@@ -12,7 +12,7 @@ from tests.ptx_background import assert_ptx_ok, background_ptx_check
 # expression, not a constant, once), and the loads the kernel relies on must be there.
 ptx_check = background_ptx_check("""
 from luce.kernels.persistent_decode import compile_ptx_at
-ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True)
+ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True, merge_in_o=True)
 assert ".maxntid 512" in ptx
 assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
 assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx and "%globaltimer" in ptx
@@ -120,9 +120,17 @@ def test_persistent_decode_over_two_passes_of_keys(backends):
     from numba import cuda
 
     from luce.kernels.persistent_decode import PersistentDecode
+    tok, pos = cuda.to_device(np.array([11], np.int32)), cuda.to_device(np.array([n], np.int32))
     alt = PersistentDecode(cfg, w_gpu, kv_gpu, packed=pd.pk, release=False, ahead=True)
-    again = alt.forward(cuda.to_device(np.array([11], np.int32)), cuda.to_device(np.array([n], np.int32)))
-    np.testing.assert_array_equal(again.copy_to_host(), pd.logits.copy_to_host())
+    np.testing.assert_array_equal(alt.forward(tok, pos).copy_to_host(), pd.logits.copy_to_host())
+    # a page an item: attention in two splits (one block takes every item here), merged
+    # by each head's last item, then where o's rows stage their x (another summation order)
+    for merge_in_o in (False, True):
+        alt = PersistentDecode(cfg, w_gpu, kv_gpu, packed=pd.pk, merge_in_o=merge_in_o, pages_an_item=1)
+        split = alt.forward(tok, pos).copy_to_host().reshape(got.shape)
+        np.testing.assert_allclose(split, got, rtol=0, atol=1e-4 * float(np.abs(got).max()))
+        np.testing.assert_allclose(split, want, **_tolerance(x8, want))
+        assert not alt.cnt.copy_to_host().any()
 
 
 def test_persistent_decode_compiles_for_sm_90(ptx_check):
