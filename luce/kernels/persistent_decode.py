@@ -19,14 +19,15 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
-Status (docs/benchmarks.md, thirty-seventh session): correct on the GPU and, at the
-synthetic Qwen3-0.6B shape on an H100, still slower than the backend's graph-replayed
-launch chain: 1,240 us a step (485b280; through the backend 1,261) against 1,151, where it
-took 1,702 at a1c21e5. A layer (us): attention 16.3, down 8.0, q/k/v 7.6, gate/up 6.1, o
-4.8, each phase ending in a grid barrier of ~1.5-2.3 us with its wait; the head 39.8.
-Where it goes is printed by `python -m luce.bench.persistent_decode` (the phases' grid
-barriers, block 0's stamps inside them). So CUDABackend takes it only with
-LUCE_PERSISTENT_DECODE=1.
+Status (docs/benchmarks.md, thirty-eighth session): at the synthetic Qwen3-0.6B shape on
+an H100, about even with the backend's graph-replayed launch chain, not faster: 1,143 us a
+step alone with the grid barrier as a release reduction (df85697; 1,182 with full fences,
+1,240 at 485b280, 3,435 at its first version) against 1,153. A layer (us, dfb65a2):
+attention 14.9, down 7.8, q/k/v 7.2, gate/up 6.0, o 4.7, each phase ending in a grid
+barrier with its wait; the head 40.8. Where it goes is printed by
+`python -m luce.bench.persistent_decode` (the phases' grid barriers, block 0's stamps
+inside them; --variants times PersistentDecode's options against each other). So CUDABackend
+takes it only with LUCE_PERSISTENT_DECODE=1.
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
