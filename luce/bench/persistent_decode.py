@@ -9,8 +9,9 @@ alone (launches between two CUDA events, the same position each time), reads its
 stamps, then times the backend's decode with the next token on the device (as `luce
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
 new model state and graphs). With --float-x the kernel is also timed with its rows over
-float x; with --variants, with its choices (PersistentDecode's release, ahead and
-merge_in_o) against each other, alternating, twice each. Figures go to docs/benchmarks.md unless --no-record."""
+float x; with --variants, with PersistentDecode's options (release, ahead, merge_in_o,
+spread) against the default and each other, alternating, twice each. Figures go to
+docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
 
 import sys
@@ -66,21 +67,20 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
         alone_float = time_alone(PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False))
     var_rows = []
     if variants:
-        choices = [(False, False, False), (True, False, False), (True, True, False), (True, False, True),
-                   (True, True, True)]  # (release, ahead, merge_in_o)
-        ks = {c: PersistentDecode(cfg, w, kv, packed=pd.pk, release=c[0], ahead=c[1], merge_in_o=c[2])
-              for c in choices}
-        diffs = {c: float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()) for c, k in ks.items()}
-        times = {c: [] for c in choices}
+        # PersistentDecode's options, each against the default (release alone), then all
+        choices = [{"release": False}, {}, {"ahead": True}, {"merge_in_o": True}, {"spread": True},
+                   {"ahead": True, "merge_in_o": True, "spread": True}]
+        ks = [PersistentDecode(cfg, w, kv, packed=pd.pk, **c) for c in choices]
+        diffs = [float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()) for k in ks]
+        times = [[] for _ in choices]
         for _ in range(2):
-            for c in choices:
-                times[c].append(time_alone(ks[c]))
-        var_rows = [{"barrier": "release" if c[0] else "fences", "L2 prefetch": "on" if c[1] else "off",
-                     "splits merged": "in o's staging" if c[2] else "by the last item",
-                     "us (two runs)": " / ".join(f"{t:,.1f}" for t in times[c]),
-                     "logits within": f"{diffs[c]:.2e}"} for c in choices]
+            for i, k in enumerate(ks):
+                times[i].append(time_alone(k))
+        var_rows = [{"options": ", ".join(f"{k}={v}" for k, v in c.items()) or "(the default)",
+                     "us (two runs)": " / ".join(f"{t:,.1f}" for t in ts), "logits within": f"{d:.2e}"}
+                    for c, ts, d in zip(choices, times, diffs)]
     title = f"persistent decode, {label}, {n_prompt}-token prompt"
-    cols_v = ["barrier", "L2 prefetch", "splits merged", "us (two runs)", "logits within"]
+    cols_v = ["options", "us (two runs)", "logits within"]
     if var_rows:  # printed at once: the backend's timings below take the longest
         print_table(f"{title}: the kernel alone by variant", var_rows, cols_v)
     pd.forward(tok, pos)  # its stamps are the ones read below

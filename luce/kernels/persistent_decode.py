@@ -380,7 +380,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False,
-            OMERGE=False, PPI=0):
+            OMERGE=False, PPI=0, SPREAD=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -870,7 +870,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         wid = tid >> 5
         bid = cuda.blockIdx.x
         nb = cuda.gridDim.x
-        gw = bid * W + wid
+        # the row phases' warp index: SPREAD puts a block's warps nb apart, so that a phase
+        # with fewer row pairs than warps (o and down: a pair a warp, 512 at Qwen3-0.6B's
+        # shape, against 16 warps a block) runs on every SM, not on the first 32 of them
+        gw = wid * nb + bid if SPREAD else bid * W + wid
         nw_all = nb * W
         xs = cuda.shared.array(XSN, np.float32)
         red = cuda.shared.array(RED, np.float32)
@@ -1082,7 +1085,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
                    max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False,
-                   merge_in_o: bool = False) -> str:
+                   merge_in_o: bool = False, spread: bool = False) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1093,7 +1096,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
     k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead,
-                merge_in_o)
+                merge_in_o, 0, spread)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1183,12 +1186,13 @@ class PersistentDecode:
     --variants`: release (the grid barrier's count a release reduction, else full fences
     around an atomic), ahead (each row phase's weights prefetched to L2 before its
     barrier), merge_in_o (attention's splits merged in o's staging, not by each head's last
-    item); pages_an_item > 0 fixes attention's pages an item (else as many as spread the
-    items over the grid; the simulator's one block then still has several splits)."""
+    item), spread (the row phases' warps interleaved over the blocks); pages_an_item > 0
+    fixes attention's pages an item (else as many as spread the items over the grid; the
+    simulator's one block then still has several splits)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
                  threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False,
-                 merge_in_o: bool = False, pages_an_item: int = 0):
+                 merge_in_o: bool = False, pages_an_item: int = 0, spread: bool = False):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1224,7 +1228,7 @@ class PersistentDecode:
         self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, release, ahead, merge_in_o, pages_an_item)
+                              self.x8, release, ahead, merge_in_o, pages_an_item, spread)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

@@ -12,7 +12,7 @@ from tests.ptx_background import assert_ptx_ok, background_ptx_check
 # expression, not a constant, once), and the loads the kernel relies on must be there.
 ptx_check = background_ptx_check("""
 from luce.kernels.persistent_decode import compile_ptx_at
-ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True, merge_in_o=True)
+ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True, merge_in_o=True, spread=True)
 assert ".maxntid 512" in ptx
 assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
 assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx and "%globaltimer" in ptx
