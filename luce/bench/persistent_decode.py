@@ -10,8 +10,8 @@ stamps, then times the backend's decode with the next token on the device (as `l
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
 new model state and graphs). With --float-x the kernel is also timed with its rows over
 float x; with --variants, with PersistentDecode's options (release, ahead, merge_in_o,
-spread) against the default and each other, alternating, twice each. Figures go to
-docs/benchmarks.md unless --no-record."""
+spread, q_first) against the default and each other, alternating, twice each. Figures
+go to docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
 
 import sys
@@ -69,7 +69,7 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     if variants:
         # PersistentDecode's options, each against the default (release alone), then all
         choices = [{"release": False}, {}, {"ahead": True}, {"merge_in_o": True}, {"spread": True},
-                   {"ahead": True, "merge_in_o": True, "spread": True}]
+                   {"q_first": True}, {"ahead": True, "merge_in_o": True, "spread": True, "q_first": True}]
         ks = [PersistentDecode(cfg, w, kv, packed=pd.pk, **c) for c in choices]
         diffs = [float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()) for k in ks]
         times = [[] for _ in choices]

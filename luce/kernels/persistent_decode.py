@@ -380,7 +380,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False,
-            OMERGE=False, PPI=0, SPREAD=False):
+            OMERGE=False, PPI=0, SPREAD=False, QFIRST=False):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -546,23 +546,28 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         return kind, rr, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
 
     @device
-    def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane):
+    def head_load(src, qb, kb, nq, hd, xv, lane):
+        """Head hd's DH floats (q heads < nq from src[qb + hd DH:], head nq from src[kb:]),
+        a lane's NPL of them into xv: every load issued before anything waits on one (the
+        L2 loads keep program order: a store between them waited on its load, four round
+        trips a head at 128, 3.5 us with the item's K/V loads, 485b280, H100)."""
+        sb = qb + hd * DH if hd < nq else kb
+        for m in range(NPL):
+            xv[m] = ldcg_f32(src, sb + lane + 32 * m)
+
+    @device
+    def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane, xv, loaded):
         """ntot heads of DH floats into v (shared memory), a warp a head: heads < nq from
         src[qb + hd DH:] (other blocks' writes), head nq from src[kb:]; each RMSNormed (by
         nw[offq:], head nq by nw[offk:]; off < 0: none) and rotated by cs (the step's cos
         and sin) in its warp's registers and shared memory, no block barrier until the
         caller's (a block's passes over all heads took 1.9 us an item each for q and the
-        new k, H100)."""
+        new k, H100). loaded: the warp's first head is in xv already (head_load)."""
         for hd in range(wid, ntot, W):
-            sb = qb + hd * DH if hd < nq else kb
             hb = hd * DH
             off = offq if hd < nq else offk
-            # every load issued before the first store: a store between them waits on its
-            # load (the L2 loads keep program order), four round trips a head at 128
-            # (3.5 us with the item's K/V loads, 485b280, H100)
-            xv = cuda.local.array(NPL, np.float32)
-            for m in range(NPL):
-                xv[m] = ldcg_f32(src, sb + lane + 32 * m)
+            if not (loaded and hd == wid):
+                head_load(src, qb, kb, nq, hd, xv, lane)
             ss = f32(0.0)
             for m in range(NPL):
                 ss += xv[m] * xv[m]
@@ -894,6 +899,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
         vw = cuda.local.array(VW, np.uint32)
+        xv = cuda.local.array(NPL, np.float32)  # a warp's head in attention (head_load)
         pslot_pg0 = -1
         n_past = meta[0]
         p = pos[0]
@@ -966,11 +972,16 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                     stamps[SUB + 4 * li] = _globaltimer()
                 k0 = pg0 * PAGE
                 k1 = min(pg1 * PAGE, n_keys)
+                last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
+                ntot = G + 1 if last else G
+                # QFIRST: the warp's q (or new k) head loaded ahead of K/V, so that its L2
+                # round trip is not queued behind their DRAM one
+                if QFIRST and wid < ntot:
+                    head_load(qkv, h * G * DH, QR + h * DH, G, wid, xv, lane)
                 # K and the first V in flight while q (and the new row's k) are normed
                 load_pass(kp, vp, table, pslot, pg0, li, h, k0, min(KC, k1 - k0), kw, vw, tid, wid, lane)
-                last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
                 head_norm_rope(qkv, h * G * DH, QR + h * DH, qsh, nw, ntab[li, 2] if QKN else -1,
-                               ntab[li, 3] if QKN else -1, G, G + 1 if last else G, cs, red, wid, lane)
+                               ntab[li, 3] if QKN else -1, G, ntot, cs, red, wid, lane, xv, QFIRST)
                 cuda.syncthreads()
                 if sub:
                     stamps[SUB + 4 * li + 1] = _globaltimer()
@@ -1085,7 +1096,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
                    max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False,
-                   merge_in_o: bool = False, spread: bool = False) -> str:
+                   merge_in_o: bool = False, spread: bool = False, q_first: bool = False) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1096,7 +1107,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
     k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead,
-                merge_in_o, 0, spread)
+                merge_in_o, 0, spread, q_first)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1186,13 +1197,14 @@ class PersistentDecode:
     --variants`: release (the grid barrier's count a release reduction, else full fences
     around an atomic), ahead (each row phase's weights prefetched to L2 before its
     barrier), merge_in_o (attention's splits merged in o's staging, not by each head's last
-    item), spread (the row phases' warps interleaved over the blocks); pages_an_item > 0
+    item), spread (the row phases' warps interleaved over the blocks), q_first (attention's
+    q heads loaded before the item's K/V, not after); pages_an_item > 0
     fixes attention's pages an item (else as many as spread the items over the grid; the
     simulator's one block then still has several splits)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
                  threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False,
-                 merge_in_o: bool = False, pages_an_item: int = 0, spread: bool = False):
+                 merge_in_o: bool = False, pages_an_item: int = 0, spread: bool = False, q_first: bool = False):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1228,7 +1240,7 @@ class PersistentDecode:
         self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, release, ahead, merge_in_o, pages_an_item, spread)
+                              self.x8, release, ahead, merge_in_o, pages_an_item, spread, q_first)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

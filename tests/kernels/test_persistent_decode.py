@@ -12,7 +12,7 @@ from tests.ptx_background import assert_ptx_ok, background_ptx_check
 # expression, not a constant, once), and the loads the kernel relies on must be there.
 ptx_check = background_ptx_check("""
 from luce.kernels.persistent_decode import compile_ptx_at
-ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True, merge_in_o=True, spread=True)
+ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, ahead=True, merge_in_o=True, spread=True, q_first=True)
 assert ".maxntid 512" in ptx
 assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
 assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx and "%globaltimer" in ptx
@@ -116,12 +116,13 @@ def test_persistent_decode_over_two_passes_of_keys(backends):
     np.testing.assert_allclose(got, want, **_tolerance(x8, want))
     assert int(np.argmax(got)) == int(np.argmax(want))
     # the kernel's other grid barrier (full fences) with its L2 prefetches on (their spans
-    # checked in bounds here): the same step again, the same logits bit for bit
+    # checked in bounds here), its warps spread and q loaded first: the same step again,
+    # the same logits bit for bit
     from numba import cuda
 
     from luce.kernels.persistent_decode import PersistentDecode
     tok, pos = cuda.to_device(np.array([11], np.int32)), cuda.to_device(np.array([n], np.int32))
-    alt = PersistentDecode(cfg, w_gpu, kv_gpu, packed=pd.pk, release=False, ahead=True)
+    alt = PersistentDecode(cfg, w_gpu, kv_gpu, packed=pd.pk, release=False, ahead=True, spread=True, q_first=True)
     np.testing.assert_array_equal(alt.forward(tok, pos).copy_to_host(), pd.logits.copy_to_host())
     # a page an item: attention in two splits (one block takes every item here), merged
     # by each head's last item, then where o's rows stage their x (another summation order)
