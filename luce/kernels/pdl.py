@@ -62,6 +62,7 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
+    from .bulk_copy import emit_l2_prefetch
     from .mma import _asm
 
     @intrinsic
@@ -85,7 +86,6 @@ else:
 
         def codegen(context, builder, sig, args):
             if PREFETCH:
-                from .bulk_copy import emit_l2_prefetch
                 emit_l2_prefetch(context, builder, sig, args)
             return context.get_dummy_value()
         return sig, codegen

@@ -46,12 +46,12 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
+from .bulk_copy import l2_prefetch
 from .device import SIM, device
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
-from .bulk_copy import l2_prefetch
 from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
@@ -137,13 +137,12 @@ def _grid_sync(cnt, target, tid, release):
     if tid == 0:  # the block's writes, ordered before thread 0's count by the barrier
         if release:
             _red_release(cnt, 0, 1)
-            while _ld_acquire(cnt, 0) < target:
-                pass
         else:
             cuda.threadfence()
             cuda.atomic.add(cnt, 0, 1)
-            while _ld_acquire(cnt, 0) < target:
-                pass
+        while _ld_acquire(cnt, 0) < target:
+            pass
+        if not release:
             cuda.threadfence()
     cuda.syncthreads()
 
@@ -597,19 +596,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
         first (X8: into xq), unless the caller has (staged)."""
-        if staged:
-            pass
-        elif X8:
-            if n == QR:
-                qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
+        if not staged:
+            if X8:
+                if n == QR:
+                    qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
+                else:
+                    qstage_f(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
             else:
-                qstage_f(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
-        else:
-            if n == QR:
-                stage_q(xs, src, tid)
-            else:
-                stage_f(xs, src, tid)
-            cuda.syncthreads()
+                if n == QR:
+                    stage_q(xs, src, tid)
+                else:
+                    stage_f(xs, src, tid)
+                cuda.syncthreads()
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
