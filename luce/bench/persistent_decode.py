@@ -1,7 +1,7 @@
 """The persistent decode kernel (luce.kernels.persistent_decode) against the CUDA backend's
 launch chain on a synthetic model's one-token step, on the GPU:
 
-    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--float-x] [--variants] [--no-record]
+    python -m luce.bench.persistent_decode [SHAPE] [--prompt N] [--float-x] [--variants | --variants-only] [--no-record]
 
 SHAPE defaults to qwen3-0.6b (a draft's shape). After an N-token prompt (512), it checks
 the kernel's logits against the backend's forward for the same token, times the kernel
@@ -10,7 +10,8 @@ stamps, then times the backend's decode with the next token on the device (as `l
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
 new model state and graphs). With --float-x the kernel is also timed with its rows over
 float x; with --variants, with PersistentDecode's options (release, ahead, merge_in_o,
-spread, q_first) against the default and each other, alternating, twice each. Figures
+spread, q_first) against the default and each other, alternating, twice each
+(--variants-only: that table and nothing after it, for a short GPU call). Figures
 go to docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import sys
 
 
 def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps: int = 50,
-        record: bool = True, float_x: bool = False, variants: bool = False) -> tuple[list[dict], list[dict]]:
+        record: bool = True, float_x: bool = False, variants: bool = False,
+        variants_only: bool = False) -> tuple[list[dict], list[dict]]:
     import numpy as np
     from numba import cuda
 
@@ -83,6 +85,8 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
     cols_v = ["options", "us (two runs)", "logits within"]
     if var_rows:  # printed at once: the backend's timings below take the longest
         print_table(f"{title}: the kernel alone by variant", var_rows, cols_v)
+    if variants_only:  # a short GPU call: no backend graphs to build
+        return [], []
     pd.forward(tok, pos)  # its stamps are the ones read below
     cuda.synchronize()
     emb, per_layer, head = pd.phase_times()
@@ -144,4 +148,4 @@ if __name__ == "__main__":
         n = int(args[args.index("--prompt") + 1])
     names = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--prompt")]
     run(names[0] if names else "qwen3-0.6b", n, record=record, float_x="--float-x" in args,
-        variants="--variants" in args)
+        variants="--variants" in args or "--variants-only" in args, variants_only="--variants-only" in args)
