@@ -307,6 +307,31 @@ def _capture(launch, stream, n):
     return replay
 
 
+def time_launch(launch, stream, iters):
+    """(us a launch, "graph" or why eager, compile seconds): one launch to compile, then
+    iters launches replayed from a CUDA graph (eager where capture fails), warmed once and
+    timed between two events."""
+    t0 = time.perf_counter()
+    launch()
+    stream.synchronize()
+    compile_s = time.perf_counter() - t0
+    try:
+        run, timing = _capture(launch, stream, iters), "graph"
+    except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
+        def run():
+            for _ in range(iters):
+                launch()
+        timing = f"eager ({type(e).__name__})"
+    run()
+    stream.synchronize()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    run()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters, timing, compile_s
+
+
 # Decode-time projections of a Qwen3-8B-sized layer (rows, columns) and the types GGUF
 # files use for them.
 BENCH_SHAPES = ((4096, 12288), (12288, 4096), (4096, 4096))
@@ -339,25 +364,7 @@ def bench_matvec(shapes=BENCH_SHAPES, qtypes=BENCH_TYPES, batch: int = 1, iters:
                 def launch():
                     matvec(ws[0], qtype, x, out=out, stream=stream, rows_per_warp=rows_per_warp,
                            tile_blocks=tile_blocks)
-            t0 = time.perf_counter()
-            launch()  # compiles
-            stream.synchronize()
-            compile_s = time.perf_counter() - t0
-            try:
-                run, timing = _capture(launch, stream, iters), "graph"
-            except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
-                def run():
-                    for _ in range(iters):
-                        launch()
-                timing = f"eager ({type(e).__name__})"
-            run()
-            stream.synchronize()
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            run()
-            end.record(stream)
-            end.synchronize()
-            us = start.elapsed_time(end) * 1e3 / iters
+            us, timing, compile_s = time_launch(launch, stream, iters)
             nbytes = rb * n_rows * len(ws)
             rows.append({"kernel": "swiglu" if glu else "matvec", "qtype": qtype.name, "rows": n_rows,
                          "cols": n_cols, "batch": batch, "rows_per_warp": rows_per_warp or ROWS_PER_WARP,

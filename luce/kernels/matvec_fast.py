@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from collections import namedtuple
 
 import numpy as np
@@ -1299,25 +1298,7 @@ def _time_one(kernel, variant, ws, qtype, x, out, stream, iters):
         else:
             matvec_fast(w, qtype, x, out=out, stream=stream, **variant)
         state["i"] += 1
-    t0 = time.perf_counter()
-    launch()  # compiles
-    stream.synchronize()
-    compile_s = time.perf_counter() - t0
-    try:
-        run, timing = _mv._capture(launch, stream, iters), "graph"
-    except Exception as e:  # noqa: BLE001 - fall back to eager timing, say so
-        def run():
-            for _ in range(iters):
-                launch()
-        timing = f"eager ({type(e).__name__})"
-    run()
-    stream.synchronize()
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    run()
-    end.record(stream)
-    end.synchronize()
-    us = start.elapsed_time(end) * 1e3 / iters
+    us, timing, compile_s = _mv.time_launch(launch, stream, iters)
     label = ",".join(f"{k}={v}" for k, v in variant.items() if k != "xq") or "auto"
     g, nw = grid_shape(qtype, ws[0].shape[0]) if kernel != "matvec" else (None, None)
     return {"kernel": kernel, "variant": label, "warps": variant.get("warps", nw), "groups": variant.get("groups", g),
