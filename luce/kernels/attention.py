@@ -111,6 +111,25 @@ def _split2(total: int, cap: int) -> tuple[int, int]:
     return total // b, b
 
 
+@device
+def _q8_f16_tile(src32, dsc_src, slot, layer, hkv, kv, j0, key_end, t, nt, dim4, zero_past_end):
+    """A page's q8_0 K or V rows dequantized into the f16 tile kv; rows past the last key
+    are left alone, or zeroed (zero_past_end: V, where unwritten pool memory may hold NaN
+    and 0 * NaN would leak into the output)."""
+    for e in range(t, BLOCK * dim4, nt):
+        kk = e // dim4
+        w = e % dim4
+        if j0 + kk < key_end:
+            word = src32[slot, layer, hkv, kk, w]
+            dsc = np.float32(dsc_src[slot, layer, hkv, kk, w // 8])
+            for c in range(4):
+                b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
+                kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
+        elif zero_past_end:
+            for c in range(4):
+                kv[kk, 4 * w + c] = np.float16(0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
     # Register micro-tiles: each thread computes TR x TK scores and owns TR2 x TD output
@@ -209,15 +228,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
                 # dequantized into the same f16 tile, so the rest of the kernel is shared
                 # (rows past the last key are never scored; skipping them spares the
                 # arithmetic on unwritten scales)
-                for e in range(t, BLOCK * dim4, nt):
-                    kk = e // dim4
-                    w = e % dim4
-                    if j0 + kk < key_end:
-                        word = k32[slot, layer, hkv, kk, w]
-                        dsc = np.float32(kd[slot, layer, hkv, kk, w // 8])
-                        for c in range(4):
-                            b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
-                            kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
+                _q8_f16_tile(k32, kd, slot, layer, hkv, kv, j0, key_end, t, nt, dim4, False)
             else:
                 for c in range(LD):
                     e = t + c * nt
@@ -272,18 +283,7 @@ def _attn_kernel(dim: int, qt: int, nt: int, q8: bool = False):
             # Rows past the last key are zeroed: unwritten pool memory may hold NaN, and
             # 0 * NaN would leak into the output.
             if q8:
-                for e in range(t, BLOCK * dim4, nt):
-                    kk = e // dim4
-                    w = e % dim4
-                    if j0 + kk < key_end:
-                        word = v32[slot, layer, hkv, kk, w]
-                        dsc = np.float32(vd[slot, layer, hkv, kk, w // 8])
-                        for c in range(4):
-                            b = np.int32((word >> np.uint32(8 * c)) & np.uint32(255))
-                            kv[kk, 4 * w + c] = np.float16(dsc * np.float32(b - 256 if b > 127 else b))
-                    else:
-                        for c in range(4):
-                            kv[kk, 4 * w + c] = np.float16(0.0)
+                _q8_f16_tile(v32, vd, slot, layer, hkv, kv, j0, key_end, t, nt, dim4, True)
             elif pre_v:
                 for c in range(LD):
                     e = t + c * nt
