@@ -349,6 +349,11 @@ def test_responses_custom_tool_round_trip(oai):
     (call,) = r.output
     assert call.type == "custom_tool_call" and call.name == "get_weather"
     assert json.loads(call.input) == {"city": "Paris", "days": "3"}
+    with oai.responses.stream(model=MODEL, input="weather?", tools=[tool], temperature=0) as s:
+        events = list(s)
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == call.input and s.get_final_response().output[0].input == call.input
+    assert "response.function_call_arguments.delta" not in [e.type for e in events]
     r2 = oai.responses.create(model=MODEL, tools=[tool], temperature=0, input=[
         {"role": "user", "content": "weather?"},
         {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},

@@ -250,31 +250,25 @@ class _Output:
             frames += self.close()
             text = e.arguments.get("input")
             text = text if isinstance(text, str) else e.arguments_json
-            item = {"type": "custom_tool_call", "id": self._id("ctc"), "call_id": e.id, "name": e.name,
-                    "input": "", "status": "in_progress"}
-            self.items.append(item)
-            idx = len(self.items) - 1
-            frames.append(self.ev("response.output_item.added", output_index=idx, item=dict(item)))
-            frames.append(self.ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
-                                  delta=text))
-            item.update(input=text, status="completed")
-            frames.append(self.ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
-                                  input=text))
-            frames.append(self.ev("response.output_item.done", output_index=idx, item=item))
+            frames += self._tool_call({"type": "custom_tool_call", "id": self._id("ctc"), "call_id": e.id,
+                                       "name": e.name, "input": "", "status": "in_progress"},
+                                      "custom_tool_call_input", "input", text)
         elif isinstance(e, ToolCall):
             frames += self.close()
-            args = e.arguments_json
-            item = {"type": "function_call", "id": self._id("fc"), "call_id": e.id, "name": e.name,
-                    "arguments": "", "status": "in_progress"}
-            self.items.append(item)
-            idx = len(self.items) - 1
-            frames.append(self.ev("response.output_item.added", output_index=idx, item=dict(item)))
-            frames.append(self.ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                  delta=args))
-            item.update(arguments=args, status="completed")
-            frames.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  name=e.name, arguments=args))
-            frames.append(self.ev("response.output_item.done", output_index=idx, item=item))
+            frames += self._tool_call({"type": "function_call", "id": self._id("fc"), "call_id": e.id,
+                                       "name": e.name, "arguments": "", "status": "in_progress"},
+                                      "function_call_arguments", "arguments", e.arguments_json, name=e.name)
+        return frames
+
+    def _tool_call(self, item, events, field, value, **done):
+        """A whole tool call item (a call arrives whole): added, its one delta, done."""
+        self.items.append(item)
+        idx = len(self.items) - 1
+        frames = [self.ev("response.output_item.added", output_index=idx, item=dict(item)),
+                  self.ev(f"response.{events}.delta", item_id=item["id"], output_index=idx, delta=value)]
+        item.update({field: value, "status": "completed"})
+        frames.append(self.ev(f"response.{events}.done", item_id=item["id"], output_index=idx, **done, **{field: value}))
+        frames.append(self.ev("response.output_item.done", output_index=idx, item=item))
         return frames
 
 
