@@ -73,12 +73,15 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
         # barrier, 1,182 against 1,143 us on an H100 at df85697, is no longer timed)
         choices = [{}, {"ahead": True}, {"merge_in_o": True}, {"spread": True},
                    {"q_first": True}, {"ahead": True, "merge_in_o": True, "spread": True, "q_first": True}]
-        ks = [PersistentDecode(cfg, w, kv, packed=pd.pk, **c) for c in choices]
-        diffs = [float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()) for k in ks]
-        times = [[] for _ in choices]
-        for _ in range(2):
-            for i, k in enumerate(ks):
-                times[i].append(time_alone(k))
+        ks, diffs, times = [], [], []
+        for c in choices:  # each timed once as it compiles, its line printed at once (a call cut short keeps them)
+            k = PersistentDecode(cfg, w, kv, packed=pd.pk, **c)
+            ks.append(k)
+            diffs.append(float(np.abs(k.forward(tok, pos).copy_to_host().reshape(-1) - ref).max()))
+            times.append([time_alone(k)])
+            print(f"variant {c or '(the default)'}: {times[-1][0]:,.1f} us, logits within {diffs[-1]:.2e}", flush=True)
+        for i, k in enumerate(ks):
+            times[i].append(time_alone(k))
         var_rows = [{"options": ", ".join(f"{k}={v}" for k, v in c.items()) or "(the default)",
                      "us (two runs)": " / ".join(f"{t:,.1f}" for t in ts), "logits within": f"{d:.2e}"}
                     for c, ts, d in zip(choices, times, diffs)]
