@@ -9,8 +9,8 @@ alone (launches between two CUDA events, the same position each time), reads its
 stamps, then times the backend's decode with the next token on the device (as `luce
 bench` does) through the launch chain and with the kernel switched on (a new cache, so a
 new model state and graphs). With --float-x the kernel is also timed with its rows over
-float x; with --variants, with PersistentDecode's options (release, ahead, merge_in_o,
-spread, q_first) against the default and each other, alternating, twice each
+float x; with --variants, with PersistentDecode's choices (attention's pages an item)
+against the default, each once as it compiles (printed at once) and once more
 (--variants-only: that table and nothing after it, for a short GPU call). Figures
 go to docs/benchmarks.md unless --no-record."""
 from __future__ import annotations
@@ -69,10 +69,10 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
         alone_float = time_alone(PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False))
     var_rows = []
     if variants:
-        # PersistentDecode's options, each against the default, then all (the fenced
-        # barrier, 1,182 against 1,143 us on an H100 at df85697, is no longer timed)
-        choices = [{}, {"ahead": True}, {"merge_in_o": True}, {"spread": True},
-                   {"q_first": True}, {"ahead": True, "merge_in_o": True, "spread": True, "q_first": True}]
+        # attention's pages an item against the default's (as many as spread the items
+        # over the grid); the options measured here before are gone (docs/benchmarks.md,
+        # thirty-ninth session: two made the default, the rest removed)
+        choices = [{}, {"pages_an_item": 1}, {"pages_an_item": 2}, {"pages_an_item": 4}]
         ks, diffs, times = [], [], []
         for c in choices:  # each timed once as it compiles, its line printed at once (a call cut short keeps them)
             k = PersistentDecode(cfg, w, kv, packed=pd.pk, **c)
@@ -123,7 +123,7 @@ def run(shape: str = "qwen3-0.6b", n_prompt: int = 512, n_steps: int = 64, reps:
               for i, (name, v) in enumerate(zip(("q/k/v", "attention", "o", "gate/up", "down", "embedding", "head"),
                                                 list(m) + [emb, head]))]
     phases += [{"phase": f"attention item: {name}", "us": float(v), "a step": None}
-               for name, v in zip(("q norm and rotation", "new k and the keys", "partials, count, merge"), item)]
+               for name, v in zip(("q norm and rotation", "new k and the keys", "partials written"), item)]
     for name, (staged, rows, rest) in zip(("q/k/v", "o", "gate/up", "down"), detail):
         phases += [{"phase": f"{name}: x staged (and normed)", "us": float(staged), "a step": None},
                    {"phase": f"{name}: block 0's rows", "us": float(rows), "a step": None},

@@ -25,7 +25,7 @@ import numpy as np
 from .device import device
 from .vector_load import SIM
 
-__all__ = ["bulk_g2s", "bulk_init_fence", "bulk_reuse_fence", "emit_l2_prefetch", "l2_prefetch", "mbar_expect_tx",
+__all__ = ["bulk_g2s", "bulk_init_fence", "bulk_reuse_fence", "emit_l2_prefetch", "mbar_expect_tx",
            "mbar_init", "mbar_try_wait"]
 
 if SIM:
@@ -47,12 +47,6 @@ if SIM:
         element i."""
         for w in range(nbytes // 4):
             sh[idx + w] = np.uint32(int(src[i + 2 * w]) | (int(src[i + 2 * w + 1]) << 16))
-
-    def l2_prefetch(arr, i, nbytes):
-        """Nothing to fetch here; the span is checked: inside arr, 16-byte pieces."""
-        isz = arr.dtype.itemsize
-        assert nbytes % 16 == 0 and (i * isz) % 16 == 0 and 0 <= i and i * isz + nbytes <= arr.size * isz, \
-            (i, nbytes, arr.size)
 
     def bulk_init_fence():
         pass
@@ -129,22 +123,14 @@ else:
         return sig, codegen
 
     def emit_l2_prefetch(context, builder, sig, args):
-        """The codegen of l2_prefetch (pdl's conditional form shares it)."""
+        """The codegen of pdl.l2_prefetch (arr, i, nbytes): nbytes of global memory from
+        arr[i] on their way to L2 in one bulk prefetch, nothing to wait for (both 16-byte
+        multiples). A persistent-kernel form without pdl's switch was measured slower and
+        removed (docs/benchmarks.md, thirty-eighth and thirty-ninth sessions)."""
         addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
              "l,r", ir.VoidType(), [ir.IntType(64), _I32], [addr, _u32(context, builder, args[2], sig.args[2])],
              side_effect=True)
-
-    @intrinsic
-    def l2_prefetch(typingctx, arr, i, nbytes):
-        """Start nbytes of global memory from arr[i] on their way to L2 (one bulk prefetch, no
-        completion to wait for: both 16-byte multiples), so that loads issued later hit L2."""
-        sig = types.void(arr, i, nbytes)
-
-        def codegen(context, builder, sig, args):
-            emit_l2_prefetch(context, builder, sig, args)
-            return context.get_dummy_value()
-        return sig, codegen
 
     # after mbar_init, before a block barrier: the barriers visible to the copy engine
     bulk_init_fence = _barrier_asm("fence.mbarrier_init.release.cluster;")

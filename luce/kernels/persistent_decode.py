@@ -12,22 +12,23 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
   (B) attention items (kv head x group of 64-key pages): each item's K and first V loads
       issued first, then q's and the new k's head norm and rotation (a warp a head), the
       new k stored by the item holding its row, online softmax over the item's keys
-      (TPK threads a key), each head's partials merged by its last block (split_merge);
-  (C) o rows, added into the residual stream;
+      (TPK threads a key), each item's partials (output, max, sum) written;
+  (C) every block merges the splits of the columns it stages (online softmax over the
+      splits), warps take o's rows, added into the residual stream;
   (D) the norm again in each block, gate and up rows with SwiGLU;
   (E) down rows, added into the residual stream;
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
-Status (docs/benchmarks.md, thirty-eighth session): at the synthetic Qwen3-0.6B shape on
-an H100, about even with the backend's graph-replayed launch chain, not faster: 1,143 us a
-step alone with the grid barrier as a release reduction (df85697; 1,182 with full fences,
-1,240 at 485b280, 3,435 at its first version) against 1,153. A layer (us, dfb65a2):
-attention 14.9, down 7.8, q/k/v 7.2, gate/up 6.0, o 4.7, each phase ending in a grid
-barrier with its wait; the head 40.8. Where it goes is printed by
-`python -m luce.bench.persistent_decode` (the phases' grid barriers, block 0's stamps
-inside them; --variants times PersistentDecode's options against each other). So CUDABackend
-takes it only with LUCE_PERSISTENT_DECODE=1.
+Status (docs/benchmarks.md, thirty-ninth session): at the synthetic Qwen3-0.6B shape on
+an H100, 939 us a step alone with the splits merged in o's staging and the row phases
+spread over every SM (1,129 without both in the same call; 1,143 at df85697, 1,240 at
+485b280, 3,435 at its first version), against 1,153 for the backend's graph-replayed
+launch chain at df85697 (not re-timed with it). Through the backend (the argmax / top-k
+launches after it) it has not been timed at this form, nor has its GPU test run, so
+CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1. Where the time goes is printed
+by `python -m luce.bench.persistent_decode` (the phases' grid barriers, block 0's stamps
+inside them).
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,
@@ -46,13 +47,11 @@ import numpy as np
 from numba import cuda
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
-from .bulk_copy import l2_prefetch
 from .device import SIM, device
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
-from .split_merge import arrive
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
@@ -127,30 +126,24 @@ else:
 
 
 @device
-def _grid_sync(cnt, target, tid, release):
+def _grid_sync(cnt, target, tid):
     """Every block of the grid has reached its target-th barrier; their writes before it are
-    visible after it. A block barrier, then its thread 0 counts and spins, then the block
-    barrier again; release: the count a release reduction and the spin's acquire loads
-    order it (CUTLASS's generic barrier), else cooperative groups' full fences around an
-    atomic add."""
+    visible after it. A block barrier, then its thread 0 counts with a release reduction
+    and spins with acquire loads (CUTLASS's generic barrier; cooperative groups' full
+    fences around an atomic add: 1,182 against 1,143 us a step, H100, df85697), then the
+    block barrier again."""
     cuda.syncthreads()
     if tid == 0:  # the block's writes, ordered before thread 0's count by the barrier
-        if release:
-            _red_release(cnt, 0, 1)
-        else:
-            cuda.threadfence()
-            cuda.atomic.add(cnt, 0, 1)
+        _red_release(cnt, 0, 1)
         while _ld_acquire(cnt, 0) < target:
             pass
-        if not release:
-            cuda.threadfence()
     cuda.syncthreads()
 
 
 @device
-def _phase_end(cnt, epoch, nb, tid, stamp, stamps, release):
+def _phase_end(cnt, epoch, nb, tid, stamp, stamps):
     """The grid barrier that ends the epoch-th phase, its time stamped by block 0's thread 0."""
-    _grid_sync(cnt, epoch * nb, tid, release)
+    _grid_sync(cnt, epoch * nb, tid)
     if stamp:
         stamps[epoch] = _globaltimer()
 
@@ -378,8 +371,7 @@ def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RELEASE=True, AHEAD=False,
-            OMERGE=False, PPI=0, SPREAD=False, QFIRST=False):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PPI=0):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -433,7 +425,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             return ss
         return stage
 
-    stage_d, stage_q, stage_f = stager(D), stager(QR), stager(F)
+    stage_d, stage_f = stager(D), stager(F)
 
     @device
     def norm_into(xs, src, nw, off, bred, xqw, xqf, red, tid, wid, lane):
@@ -492,7 +484,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             cuda.syncthreads()
         return stage
 
-    qstage_q, qstage_f = quad_stager(QR), quad_stager(F)
+    qstage_f = quad_stager(F)
 
     def unit_loop(ld, dot, BH):
         """A lane's units of a row pair (ld / dot: a type's x8 unit; BH: its uint16 a block)."""
@@ -555,18 +547,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             xv[m] = ldcg_f32(src, sb + lane + 32 * m)
 
     @device
-    def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane, xv, loaded):
+    def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane, xv):
         """ntot heads of DH floats into v (shared memory), a warp a head: heads < nq from
         src[qb + hd DH:] (other blocks' writes), head nq from src[kb:]; each RMSNormed (by
         nw[offq:], head nq by nw[offk:]; off < 0: none) and rotated by cs (the step's cos
         and sin) in its warp's registers and shared memory, no block barrier until the
         caller's (a block's passes over all heads took 1.9 us an item each for q and the
-        new k, H100). loaded: the warp's first head is in xv already (head_load)."""
+        new k, H100). Loading q before the item's K/V instead of after was slower (H100:
+        1,144 against 1,132 us a step)."""
         for hd in range(wid, ntot, W):
             hb = hd * DH
             off = offq if hd < nq else offk
-            if not (loaded and hd == wid):
-                head_load(src, qb, kb, nq, hd, xv, lane)
+            head_load(src, qb, kb, nq, hd, xv, lane)
             ss = f32(0.0)
             for m in range(NPL):
                 ss += xv[m] * xv[m]
@@ -591,23 +583,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             warp_barrier()
 
     @device
-    def into_stream(xs, xqw, xqf, xq, src, n, w, off, qt, xg, red, tid, wid, lane, gw, nw_all, stamp, stamps, si,
-                    staged):
-        """xg += W src for the D rows of an n-column weight at uint16 off (o: n = QR, down:
-        n = F), a row pair a lane group: src (other blocks' writes) staged in shared memory
-        first (X8: into xq), unless the caller has (staged)."""
-        if not staged:
-            if X8:
-                if n == QR:
-                    qstage_q(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
-                else:
-                    qstage_f(src.view(np.uint16), xqw, xqf, red, tid, wid, lane)
-            else:
-                if n == QR:
-                    stage_q(xs, src, tid)
-                else:
-                    stage_f(xs, src, tid)
-                cuda.syncthreads()
+    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si):
+        """xg += W x for the D rows of an n-column weight at uint16 off (o: n = QR, down:
+        n = F), a row pair a lane group, x staged by the caller (X8: in xq)."""
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
@@ -624,45 +602,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
 
-    # AHEAD: each row phase's weights start toward L2 just before the grid barrier that
-    # opens it (one bulk prefetch a lane of the block's first warp: no registers held,
-    # nothing waited on), so its loads after x's staging hit L2 instead of DRAM; the next
-    # layer's K/V pages with its q/k/v. Issued during attention instead, the traffic held
-    # up the items' own K/V loads (H100: 1,159 against 1,143 us a step without, df85697).
-    @device
-    def prefetch_span(w, a, b, part, parts):
-        """Part `part` of `parts` of w[a:b] (uint16; a, b 16-byte multiples) toward L2."""
-        n16 = (b - a) >> 3
-        per = (n16 + parts - 1) // parts
-        lo = min(np.int64(part) * per, n16)
-        hi = min(lo + per, n16)
-        if hi > lo:
-            l2_prefetch(w, a + 8 * lo, (hi - lo) * 16)
-
-    @device
-    def prefetch_next(w, wtab, li, k0, k1, bid, nb, wid, lane):
-        """Layer li's matrices k0 .. k1 - 1 (KINDS order: contiguous in the pack) by the
-        block's first warp."""
-        if AHEAD and wid == 0:
-            end = wtab[li, k1, 0] if k1 < len(KINDS) else (wtab[li + 1, 0, 0] if li + 1 < L else w.size)
-            prefetch_span(w, wtab[li, k0, 0], end, bid * 32 + lane, nb * 32)
-
-    @device
-    def prefetch_kv(kp, vp, table, li, n_pages, bid, nb, wid, lane):
-        """Layer li's K and V pages (the step's, whole) by the block's last warp."""
-        if AHEAD and wid == W - 1:
-            for j in range(bid * 32 + lane, 2 * HKV * n_pages, nb * 32):
-                base = ((np.int64(table[j // (2 * HKV)]) * L + li) * HKV + (j % (2 * HKV)) // 2) * (PAGE * DH)
-                if j & 1:
-                    l2_prefetch(vp, base, PAGE * DH * 2)
-                else:
-                    l2_prefetch(kp, base, PAGE * DH * 2)
-
-    # OMERGE: attention's splits merged where o's rows take their x, by every block for
-    # itself (four splits' partials in flight a trip, online softmax over the splits)
-    # instead of by each head's last item: no count, no merge on attention's critical path
-    # (at the Qwen3-0.6B shape the items' partials, count and merge took ~2-3 us a layer
-    # of block 0's item) and no round trip through att
+    # Attention's splits are merged where o's rows take their x, by every block for itself
+    # (four splits' partials in flight a trip, online softmax over the splits), not by each
+    # head's last item after a count: nothing of it on attention's critical path and no
+    # round trip through a global buffer (H100, 0.6B shape: 1,048 against 1,132 us a step)
     TQQ = (QR // 4 + NT - 1) // NT
 
     @device
@@ -866,17 +809,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
     # ptxas must fit NT threads a block (at 512 without the bound: out of resources)
     @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
-               k_pool, v_pool, kp, vp, table, meta, kv_pos, xg, qkv, att, hg, part_o, part_ml, cnt, logits,
+               k_pool, v_pool, kp, vp, table, meta, kv_pos, xg, qkv, hg, part_o, part_ml, cnt, logits,
                stamps):
         tid = cuda.threadIdx.x
         lane = tid & 31
         wid = tid >> 5
         bid = cuda.blockIdx.x
         nb = cuda.gridDim.x
-        # the row phases' warp index: SPREAD puts a block's warps nb apart, so that a phase
-        # with fewer row pairs than warps (o and down: a pair a warp, 512 at Qwen3-0.6B's
-        # shape, against 16 warps a block) runs on every SM, not on the first 32 of them
-        gw = wid * nb + bid if SPREAD else bid * W + wid
+        # the row phases' warp index: a block's warps nb apart, so that a phase with fewer
+        # row pairs than warps (o and down: a pair a warp, 512 at Qwen3-0.6B's shape, against
+        # 16 warps a block) runs on every SM, not on the first 32 of them (H100, 0.6B shape:
+        # 1,031 against 1,132 us a step)
+        gw = wid * nb + bid
         nw_all = nb * W
         xs = cuda.shared.array(XSN, np.float32)
         red = cuda.shared.array(RED, np.float32)
@@ -893,7 +837,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
         pslot = cuda.shared.array(PS, np.int32)
-        ibuf = cuda.shared.array(2, np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
         vw = cuda.local.array(VW, np.uint32)
@@ -913,8 +856,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
         if stamp:
             stamps[0] = _globaltimer()
         n_pages = (n_keys + PAGE - 1) // PAGE
-        prefetch_next(w, wtab, 0, 0, 3, bid, nb, wid, lane)  # layer 0's q, k and v, and its K/V
-        prefetch_kv(kp, vp, table, 0, n_pages, bid, nb, wid, lane)
 
         # the token's embedding: block 0 writes the residual stream
         t = tok[0]
@@ -925,7 +866,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
             if tid == 0:
                 kv_pos[n_past] = p
         epoch += 1
-        _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+        _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         lpr = _lanes_a_row(D)
         rpw = 32 // lpr
@@ -947,7 +888,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                         v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (B) attention: items of (kv head, group of pages)
             ppi = PPI if PPI > 0 else max(1, (n_pages * HKV + nb - 1) // nb)
@@ -972,14 +913,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 k1 = min(pg1 * PAGE, n_keys)
                 last = pg1 == n_pages  # this item holds the new row: its k, normed and rotated, into the pool
                 ntot = G + 1 if last else G
-                # QFIRST: the warp's q (or new k) head loaded ahead of K/V, so that its L2
-                # round trip is not queued behind their DRAM one
-                if QFIRST and wid < ntot:
-                    head_load(qkv, h * G * DH, QR + h * DH, G, wid, xv, lane)
                 # K and the first V in flight while q (and the new row's k) are normed
                 load_pass(kp, vp, table, pslot, pg0, li, h, k0, min(KC, k1 - k0), kw, vw, tid, wid, lane)
                 head_norm_rope(qkv, h * G * DH, QR + h * DH, qsh, nw, ntab[li, 2] if QKN else -1,
-                               ntab[li, 3] if QKN else -1, G, ntot, cs, red, wid, lane, xv, QFIRST)
+                               ntab[li, 3] if QKN else -1, G, ntot, cs, red, wid, lane, xv)
                 cuda.syncthreads()
                 if sub:
                     stamps[SUB + 4 * li + 1] = _globaltimer()
@@ -995,49 +932,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 if tid < G:
                     part_ml[((h * G + tid) * MAXP + ch) * 2] = ml[tid]
                     part_ml[((h * G + tid) * MAXP + ch) * 2 + 1] = ml[G + tid]
-                if not OMERGE and arrive(cnt, 2 + h, n_ch, ibuf, tid):
-                    # the head's splits: every (m, l) into shared memory at once (part is
-                    # free again), then each output column over the splits 4 at a time
-                    for i in range(tid, 2 * G * n_ch, NT):
-                        part[i] = ldcg_f32(part_ml, (h * G * MAXP + (i >> 1) // n_ch * MAXP + (i >> 1) % n_ch) * 2
-                                           + (i & 1))
-                    cuda.syncthreads()
-                    for i in range(tid, G * DH, NT):
-                        g = i // DH
-                        d = i % DH
-                        m = f32(-math.inf)
-                        for c in range(n_ch):
-                            m = max(m, part[2 * (g * n_ch + c)])
-                        num = f32(0.0)
-                        den = f32(0.0)
-                        ob = ((h * G + g) * MAXP) * DH + d
-                        for c0 in range(0, n_ch, 4):
-                            o0 = ldcg_f32(part_o, ob + min(c0, n_ch - 1) * DH)
-                            o1 = ldcg_f32(part_o, ob + min(c0 + 1, n_ch - 1) * DH)
-                            o2 = ldcg_f32(part_o, ob + min(c0 + 2, n_ch - 1) * DH)
-                            o3 = ldcg_f32(part_o, ob + min(c0 + 3, n_ch - 1) * DH)
-                            for k in range(4):
-                                c = c0 + k
-                                if c < n_ch:
-                                    e = f32(math.exp(part[2 * (g * n_ch + c)] - m))
-                                    num += e * (o0 if k == 0 else o1 if k == 1 else o2 if k == 2 else o3)
-                                    den += e * part[2 * (g * n_ch + c) + 1]
-                        att[(h * G + g) * DH + d] = num / den
                 cuda.syncthreads()
                 if sub:
                     stamps[SUB + 4 * li + 3] = _globaltimer()
-            prefetch_next(w, wtab, li, 3, 4, bid, nb, wid, lane)  # o
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
-            # (C) o rows into the residual stream
-            if OMERGE:
-                merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
-            into_stream(xs, xqw, xqf, xq, att, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, tid, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 2, OMERGE)
-            prefetch_next(w, wtab, li, 4, 6, bid, nb, wid, lane)  # gate and up
+            # (C) o rows into the residual stream, over attention's merged splits
+            merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
+            into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 2)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
             # (D) gate and up rows of the normed stream, SwiGLU
             qg = wtab[li, 4, 1]
@@ -1052,18 +958,19 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
-            prefetch_next(w, wtab, li, 6, 7, bid, nb, wid, lane)  # down
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
-            # (E) down rows into the residual stream
-            into_stream(xs, xqw, xqf, xq, hg, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, tid, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 6, False)
-            if li + 1 < L:  # the next layer's q, k and v, and its K/V
-                prefetch_next(w, wtab, li + 1, 0, 3, bid, nb, wid, lane)
-                prefetch_kv(kp, vp, table, li + 1, n_pages, bid, nb, wid, lane)
+            # (E) down rows into the residual stream, over hg (other blocks' writes) staged
+            if X8:
+                qstage_f(hg.view(np.uint16), xqw, xqf, red, tid, wid, lane)
+            else:
+                stage_f(xs, hg, tid)
+                cuda.syncthreads()
+            into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 6)
             epoch += 1
-            _phase_end(cnt, epoch, nb, tid, stamp, stamps, RELEASE)
+            _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
         # the head
         norm_into(xs, xg, out_norm, 0, bred, xqw, xqf, red, tid, wid, lane)
@@ -1093,8 +1000,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, RE
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True, release: bool = True, ahead: bool = False,
-                   merge_in_o: bool = False, spread: bool = False, q_first: bool = False) -> str:
+                   max_pages: int = 32, x8: bool = True) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1102,10 +1008,9 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     A = lambda dt, nd=1: T.Array(dt, nd, "C")  # noqa: E731
     f32, i32, u16 = A(T.float32), A(T.int32), A(T.uint16)
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
-           A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, f32, i32,
+           A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, release, ahead,
-                merge_in_o, 0, spread, q_first)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1191,18 +1096,11 @@ class PersistentDecode:
     fixed addresses (CUDA graphs capture `forward`); `packed` (PackedWeights) may be shared
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
     launch chain's products by default) where x8_fits (None), or over float x (False).
-    Choices measured against each other by `python -m luce.bench.persistent_decode
-    --variants`: release (the grid barrier's count a release reduction, else full fences
-    around an atomic), ahead (each row phase's weights prefetched to L2 before its
-    barrier), merge_in_o (attention's splits merged in o's staging, not by each head's last
-    item), spread (the row phases' warps interleaved over the blocks), q_first (attention's
-    q heads loaded before the item's K/V, not after); pages_an_item > 0
-    fixes attention's pages an item (else as many as spread the items over the grid; the
-    simulator's one block then still has several splits)."""
+    pages_an_item > 0 fixes attention's pages an item (else as many as spread the items
+    over the grid; the simulator's one block then still has several splits)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, release: bool = True, ahead: bool = False,
-                 merge_in_o: bool = False, pages_an_item: int = 0, spread: bool = False, q_first: bool = False):
+                 threads: int = THREADS, x8: bool | None = None, pages_an_item: int = 0):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1213,12 +1111,11 @@ class PersistentDecode:
         qr, kr = cfg.n_heads * dh, cfg.n_kv_heads * dh
         self.xg = cuda.device_array(d, np.float32)
         self.qkv = cuda.device_array(qr + 2 * kr, np.float32)
-        self.att = cuda.device_array(qr, np.float32)
         self.hg = cuda.device_array(cfg.n_ff, np.float32)
         pages = kv.max_blocks
         self.part_o = cuda.device_array(cfg.n_heads * pages * dh, np.float32)
         self.part_ml = cuda.device_array(cfg.n_heads * pages * 2, np.float32)
-        self.cnt = cuda.to_device(np.zeros(2 + cfg.n_kv_heads, np.int32), stream=stream)
+        self.cnt = cuda.to_device(np.zeros(2, np.int32), stream=stream)
         self.logits = cuda.device_array((1, cfg.vocab_size), np.float32)
         # globaltimer stamps (ns): the start, after each grid barrier, and the step's end
         # and inside block 0's first attention item of each layer (phase_times)
@@ -1238,7 +1135,7 @@ class PersistentDecode:
         self.x8 = fits if x8 is None else x8
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, release, ahead, merge_in_o, pages_an_item, spread, q_first)
+                              self.x8, pages_an_item)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
@@ -1246,7 +1143,7 @@ class PersistentDecode:
         kv, pk = self.kv, self.pk
         self.kernel[self.blocks, self.threads, self.stream](
             pk.w, pk.wtab, pk.nw, pk.ntab, pk.emb, pk.emb_qt, pk.outw, pk.out_qt, pk.out_norm, pk.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
-            kv.pos_d, self.xg, self.qkv, self.att, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
+            kv.pos_d, self.xg, self.qkv, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
             self.stamps)
         return self.logits
 
@@ -1260,7 +1157,7 @@ class PersistentDecode:
 
     def attention_item_times(self):
         """us of block 0's first attention item of the last step, mean over layers: (q norm
-        and rotation, the new k and the keys, the partials' write, count and merge)."""
+        and rotation, the new k and the keys, the partials' write)."""
         L = self.cfg.n_layers
         st = self.stamps.copy_to_host().astype(np.float64)[5 * L + 3:9 * L + 3].reshape(-1, 4) / 1e3
         return np.diff(st, axis=1).mean(axis=0)

@@ -32,13 +32,13 @@ def test_persistent_decode_matches_cpu_on_gpu(tmp_path, monkeypatch):
     assert not gpu._model_state(fam, cfg, wg, kg)["persistent"].cnt.copy_to_host().any()
 
 
-def test_persistent_decode_options_match_the_default_on_gpu(tmp_path):
-    """Each of PersistentDecode's options (off by default until measured faster) at a real
-    grid against the default kernel, over a 300-token context (five pages: with two kv
-    heads attention runs in five splits a head), ten steps each from the same state: the
-    same logits within the GPU's arithmetic (merge_in_o sums the splits in another order;
-    in the simulator, two splits, every option at once: 8e-6 and 4e-5 relative L2). Each
-    kernel writes the step's K/V row again (the same values within that arithmetic)."""
+def test_persistent_decode_splits_match_on_gpu(tmp_path):
+    """Attention's splits at a real grid: over a 300-token context (five pages, two kv
+    heads) the default spreads the items over the grid (a page an item: five splits a
+    head, merged in o's staging); two pages an item (three splits) and five (one) must
+    give the same logits within the GPU's arithmetic, ten steps each from the same state
+    (in the simulator, two splits against one: 8e-6 and 4e-5 relative L2). Each kernel
+    writes the step's K/V row again (the same values within that arithmetic)."""
     from numba import cuda
 
     from luce.backends.cuda import CUDABackend
@@ -52,8 +52,7 @@ def test_persistent_decode_options_match_the_default_on_gpu(tmp_path):
     gpu.forward(fam, cfg, w, kv, np.random.default_rng(2).integers(0, 2048, n), np.arange(n), None, [n - 1])
     kv.commit()
     base = PersistentDecode(cfg, w, kv)
-    options = [{"release": False}, {"ahead": True}, {"merge_in_o": True}, {"spread": True}, {"q_first": True},
-               {"ahead": True, "merge_in_o": True, "spread": True, "q_first": True}]
+    options = [{"pages_an_item": 2}, {"pages_an_item": 5}]
     kernels = [PersistentDecode(cfg, w, kv, packed=base.pk, **o) for o in options]
     for step in range(10):
         tok = cuda.to_device(np.array([(7 * step + 3) % 2048], np.int32))
