@@ -125,8 +125,7 @@ else:
     def emit_l2_prefetch(context, builder, sig, args):
         """The codegen of pdl.l2_prefetch (arr, i, nbytes): nbytes of global memory from
         arr[i] on their way to L2 in one bulk prefetch, nothing to wait for (both 16-byte
-        multiples). A persistent-kernel form without pdl's switch was measured slower and
-        removed (docs/benchmarks.md, thirty-eighth and thirty-ninth sessions)."""
+        multiples)."""
         addr = _generic_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         _asm(builder, "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }",
              "l,r", ir.VoidType(), [ir.IntType(64), _I32], [addr, _u32(context, builder, args[2], sig.args[2])],

@@ -250,18 +250,18 @@ class _Output:
             frames += self.close()
             text = e.arguments.get("input")
             text = text if isinstance(text, str) else e.arguments_json
-            frames += self._tool_call({"type": "custom_tool_call", "id": self._id("ctc"), "call_id": e.id,
-                                       "name": e.name, "input": "", "status": "in_progress"},
-                                      "custom_tool_call_input", "input", text)
+            frames += self._tool_call(e, "custom_tool_call", "ctc", "custom_tool_call_input", "input", text)
         elif isinstance(e, ToolCall):
             frames += self.close()
-            frames += self._tool_call({"type": "function_call", "id": self._id("fc"), "call_id": e.id,
-                                       "name": e.name, "arguments": "", "status": "in_progress"},
-                                      "function_call_arguments", "arguments", e.arguments_json, name=e.name)
+            frames += self._tool_call(e, "function_call", "fc", "function_call_arguments", "arguments",
+                                      e.arguments_json, name=e.name)
         return frames
 
-    def _tool_call(self, item, events, field, value, **done):
-        """A whole tool call item (a call arrives whole): added, its one delta, done."""
+    def _tool_call(self, e, kind, prefix, events, field, value, **done):
+        """Tool call e as a whole item of type kind (a call arrives whole): added, its one
+        delta of field, done."""
+        item = {"type": kind, "id": self._id(prefix), "call_id": e.id, "name": e.name, field: "",
+                "status": "in_progress"}
         self.items.append(item)
         idx = len(self.items) - 1
         frames = [self.ev("response.output_item.added", output_index=idx, item=dict(item)),

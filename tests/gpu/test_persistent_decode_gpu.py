@@ -36,9 +36,9 @@ def test_persistent_decode_splits_match_on_gpu(tmp_path):
     """Attention's splits at a real grid: over a 300-token context (five pages, two kv
     heads) the default spreads the items over the grid (a page an item: five splits a
     head, merged in o's staging); two pages an item (three splits) and five (one) must
-    give the same logits within the GPU's arithmetic, ten steps each from the same state
-    (in the simulator, two splits against one: 8e-6 and 4e-5 relative L2). Each kernel
-    writes the step's K/V row again (the same values within that arithmetic)."""
+    give the same logits within the GPU's arithmetic (the merge sums the splits in
+    another order), ten steps each from the same state. Each kernel writes the step's K/V
+    row again (the same values within that arithmetic)."""
     from numba import cuda
 
     from luce.backends.cuda import CUDABackend
