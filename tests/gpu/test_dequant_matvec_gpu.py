@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for test_dequant
+from tests.gpu.gpu_weights import ID, weights  # noqa: E402
 from test_dequant import random_tensor  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
@@ -25,25 +26,6 @@ from luce.kernels.matvec import bench_matvec, matvec, matvec_ref, swiglu, swiglu
 
 SHAPES = [(4096, 12288), (12288, 4096)]  # (rows N, columns K)
 MV_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
-
-
-def ID(v):
-    if isinstance(v, T):
-        return v.name
-    return "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
-
-
-_WEIGHTS: dict = {}
-
-
-def weights(qtype, n_rows, n_cols, seed=0):
-    """Random host weights (cached: generating 50M elements takes a while)."""
-    key = (qtype, n_rows, n_cols, seed)
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()
-        rng = np.random.default_rng(seed)
-        _WEIGHTS[key] = random_tensor(rng, qtype, (n_rows, n_cols)).reshape(n_rows, -1)
-    return _WEIGHTS[key]
 
 
 def check(got, want, raw, qtype, x, tol=5e-5):

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for test_dequant
-from test_dequant import random_tensor  # noqa: E402
+from tests.gpu.gpu_weights import ID, weights  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 if cuda.config.ENABLE_CUDASIM or not cuda.is_available():
@@ -26,25 +26,6 @@ from luce.kernels.matvec_fast import bench_matvec_fast, matvec_fast, swiglu_fast
 
 SHAPES = [(4096, 12288), (12288, 4096)]  # (rows N, columns K)
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
-
-
-def ID(v):
-    if isinstance(v, T):
-        return v.name
-    return "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
-
-
-_WEIGHTS: dict = {}
-
-
-def weights(qtype, n_rows, n_cols, seed=0):
-    key = (qtype, n_rows, n_cols, seed)
-    if key not in _WEIGHTS:
-        if len(_WEIGHTS) > 4:
-            _WEIGHTS.clear()
-        rng = np.random.default_rng(seed)
-        _WEIGHTS[key] = random_tensor(rng, qtype, (n_rows, n_cols)).reshape(n_rows, -1)
-    return _WEIGHTS[key]
 
 
 def check(got, want, raw, qtype, x, tol=1e-5):
