@@ -10,6 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def accepted_rows(accepted, n_pending: int) -> np.ndarray:
+    """A commit's accepted rows as int64 indices, each inside the last forward's n_pending."""
+    idx = np.asarray(accepted, dtype=np.int64)
+    if len(idx) and (idx.min() < 0 or idx.max() >= n_pending):
+        raise IndexError("accepted row outside the last forward")
+    return idx
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, dtype=np.float32):
         self.n_ctx = n_ctx
@@ -40,9 +48,7 @@ class KVCache:
         if accepted is None:
             self.n_past += self.n_pending
         else:
-            idx = np.asarray(accepted, dtype=np.int64)
-            if len(idx) and (idx.min() < 0 or idx.max() >= self.n_pending):
-                raise IndexError("accepted row outside the last forward")
+            idx = accepted_rows(accepted, self.n_pending)
             if not np.array_equal(idx, np.arange(len(idx))):
                 self.k[:, s:s + len(idx)] = self.k[:, s + idx]
                 self.v[:, s:s + len(idx)] = self.v[:, s + idx]

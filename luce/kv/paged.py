@@ -20,6 +20,7 @@ import numpy as np
 
 from ..kernels.paging import (BLOCK, Q8, compact_cuda, compact_ref, dequantize_q8_0_ref, gather_kv_cuda,
                               gather_kv_ref, quantize_q8_0_ref, write_kv_cuda, write_kv_q8_cuda, write_kv_ref)
+from .cache import accepted_rows
 
 
 class PagedKVCache:
@@ -179,9 +180,7 @@ class PagedKVCache:
         if accepted is None:
             self.n_past += self.n_pending
         else:
-            idx = np.asarray(accepted, dtype=np.int64)
-            if len(idx) and (idx.min() < 0 or idx.max() >= self.n_pending):
-                raise IndexError("accepted row outside the last forward")
+            idx = accepted_rows(accepted, self.n_pending)
             if not np.array_equal(idx, np.arange(len(idx))):
                 first = int(np.argmax(idx != np.arange(len(idx))))  # rows before it stay put
                 if len(idx) - first > 64 and np.any(np.diff(idx[first:]) <= 0):
