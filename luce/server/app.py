@@ -230,7 +230,7 @@ async def metrics(request, state):
 
 def create_app(model, **kw) -> Starlette:
     """The ASGI app serving `model` (a loaded luce Model). Keywords: see ServerState."""
-    from . import anthropic, openai, responses
+    from . import anthropic, infill, openai, responses
 
     state = ServerState(model, **kw)
 
@@ -261,6 +261,7 @@ def create_app(model, **kw) -> Starlette:
         Route("/v1/messages", endpoint("anthropic", anthropic.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint("anthropic", anthropic.count_tokens), methods=["POST"]),
         Route("/v1/responses", endpoint("openai", responses.create), methods=["POST"]),
+        Route("/infill", endpoint("openai", infill.infill), methods=["POST"]),  # llama.cpp's, for editors
     ]
     # the same routes without /v1, for clients configured with a bare base URL
     routes += [Route(r.path[3:], r.endpoint, methods=r.methods) for r in list(routes) if r.path.startswith("/v1/")

@@ -210,11 +210,18 @@ async def _chat_stream(job, cid, created, model_name, include_usage):
 def parse_completion(body: dict, state) -> Request:
     state.check_model(body.get("model"))
     _unsupported_common(body)
-    schema.unsupported(body, {"echo": lambda v: v is False, "suffix": lambda v: v == ""})
+    schema.unsupported(body, {"echo": lambda v: v is False})
+    suffix = schema.get(body, "suffix", "str", "")
+    samp = schema.sampling(body, ("max_tokens",))
+    samp.setdefault("max_tokens", 16)  # the OpenAI default for this endpoint
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
+    if suffix:  # fill in the middle: the prompt is what comes before the cursor
+        if not isinstance(prompt, str):
+            raise APIError(400, "'prompt' must be a string when 'suffix' is given", param="prompt")
+        ids = schema.infill_ids(state, prompt, suffix, max_tokens=samp["max_tokens"])
+    elif isinstance(prompt, str):
         ids = state.model.tokenize(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = state.model.config.vocab_size
@@ -226,8 +233,6 @@ def parse_completion(body: dict, state) -> Request:
                        param="prompt", code="unsupported_parameter")
     else:
         raise APIError(400, "'prompt' must be a string or an array of token ids", param="prompt")
-    samp = schema.sampling(body, ("max_tokens",))
-    samp.setdefault("max_tokens", 16)  # the OpenAI default for this endpoint
     stream = schema.get(body, "stream", "bool", False)
     schema.get(body, "stream_options", "dict")
     schema.check_context(state, len(ids), samp["max_tokens"])

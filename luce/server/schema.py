@@ -136,6 +136,25 @@ def check_context(state, n_prompt: int, max_tokens: int | None):
                             f"context of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
 
 
+def infill_ids(state, prefix: str, suffix: str, extra=(), prompt: str = "", max_tokens: int | None = None,
+               param: str = "suffix") -> list[int]:
+    """A fill-in-the-middle prompt for the served model (luce.text.fim), fitted into the
+    context less max_tokens the way editors' plugins expect (far context dropped first);
+    400 where the model has no FIM tokens."""
+    from ..text.fim import fim_tokens, infill_ids as build
+    fim = fim_tokens(state.model.tokenizer)
+    if fim is None:
+        raise APIError(400, f"'{param}': {state.model_name} has no fill-in-the-middle tokens (a code model such "
+                            "as Qwen2.5-Coder, StarCoder or CodeLlama has them)", param=param,
+                       code="unsupported_parameter")
+    budget = state.model.n_ctx - (max_tokens or 0)
+    try:
+        return build(state.model.tokenizer, fim, prefix, suffix, extra, prompt, budget=budget)
+    except ValueError as e:
+        raise APIError(413, f"{e} (the context is {state.model.n_ctx} tokens)", param="max_tokens",
+                       code="context_length_exceeded") from None
+
+
 def check_tools(tools) -> list[dict] | None:
     """Tools in the OpenAI chat form, validated."""
     if tools is None:
