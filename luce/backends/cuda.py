@@ -177,8 +177,9 @@ FUSED_GATED_MATMUL = os.environ.get("LUCE_FUSED_GATED_MATMUL", "1") != "0"
 # A small model's one-token forward (a draft's step) as one persistent kernel
 # (luce.kernels.persistent_decode) instead of the graph of ~170 launches, where the kernel
 # takes the model (its applies()) and no plugin overrides an op. LUCE_PERSISTENT_DECODE=1
-# turns it on; off by default: measured slower (H100, synthetic Qwen3-0.6B, a1c21e5: 1,793
-# us a step through it against 1,152 for the launch chain; docs/benchmarks.md).
+# turns it on. Off by default until its GPU tests and a step through the backend are run at
+# its present form: alone it measured 939 us a step against the launch chain's 1,153
+# (H100, synthetic Qwen3-0.6B, ed9277d / df85697; docs/benchmarks.md).
 PERSISTENT_DECODE = os.environ.get("LUCE_PERSISTENT_DECODE", "0") == "1"
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
