@@ -176,11 +176,12 @@ FUSED_ROPE = os.environ.get("LUCE_FUSED_ROPE", "0") == "1"
 FUSED_GATED_MATMUL = os.environ.get("LUCE_FUSED_GATED_MATMUL", "1") != "0"
 # A small model's one-token forward (a draft's step) as one persistent kernel
 # (luce.kernels.persistent_decode) instead of the graph of ~170 launches, where the kernel
-# takes the model (its applies()) and no plugin overrides an op. LUCE_PERSISTENT_DECODE=1
-# turns it on. Off by default until its GPU tests and a step through the backend are run at
-# its present form: alone it measured 939 us a step against the launch chain's 1,153
-# (H100, synthetic Qwen3-0.6B, ed9277d / df85697; docs/benchmarks.md).
-PERSISTENT_DECODE = os.environ.get("LUCE_PERSISTENT_DECODE", "0") == "1"
+# takes the model (its applies()) and no plugin overrides an op: H100, synthetic Qwen3-0.6B,
+# 986 against 1,157 us a step through the backend, its GPU tests passing (41398cc;
+# docs/benchmarks.md, fortieth session). LUCE_PERSISTENT_DECODE=0 turns it off. Off in the
+# simulator, where its own tests turn it on: there it would run every one-token step of
+# the backend's tests one block at a time.
+PERSISTENT_DECODE = {"0": False, "1": True}.get(os.environ.get("LUCE_PERSISTENT_DECODE", ""))  # None: the default
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -993,7 +994,7 @@ class CUDABackend:
     def _persistent_decode(self, cfg, weights, kv):
         """The persistent one-token forward for this model and cache where it is on and
         takes them, else None; the packed weights are shared by every cache of a model."""
-        if not PERSISTENT_DECODE:
+        if not (PERSISTENT_DECODE if PERSISTENT_DECODE is not None else not self.cuda.config.ENABLE_CUDASIM):
             return None
         from ..kernels.persistent_decode import PackedWeights, PersistentDecode, applies
         if applies(cfg, weights, kv) is not None:

@@ -20,15 +20,13 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there).
 
-Status (docs/benchmarks.md, thirty-ninth session): at the synthetic Qwen3-0.6B shape on
-an H100, 939 us a step alone with the splits merged in o's staging and the row phases
-spread over every SM (1,129 without both in the same call; 1,143 at df85697, 1,240 at
-485b280, 3,435 at its first version), against 1,153 for the backend's graph-replayed
-launch chain at df85697 (not re-timed with it). Through the backend (the argmax / top-k
-launches after it) it has not been timed at this form, nor has its GPU test run, so
-CUDABackend takes it only with LUCE_PERSISTENT_DECODE=1. Where the time goes is printed
-by `python -m luce.bench.persistent_decode` (the phases' grid barriers, block 0's stamps
-inside them).
+Status (docs/benchmarks.md, fortieth session): at the synthetic Qwen3-0.6B shape on an
+H100, 947.5 us a step alone and 985.9 through the backend (the argmax / top-k launches
+after it) against 1,157.2 for the backend's graph-replayed launch chain in the same call
+(0.85x; 3,435 us alone at its first version), its GPU tests passing; so CUDABackend takes
+it by default where applies() holds (LUCE_PERSISTENT_DECODE=0 turns it off). Where the
+time goes is printed by `python -m luce.bench.persistent_decode` (the phases' grid
+barriers, block 0's stamps inside them).
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
 block an SM. The simulator runs blocks one after another, so there the grid is one block,

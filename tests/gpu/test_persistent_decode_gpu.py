@@ -5,7 +5,10 @@ by the launch chain, then 40 one-token steps through the kernel (fed the CPU's g
 tokens, so a near-tie cannot make the two diverge; the context crosses a 64-row page) and a
 tree verification forward after them (the launch chain again, over the kernel's K/V rows).
 Logits agree within the GPU's arithmetic (f16 KV, another summation order): relative L2
-error per row below 2e-2."""
+error per row below 2e-2.
+
+Run with: NUMBA_ENABLE_CUDASIM=0 pytest -m gpu tests/gpu/test_persistent_decode_gpu.py (the
+suite's conftest puts numba in its simulator otherwise, where these never finish)."""
 import numpy as np
 import pytest
 

@@ -130,3 +130,20 @@ def test_persistent_decode_over_two_passes_of_keys(backends):
 
 def test_persistent_decode_compiles_for_sm_90(ptx_check):
     assert_ptx_ok(ptx_check)
+
+
+def test_persistent_decode_switch(tiny_k_quants, monkeypatch):
+    """LUCE_PERSISTENT_DECODE unset: on where the GPU is real, off in the simulator (where it
+    would run every test's one-token steps one block at a time); 0 and 1 force it."""
+    import luce.backends.cuda as cuda_backend
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+    f, fam, cfg, _ = tiny_k_quants
+    gpu = CUDABackend(use_graphs=False)
+    w = build_weights(cfg, f, gpu.load_tensor)
+    for setting, on in ((None, False), (False, False), (True, True)):
+        monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", setting)
+        assert (gpu._model_state(fam, cfg, w, gpu.new_cache(cfg, 128))["persistent"] is not None) == on, setting
+    monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", None)
+    monkeypatch.setattr(gpu.cuda.config, "ENABLE_CUDASIM", False)  # what a real GPU reports
+    assert gpu._persistent_decode(cfg, w, gpu.new_cache(cfg, 128)) is not None
