@@ -287,7 +287,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
             # verification costs a step (the summary's ms / forward columns)
-            from .bench.synthetic import DRAFTS, synthetic_gguf
+            from .bench.synthetic import DRAFTS
             if model:
                 raise click.UsageError("--spec takes MODEL or --synthetic, not both")
             name = draft.removeprefix("synthetic:") if draft and draft.startswith("synthetic:") else None
@@ -295,7 +295,8 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                 name = DRAFTS.get(synthetic)
                 if name is None:
                     raise click.UsageError(f"--synthetic {synthetic}: no draft shape of its vocabulary; give --draft")
-            model, draft = synthetic_gguf(synthetic), synthetic_gguf(name) if name else draft
+            # made in memory (luce.load's synthetic:NAME): no multi-GB GGUF written and read back
+            model, draft = f"synthetic:{synthetic}", f"synthetic:{name}" if name else draft
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max,

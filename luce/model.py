@@ -16,6 +16,7 @@ from .plugins import family_for
 from .text.chat_template import TemplateError
 
 DEFAULT_CTX = 4096
+SYNTHETIC = "synthetic:"  # load()'s prefix for a random-weight model of a named shape
 
 
 class Model:
@@ -26,12 +27,20 @@ class Model:
         from .text.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        self.path = resolve_model(path)
-        self.file = GGUFFile(self.path)
-        self.file.require_types(SUPPORTED_TYPES)
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(path, str) and path.startswith(SYNTHETIC):
+            # a random-weight model of a real shape, made in memory (benchmarks of what needs
+            # a whole Model: speculative decoding, the server), no file written or read
+            from .bench.synthetic import SyntheticFile, synthetic_loader
+            self.file = SyntheticFile(path[len(SYNTHETIC):])
+            self.path, self._load_tensor = self.file.path, synthetic_loader(self.backend)
+        else:
+            self.path = resolve_model(path)
+            self.file = GGUFFile(self.path)
+            self.file.require_types(SUPPORTED_TYPES)
+            self._load_tensor = self.backend.load_tensor
         self.family = family_for(self.path, self.file.architecture)
         self.config = self.family.read_config(self.file)
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
         try:
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
         except (KeyError, ValueError) as e:
@@ -63,14 +72,14 @@ class Model:
         if plan is not None:
             plan(self.file.tensors, self.config.tied_output)
         if not progress:
-            return build_weights(self.config, self.file, self.backend.load_tensor)
+            return build_weights(self.config, self.file, self._load_tensor)
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
         with Progress(TextColumn(f"loading {self.path.name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), transient=True) as bar:
             task = bar.add_task("load", total=len(names))
 
             def load(info):
-                out = self.backend.load_tensor(info)
+                out = self._load_tensor(info)
                 bar.advance(task)
                 return out
             return build_weights(self.config, self.file, load)
@@ -159,5 +168,7 @@ class Model:
 
 def load(model: str | os.PathLike | None = None, backend: str = "auto", n_ctx: int | None = None,
          progress: bool = False, chat_template: str | None = None) -> Model:
-    """Load a GGUF model: a path, a Hugging Face `owner/repo:file.gguf`, or None for the bundled SmolLM2-135M."""
+    """Load a GGUF model: a path, a Hugging Face `owner/repo:file.gguf`, None for the bundled
+    SmolLM2-135M, or `synthetic:NAME` for random weights of a real model's shape
+    (luce.bench.synthetic.SHAPES: qwen3-8b, qwen3-0.6b, ...), made in memory."""
     return Model(model, backend=backend, n_ctx=n_ctx, progress=progress, chat_template=chat_template)

@@ -127,3 +127,20 @@ def test_linear_rope_scaling_from_metadata(keys, scale):
     f.metadata["qwen3.rope.scaling.type"] = "linear"
     with pytest.raises(ModelFileError, match="rope.scaling.factor"):
         rope_freq_scale(f)
+
+
+def test_load_a_synthetic_model(monkeypatch):
+    """luce.load("synthetic:NAME"): random weights of a named shape made in memory, with a
+    byte-level tokenizer, generating on the CPU backend; an unknown name is refused."""
+    import luce
+    from luce.bench import synthetic as S
+    from luce.errors import LuceError
+    monkeypatch.setitem(S.SHAPES, "qwen3-0.6b", S.tiny("qwen3", 300, n_layers=1, n_embd=32, n_ff=64, n_heads=2,
+                                                        n_kv_heads=1, head_dim=16))
+    m = luce.load("synthetic:qwen3-0.6b", backend="cpu", n_ctx=64)
+    assert (m.config.n_layers, m.config.n_embd, m.config.vocab_size) == (1, 32, 300)
+    assert m.tokenize("hi") == [ord("h"), ord("i")] and m.detokenize(m.tokenize("hé")) == "hé"
+    out = m.generate("hi", max_tokens=3, temperature=0)
+    assert out and out == m.generate("hi", max_tokens=3, temperature=0)  # greedy: the same again
+    with pytest.raises(LuceError, match="unknown synthetic model"):
+        luce.load("synthetic:nope", backend="cpu")

@@ -101,7 +101,7 @@ class CPUBackend:
     def load_tensor(self, info) -> np.ndarray:
         return dequantize(info.data, info.qtype, info.shape)
 
-    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int) -> np.ndarray:
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None) -> np.ndarray:
         """A random-weight matrix made by repeating the raw rows of `pool` (benchmarks)."""
         reps = -(-rows // pool.shape[0])
         raw = np.concatenate([pool] * reps)[:rows]

@@ -195,41 +195,30 @@ def write_gguf(path, shape: ModelShape, *, types=None, seed: int = 0, tokenizer_
 DRAFTS = {"qwen3-8b": "qwen3-0.6b", "qwen3-32b": "qwen3-0.6b"}
 
 
-def synthetic_gguf(name: str, folder=None) -> Path:
-    """SHAPES[name] as a GGUF file (Q4_K_M types, byte-level tokenizer), written on first use
-    into `folder` (default: luce's cache, synthetic/) and reused after: what `luce bench
-    --spec --synthetic` runs, since speculative decoding drives a loaded model (tokenizer,
-    sessions) rather than bare weights. Qwen3-8B takes ~5 GB of disk, the 32B ~19 GB."""
-    from ..errors import LuceError
-    if name not in SHAPES:
-        raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
-    if folder is None:
-        from ..models.bundled import cache_dir
-        folder = cache_dir().parent / "synthetic"
-    path = Path(folder) / f"{name}.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(".gguf.part")  # an interrupted write is never taken for the model
-        write_gguf(part, SHAPES[name])
-        part.replace(path)
-    return path
+def byte_tokenizer_metadata(n_vocab: int) -> dict:
+    """A byte-level BPE tokenizer (gpt2 model, no merges) of n_vocab >= 257 tokens as GGUF
+    metadata: the 256 bytes, filler tokens, and an end-of-text token last, so that a
+    random-weight model loads with luce.load and any text round-trips ({} below 257)."""
+    from ..text.tokenizer import _bytes_to_unicode  # GPT-2's byte alphabet, as the tokenizer reads it
+    if n_vocab < 257:
+        return {}
+    byte_char = _bytes_to_unicode()
+    tokens = [byte_char[x] for x in range(256)] + [f"<|filler{i}|>" for i in range(n_vocab - 257)] + ["<|eot|>"]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * 256 + [3] * (n_vocab - 256),  # 3: control
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": n_vocab - 1}
 
 
 def _byte_tokenizer(w, n_vocab: int) -> None:
-    """A byte-level BPE tokenizer (gpt2 model, no merges) of n_vocab >= 257 tokens: the 256
-    bytes, filler tokens, and an end-of-text token last, so that a random-weight model
-    loads with luce.load and any text round-trips."""
-    from ..text.tokenizer import _bytes_to_unicode  # GPT-2's byte alphabet, as the tokenizer reads it
-    if n_vocab < 257:
+    md = byte_tokenizer_metadata(n_vocab)
+    if not md:
         return
-    byte_char = _bytes_to_unicode()
-    tokens = [byte_char[x] for x in range(256)] + [f"<|filler{i}|>" for i in range(n_vocab - 257)] + ["<|eot|>"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3] * (n_vocab - 256))  # 3: control
-    w.add_token_merges([])
-    w.add_eos_token_id(n_vocab - 1)
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
 
 
 def _copy_tokenizer(w, src) -> None:
@@ -252,9 +241,9 @@ def tiny(arch: str, vocab_size: int, **kw) -> ModelShape:
 
 
 class SyntheticFile(ModelMetadata):
-    """Stands in for a GGUFFile: metadata, tensor names, types and shapes, no data. Its
-    family reads its config as from a file; backends load its tensors with
-    `synthetic_loader`."""
+    """Stands in for a GGUFFile: metadata (a byte-level tokenizer's too), tensor names, types
+    and shapes, no data. Its family reads its config as from a file; backends load its
+    tensors with `synthetic_loader`; `luce.load("synthetic:NAME")` makes a Model of it."""
 
     def __init__(self, name: "str | ModelShape", types=None):
         from ..gguf_file import TensorInfo
@@ -267,7 +256,7 @@ class SyntheticFile(ModelMetadata):
             raise LuceError(f"unknown synthetic model {name!r} (choose from {', '.join(SHAPES)})")
         types = types or q4_k_m_type
         self.path = Path(f"synthetic:{self.name}")
-        self.metadata = shape_metadata(self.shape)
+        self.metadata = {**shape_metadata(self.shape), **byte_tokenizer_metadata(self.shape.vocab_size)}
         self.tensors = {}
         for tname, shp in self.shape.tensor_shapes().items():
             qt = fit_type(types(tname), shp[-1])
