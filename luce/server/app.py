@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine.engine import Engine, Job, QueueFull
-from ..engine.request import Error, Request
+from ..engine.request import Done, Error, Request, TextDelta
 from ..text.chat_format import detect_chat_format
-from .errors import APIError, error_response
+from .errors import APIError, error_response, openai_body, sse
 from .metrics import Metrics
 from .schema import template_renders_tools
 
@@ -141,6 +141,31 @@ def stream_response(job: Job, frames: AsyncIterator[str]) -> StreamingResponse:
             job.cancel()
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def text_reply(request: HTTPRequest, state, req: Request, piece: Callable, last: Callable, end: str = ""):
+    """A raw-text generation's answer in an API that sends OpenAI-shaped errors: streamed,
+    an SSE event `piece(text)` a text piece, the events `last(done, None)` after them, then
+    `end`; else the one JSON object `last(done, text)[0]`."""
+    job = submit(state, req)
+    if req.stream:
+        async def frames():
+            async for ev in job.events(KEEPALIVE_S):
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(ev, TextDelta):
+                    yield sse(piece(ev.text))
+                elif isinstance(ev, Error):
+                    yield sse(openai_body(APIError(ev.status, ev.message, code=ev.kind)))
+                elif isinstance(ev, Done):
+                    for body in last(ev, None):
+                        yield sse(body)
+            if end:
+                yield end
+        return stream_response(job, frames())
+    events = await collect(request, job)
+    raise_error_event(events)
+    return JSONResponse(last(events[-1], "".join(ev.text for ev in events if isinstance(ev, TextDelta)))[0])
 
 
 def endpoint(api: str, handler: Callable, auth: bool = True):

@@ -5,12 +5,11 @@ Errors come in the OpenAI shape, as llama.cpp's server sends them."""
 from __future__ import annotations
 
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import JSONResponse
 
-from ..engine.request import Done, Error, Request, TextDelta
+from ..engine.request import Done, Request
 from . import schema
-from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
-from .errors import APIError, openai_body, sse
+from .app import read_json, text_reply
+from .errors import APIError
 
 # llama.cpp's stop_type: "eos" (an end-of-generation token), "word" (a stop string), "limit"
 STOP_TYPE = {"stop": "eos", "length": "limit", "timeout": "limit", "cancelled": "none"}
@@ -49,20 +48,5 @@ def _final(done: Done, model: str, content: str) -> dict:
 async def infill(request, state):
     body = await read_json(request)
     req = await run_in_threadpool(parse_infill, body, state)
-    job = submit(state, req)
-    if req.stream:
-        async def frames():
-            async for ev in job.events(KEEPALIVE_S):
-                if ev is None:
-                    yield ": keep-alive\n\n"
-                elif isinstance(ev, TextDelta):
-                    yield sse({"index": 0, "content": ev.text, "stop": False})
-                elif isinstance(ev, Error):
-                    yield sse(openai_body(APIError(ev.status, ev.message, code=ev.kind)))
-                elif isinstance(ev, Done):
-                    yield sse(_final(ev, state.model_name, ""))
-        return stream_response(job, frames())
-    events = await collect(request, job)
-    raise_error_event(events)
-    text = "".join(ev.text for ev in events if isinstance(ev, TextDelta))
-    return JSONResponse(_final(events[-1], state.model_name, text))
+    return await text_reply(request, state, req, lambda text: {"index": 0, "content": text, "stop": False},
+                            lambda done, text: [_final(done, state.model_name, text or "")])

@@ -6,7 +6,7 @@ from starlette.responses import JSONResponse
 
 from ..engine.request import Done, Error, ReasoningDelta, Request, TextDelta, ToolCall
 from . import schema
-from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit
+from .app import KEEPALIVE_S, collect, raise_error_event, read_json, stream_response, submit, text_reply
 from .errors import APIError, openai_body, sse
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "timeout": "length", "cancelled": "stop"}
@@ -244,34 +244,17 @@ async def completions(request, state):
     body = await read_json(request)
     req = await run_in_threadpool(parse_completion, body, state)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    cid = "cmpl-" + req.id
-    created = int(req.created)
-    job = submit(state, req)
-    base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-            "system_fingerprint": FINGERPRINT}
-    if req.stream:
-        async def frames():
-            async for ev in job.events(KEEPALIVE_S):
-                if ev is None:
-                    yield ": keep-alive\n\n"
-                elif isinstance(ev, TextDelta):
-                    yield sse({**base, "choices": [{"index": 0, "text": ev.text, "logprobs": None,
-                                                    "finish_reason": None}]})
-                elif isinstance(ev, Error):
-                    yield sse(openai_body(APIError(ev.status, ev.message, code=ev.kind)))
-                elif isinstance(ev, Done):
-                    yield sse({**base, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                                    "finish_reason": FINISH[ev.finish_reason]}],
-                               "timings": ev.timings.to_json()})
-                    if include_usage:
-                        yield sse({**base, "choices": [], "usage": usage_json(ev)})
-            yield "data: [DONE]\n\n"
-        return stream_response(job, frames())
-    events = await collect(request, job)
-    raise_error_event(events)
-    done = events[-1]
-    text = "".join(ev.text for ev in events if isinstance(ev, TextDelta))
-    return JSONResponse({**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                              "finish_reason": FINISH[done.finish_reason]}],
-                         "usage": usage_json(done), "timings": done.timings.to_json()})
+    base = {"id": "cmpl-" + req.id, "object": "text_completion", "created": int(req.created),
+            "model": state.model_name, "system_fingerprint": FINGERPRINT}
+
+    def piece(text):
+        return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+
+    def last(done, text):
+        end = {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                    "finish_reason": FINISH[done.finish_reason]}], "timings": done.timings.to_json()}
+        if text is not None:  # the whole answer
+            return [{**end, "usage": usage_json(done)}]
+        return [end] + ([{**base, "choices": [], "usage": usage_json(done)}] if include_usage else [])
+    return await text_reply(request, state, req, piece, last, "data: [DONE]\n\n")
 
