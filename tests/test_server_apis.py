@@ -74,9 +74,10 @@ def test_completions(oai):
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0)
     assert "Paris" in r.choices[0].text and r.usage.completion_tokens == 2
     parts = list(oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2,
-                                        temperature=0, stream=True))
-    assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
-    assert parts[-1].choices[0].finish_reason == "length"
+                                        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts[:-1]) == r.choices[0].text
+    assert parts[-2].choices[0].finish_reason == "length"
+    assert not parts[-1].choices and parts[-1].usage.completion_tokens == 2  # the usage chunk comes last
 
 
 def test_sampling_parameters_are_honoured(oai):
