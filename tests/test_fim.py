@@ -67,6 +67,20 @@ def test_infill_prompt_fits_its_budget(qwen_tok):
         infill_ids(qwen_tok, fim, prefix, suffix, budget=3)
 
 
+def test_server_fits_the_prompt_to_the_context(qwen_tok):
+    """The routes' budget: the context less max tokens, or less a quarter of it (at most 256)
+    where none is asked for, so the answer always has room."""
+    from types import SimpleNamespace
+
+    from luce.server.schema import infill_ids as server_ids
+    state = SimpleNamespace(model=SimpleNamespace(tokenizer=qwen_tok, n_ctx=512), model_name="q")
+    prefix = "".join(f"x{i} = {i}\n" for i in range(400))
+    assert len(server_ids(state, prefix, "", max_tokens=100)) == 412
+    assert len(server_ids(state, prefix, "", max_tokens=None)) == 384
+    state.model.n_ctx = 4096
+    assert len(server_ids(state, prefix * 4, "", max_tokens=None)) == 4096 - 256
+
+
 @pytest.fixture(scope="module")
 def qwen_server():
     import luce

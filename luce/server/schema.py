@@ -147,7 +147,10 @@ def infill_ids(state, prefix: str, suffix: str, extra=(), prompt: str = "", max_
         raise APIError(400, f"'{param}': {state.model_name} has no fill-in-the-middle tokens (a code model such "
                             "as Qwen2.5-Coder, StarCoder or CodeLlama has them)", param=param,
                        code="unsupported_parameter")
-    budget = state.model.n_ctx - (max_tokens or 0)
+    # with no max tokens (llama.cpp's n_predict -1) a quarter of the context, up to 256
+    # tokens, stays free for the answer: a prompt that filled it could not be answered
+    n_ctx = state.model.n_ctx
+    budget = n_ctx - (max_tokens or min(256, n_ctx // 4))
     try:
         return build(state.model.tokenizer, fim, prefix, suffix, extra, prompt, budget=budget)
     except ValueError as e:
