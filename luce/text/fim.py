@@ -40,7 +40,7 @@ class FimTokens:
 def fim_tokens(tokenizer) -> FimTokens | None:
     """The model's FIM token ids, from the file's keys or else by their texts; None where
     it has no prefix, suffix and middle tokens (it cannot fill in the middle)."""
-    meta = tokenizer._build_args[0]
+    meta = tokenizer.metadata
     n = tokenizer.vocab_size
     ids = {}
     for role, texts in _TEXTS.items():

@@ -494,6 +494,11 @@ class Tokenizer:
 
     # ---- properties ---------------------------------------------------- #
     @property
+    def metadata(self) -> Mapping[str, Any]:
+        """The tokenizer.* metadata it was built from (other special-token ids: FIM's)."""
+        return self._build_args[0]
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tokens)
 
