@@ -994,7 +994,8 @@ class CUDABackend:
     def _persistent_decode(self, cfg, weights, kv):
         """The persistent one-token forward for this model and cache where it is on and
         takes them, else None; the packed weights are shared by every cache of a model."""
-        if not (PERSISTENT_DECODE if PERSISTENT_DECODE is not None else not self.cuda.config.ENABLE_CUDASIM):
+        on = not self.cuda.config.ENABLE_CUDASIM if PERSISTENT_DECODE is None else PERSISTENT_DECODE
+        if not on:
             return None
         from ..kernels.persistent_decode import PackedWeights, PersistentDecode, applies
         if applies(cfg, weights, kv) is not None:

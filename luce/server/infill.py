@@ -30,8 +30,8 @@ def parse_infill(body: dict, state) -> Request:
                       schema.get(chunk, "text", "str", "", where=where + ".")))
     samp = schema.sampling(body, ("max_tokens",))
     stream = schema.get(body, "stream", "bool", False)
+    # fitted into the context less max tokens (413 where even the markers do not fit)
     ids = schema.infill_ids(state, prefix, suffix, extra, prompt, samp.get("max_tokens"), param="input_suffix")
-    schema.check_context(state, len(ids), samp.get("max_tokens"))
     return Request(prompt_ids=ids, sampling=samp, raw=True, stream=stream, api="infill",
                    model=state.model_name, timeout_s=state.request_timeout)
 
