@@ -182,6 +182,10 @@ FUSED_GATED_MATMUL = os.environ.get("LUCE_FUSED_GATED_MATMUL", "1") != "0"
 # simulator, where its own tests turn it on: there it would run every one-token step of
 # the backend's tests one block at a time.
 PERSISTENT_DECODE = {"0": False, "1": True}.get(os.environ.get("LUCE_PERSISTENT_DECODE", ""))  # None: the default
+# By default only for models whose layer weights are at most this (a draft's: measured
+# faster there); an 8B's shape fits the kernel's shared memory since it is opted into past
+# 48 KB, but is not measured faster yet: LUCE_PERSISTENT_DECODE=1 takes it.
+PERSISTENT_DEFAULT_BYTES = 1 << 30
 GRAPH_WIDTHS_MAX = 64  # decode and tree verification widths that get a CUDA graph
 # Prefill forwards of a power-of-two width up to this get one too: the engine splits a prompt
 # into such pieces (engine.generator.prefill_pieces), so a bounded set of graphs serves every
@@ -997,8 +1001,11 @@ class CUDABackend:
         on = not self.cuda.config.ENABLE_CUDASIM if PERSISTENT_DECODE is None else PERSISTENT_DECODE
         if not on:
             return None
-        from ..kernels.persistent_decode import PackedWeights, PersistentDecode, applies
+        from ..kernels.persistent_decode import KINDS, PackedWeights, PersistentDecode, applies
         if applies(cfg, weights, kv) is not None:
+            return None
+        if PERSISTENT_DECODE is None and \
+                sum(getattr(lw, k).raw.nbytes for lw in weights.layers for k in KINDS) > PERSISTENT_DEFAULT_BYTES:
             return None
         packs = self._persistent_packs
         pack = packs.get(id(weights))

@@ -47,7 +47,7 @@ from numba import cuda
 from numba import types as nb_types
 
 from ._reduce import ceil_div
-from .device import device
+from .device import device, with_shared
 from .mma import (SCRATCH, SHARED16, cp_async16, cp_async_commit, cp_async_wait, cp_async_wait_prior, ex2,
                   f32x2_to_f16x2, lds4, ldsm_x4, ldsm_x4_trans, mma_f16, quad_max, quad_sum, sts4)
 from .paging import BLOCK
@@ -543,29 +543,8 @@ def kernel(dim: int, warps: int, half: bool = False, stages: int | None = None, 
     return pdl_ready(attn)
 
 
-# (id of a compiled kernel) of those whose dynamic shared memory limit is raised
-_OPTED_IN: set = set()
-
-
-def _opt_in(nbytes: int):
-    """A pre-launch callback raising a kernel's dynamic shared memory limit to nbytes (past
-    the 48 KB a launch gets without it), once a kernel."""
-    def callback(kern, _config):
-        if id(kern) in _OPTED_IN:
-            return
-        from numba.cuda.cudadrv.driver import binding, driver
-        f = kern._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, nbytes, f.handle, f.device.id)
-        _OPTED_IN.add(id(kern))
-    return callback
-
-
 def launch(dim: int, warps: int, half: bool, qsh: bool, grid, stream, *args):
     """kernel(dim, warps, half, qsh=qsh) over `grid` with its dynamic shared memory (the
     K/V stages and, with qsh, Q's fragments), opted in where that passes 48 KB."""
     nbytes = 4 * sum(shared_words(dim, warps, qsh))
-    cfg = kernel(dim, warps, half, qsh=qsh)[grid, 32 * warps, stream, nbytes]
-    if nbytes > 48 * 1024 and not SIM:
-        cfg.pre_launch_callbacks.append(_opt_in(nbytes))
-    cfg(*args)
+    with_shared(kernel(dim, warps, half, qsh=qsh), grid, 32 * warps, stream, nbytes)(*args)

@@ -43,3 +43,30 @@ else:
     def fma(a, b, c):
         # numba types cuda.fma only as an attribute of the cuda module, not under another name
         return cuda.fma(a, b, c)
+
+
+SMEM_STATIC = 48 * 1024  # shared memory a launch gets without opting in
+_OPTED_IN: set = set()  # ids of compiled kernels whose dynamic shared memory limit is raised
+
+
+def _opt_in(nbytes: int):
+    """A pre-launch callback raising a kernel's dynamic shared memory limit to nbytes, once a
+    compiled kernel (cuKernelSetAttribute: numba does not)."""
+    def callback(kern, _config):
+        if id(kern) in _OPTED_IN:
+            return
+        from numba.cuda.cudadrv.driver import binding, driver
+        f = kern._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, nbytes, f.handle, f.device.id)
+        _OPTED_IN.add(id(kern))
+    return callback
+
+
+def with_shared(kernel, grid, block, stream, nbytes: int):
+    """kernel[grid, block, stream, nbytes], opted into nbytes of dynamic shared memory where
+    that passes the 48 KB a launch gets by default."""
+    cfg = kernel[grid, block, stream, nbytes]
+    if nbytes > SMEM_STATIC and not SIM:
+        cfg.pre_launch_callbacks.append(_opt_in(nbytes))
+    return cfg

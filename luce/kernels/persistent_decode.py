@@ -43,9 +43,10 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
-from .device import SIM, device
+from .device import SIM, device, with_shared
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
@@ -346,7 +347,20 @@ def _h2(wd):
     return f16_bits_to_f32(wd & np.uint32(0xFFFF)), f16_bits_to_f32(wd >> np.uint32(16))
 
 
-SMEM_MAX = 48 * 1024  # static shared memory a block
+PS = 64  # an attention item's first page slots, staged in shared memory
+# shared memory a block can opt into (sm_90's 227 KB; sm_80 163 KB), where the device does
+# not say (the simulator, offline PTX)
+SMEM_OPTIN = 227 * 1024
+
+
+def smem_max() -> int:
+    """Shared memory a block of the kernel may have on this device."""
+    if SIM:
+        return SMEM_OPTIN
+    try:
+        return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    except Exception:  # an attribute this driver binding lacks
+        return SMEM_OPTIN
 
 
 def _xq_floats(D, HQ, DH, F, x8):
@@ -359,13 +373,24 @@ def _key_threads(DH):
     return min(8, DH // 8)
 
 
-def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
-    """The kernel's shared memory at a shape (the arrays _kernel allocates)."""
+def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
+    """The kernel's dynamic shared memory at a shape: each array's offset (float32 words,
+    a multiple of 4: 16-byte aligned; x in int8 first) and the words in all."""
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
     KC = NT // _key_threads(DH)
-    xsn = max(MX + MX // 64 + 1, W * G * DH)
-    return 4 * (xsn + max(1, W * WARP_RED_SLOTS) + NT + (G * DH + DH) + G * KC + 3 * G + DH + 64
-                + _xq_floats(D, HQ, DH, F, x8)) + 8
+    sizes = {"xq": _xq_floats(D, HQ, DH, F, x8), "xs": max(MX + MX // 64 + 1, W * G * DH),
+             "red": max(1, W * WARP_RED_SLOTS), "bred": NT, "qsh": G * DH + DH, "ss": G * KC, "ml": 3 * G,
+             "cs": DH, "ps": PS}
+    offsets, o = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = o
+        o += -(-n // 4) * 4
+    return offsets, o
+
+
+def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
+    """The kernel's shared memory at a shape: the dynamic arrays and 8 static bytes."""
+    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1] + 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,18 +415,16 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     # shared arrays' sizes: compile-time constants only as plain closure values
     QSH, SSN, MLN, TMPN = G * DH + DH, G * KC, 3 * G, DH
     XSN = max(XS, W * G * DH)  # attention's per-warp partials live in xs (free in that phase)
-    PS = 64  # an attention item's first page slots, staged in shared memory
     SUB = 5 * L + 3  # stamps inside block 0's first attention item start here
     DET = 9 * L + 3  # then stamps inside block 0's row phases: 8 a layer, one for the head
     SCALE = np.float32(1.0 / math.sqrt(DH))
     eps = np.float32(EPS)
     f32 = np.float32
     XQN = _xq_floats(D, HQ, DH, F, X8)
-    smem = _shared_bytes(D, HQ, HKV, DH, F, NT, X8)
-    assert smem == 4 * (XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN) + 8
-    if smem > SMEM_MAX:
-        raise ValueError(f"the persistent decode kernel's shared memory ({smem} bytes) is over 48 KiB at this "
-                         f"model's shape (D={D}, F={F}, {HQ} heads of {DH})")
+    offs, words = _shared_layout(D, HQ, HKV, DH, F, NT, X8)
+    O_XS, O_RED, O_BRED, O_QSH = offs["xs"], offs["red"], offs["bred"], offs["qsh"]
+    O_SS, O_ML, O_CS, O_PS = offs["ss"], offs["ml"], offs["cs"], offs["ps"]
+    assert offs["xq"] == 0 and words >= XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN
 
     def stager(n):
         """stage(xs, src, tid): xs[_xi(i)] = src[i] for i < n (other blocks' writes, from L2),
@@ -820,21 +843,24 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         # 1,031 against 1,132 us a step)
         gw = wid * nb + bid
         nw_all = nb * W
-        xs = cuda.shared.array(XSN, np.float32)
-        red = cuda.shared.array(RED, np.float32)
-        bred = cuda.shared.array(NT, np.float32)
-        qsh = cuda.shared.array(QSH, np.float32)  # the group's q heads, then the new k
-        ss = cuda.shared.array(SSN, np.float32)
-        ml = cuda.shared.array(MLN, np.float32)  # m, l, the pass's rescale a head
-        cs = cuda.shared.array(TMPN, np.float32)  # the step's RoPE cos, then sin
-        part = xs
+        # one dynamic allocation carved into the phases' arrays: past 48 KB at an 8B's shape
+        # (x staged for a 12,288-wide down projection), which a launch must opt into
         if SIM:  # no alignment argument there
-            xqf = cuda.shared.array(XQN, np.float32)
-        else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time
-            xqf = cuda.shared.array(XQN, np.float32, alignment=16)
+            sm = cuda.shared.array(0, nb_float32)  # a numba type: the simulator sizes it by itemsize
+        else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time: at offset 0
+            sm = cuda.shared.array(0, np.float32, alignment=16)
+        xqf = sm[0:XQN]
+        xs = sm[O_XS:O_XS + XSN]
+        red = sm[O_RED:O_RED + RED]
+        bred = sm[O_BRED:O_BRED + NT]
+        qsh = sm[O_QSH:O_QSH + QSH]  # the group's q heads, then the new k
+        ss = sm[O_SS:O_SS + SSN]
+        ml = sm[O_ML:O_ML + MLN]  # m, l, the pass's rescale a head
+        cs = sm[O_CS:O_CS + TMPN]  # the step's RoPE cos, then sin
+        part = xs
         xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
-        pslot = cuda.shared.array(PS, np.int32)
+        pslot = sm[O_PS:O_PS + PS].view(np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
         vw = cuda.local.array(VW, np.uint32)
@@ -1043,8 +1069,8 @@ def applies(cfg, weights, kv) -> str | None:
             return f"a {m.shape[1]}-column weight in {qk}-column blocks"
     smem = _shared_bytes(cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_ff, 32 if SIM else THREADS,
                          x8_fits(weights))
-    if smem > SMEM_MAX:
-        return f"its shape needs {smem} bytes of shared memory a block (at most {SMEM_MAX})"
+    if smem > smem_max():
+        return f"its shape needs {smem} bytes of shared memory a block (at most {smem_max()})"
     if weights.output.raw.size % 16:
         return "an output head whose bytes are not a multiple of 16 (its rows are read 16 bytes at a time)"
     return None
@@ -1134,12 +1160,13 @@ class PersistentDecode:
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
                               self.x8, pages_an_item)
+        self.smem = 4 * _shared_layout(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)[1]
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
         K/V written at the pool's row meta[0] (the caller has reserved it)."""
         kv, pk = self.kv, self.pk
-        self.kernel[self.blocks, self.threads, self.stream](
+        with_shared(self.kernel, self.blocks, self.threads, self.stream, self.smem)(
             pk.w, pk.wtab, pk.nw, pk.ntab, pk.emb, pk.emb_qt, pk.outw, pk.out_qt, pk.out_norm, pk.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
             kv.pos_d, self.xg, self.qkv, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
             self.stamps)
