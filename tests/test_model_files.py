@@ -144,3 +144,20 @@ def test_load_a_synthetic_model(monkeypatch):
     assert out and out == m.generate("hi", max_tokens=3, temperature=0)  # greedy: the same again
     with pytest.raises(LuceError, match="unknown synthetic model"):
         luce.load("synthetic:nope", backend="cpu")
+
+
+def test_synthetic_matrices_start_at_their_own_pool_rows(monkeypatch):
+    """A synthetic model's matrices are tiled from one pool a (type, width), each from its
+    own row (by name): its layers differ and gate is not up, and every matrix still
+    repeats the pool's rows in order, wrapping."""
+    import luce
+    from luce.backends import tile_runs
+    from luce.bench import synthetic as S
+    monkeypatch.setitem(S.SHAPES, "qwen3-0.6b", S.tiny("qwen3", 300, n_layers=2, n_embd=256, n_ff=512, n_heads=2,
+                                                        n_kv_heads=1, head_dim=128))
+    m = luce.load("synthetic:qwen3-0.6b", backend="cpu", n_ctx=64)
+    l0, l1 = m.weights.layers
+    assert not np.array_equal(l0.wq, l1.wq) and not np.array_equal(l0.w_gate, l0.w_up)
+    assert not np.array_equal(l0.w_gate, l1.w_gate)
+    assert list(tile_runs(5, 12, 3)) == [(0, 3, 2), (2, 0, 5), (7, 0, 5)]
+    assert list(tile_runs(5, 3, 7)) == [(0, 2, 3)]

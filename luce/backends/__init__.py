@@ -33,6 +33,16 @@ def greedy_rows(logits) -> GreedyRows:
     return GreedyRows(np.argmax(logits, axis=-1), lambda i: logits[i])
 
 
+def tile_runs(pool_rows: int, rows: int, start: int = 0):
+    """(row, pool row, count) runs filling `rows` rows with a pool's rows from `start` on,
+    wrapping: a random-weight model's matrices (tiled_weight)."""
+    r, s = 0, start % pool_rows
+    while r < rows:
+        n = min(pool_rows - s, rows - r)
+        yield r, s, n
+        r, s = r + n, 0
+
+
 def cuda_available() -> bool:
     try:
         from numba import cuda

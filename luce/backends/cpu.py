@@ -18,6 +18,7 @@ from ..kernels.norm import rms_norm_ref
 from ..kernels.qk_rope import qk_rope_ref
 from ..kernels.rope import rope_ref
 from ..kv.cache import KVCache
+from . import tile_runs
 
 
 class NumpyOps:
@@ -101,10 +102,11 @@ class CPUBackend:
     def load_tensor(self, info) -> np.ndarray:
         return dequantize(info.data, info.qtype, info.shape)
 
-    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None) -> np.ndarray:
-        """A random-weight matrix made by repeating the raw rows of `pool` (benchmarks)."""
-        reps = -(-rows // pool.shape[0])
-        raw = np.concatenate([pool] * reps)[:rows]
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None,
+                     start: int = 0) -> np.ndarray:
+        """A random-weight matrix made by repeating the raw rows of `pool` from row `start`
+        on, wrapping (benchmarks)."""
+        raw = np.concatenate([pool[s:s + n] for _, s, n in tile_runs(pool.shape[0], rows, start)])
         return dequantize(raw.reshape(-1), qtype, (rows, cols))
 
     def new_cache(self, cfg, n_ctx: int) -> KVCache:

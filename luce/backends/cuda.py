@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from ..kv.paged import PagedKVCache
+from . import tile_runs
 from .cuda_copy import d2d, d2h_async, d2h_sync, h2d
 
 MAX_MATVEC_ROWS = 64
@@ -930,16 +931,17 @@ class CUDABackend:
         free, total = self.cuda.current_context().get_memory_info()
         self._g8_names = g8_plan(tensors, tied_output, free, total)
 
-    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None) -> DeviceWeight:
-        """A [rows, row_bytes] device weight filled by repeating the host rows of `pool`
-        (random-weight benchmark models: one small upload, then device copies)."""
+    def tiled_weight(self, pool: np.ndarray, qtype, rows: int, cols: int, name: str | None = None,
+                     start: int = 0) -> DeviceWeight:
+        """A [rows, row_bytes] device weight filled by repeating the host rows of `pool` from
+        row `start` on, wrapping (random-weight benchmark models: one small upload, then
+        device copies)."""
         cuda = self.cuda
 
         def tiled(src):
             dst = cuda.device_array((rows, pool.shape[1]), dtype=np.uint8)
-            for r in range(0, rows, pool.shape[0]):
-                n = min(pool.shape[0], rows - r)
-                dst[r:r + n].copy_to_device(src[:n])
+            for r, s, n in tile_runs(pool.shape[0], rows, start):
+                dst[r:r + n].copy_to_device(src[s:s + n])
             return dst
         g8 = _g8_copy(cuda, pool, qtype, cols, name, self._g8_names)  # the layout is by row: the tiling of the pool's
         w = DeviceWeight(tiled(cuda.to_device(pool)), qtype, (rows, cols), None if g8 is None else tiled(g8))
