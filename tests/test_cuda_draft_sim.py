@@ -1,6 +1,6 @@
 """The CUDA backend's draft loop in the CUDA simulator: a greedy draft's steps queued on the
-device (luce.spec.DraftModel on the CUDA backend) against the host loop over whole logits
-rows. Its own file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so
+device (luce.spec.DraftModel on the CUDA backend), each through the persistent decode kernel
+as on a GPU, against the host loop over whole logits rows through the launch chain. Its own file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so
 that CI's workers (pytest-xdist, by file) share it with tests/test_cuda_backend_sim.py."""
 import math
 
@@ -10,7 +10,7 @@ import numpy as np
 def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch):
     """A greedy draft on the CUDA backend queues its steps with the candidates taken on the
     device (forward_topk: top-k and log-sum-exp in the step, the next step's token left
-    there): the same tokens, candidates and, to float rounding, log-probabilities as the
+    there), its one-token steps in the persistent kernel: the same tokens, candidates and, to float rounding, log-probabilities as the
     host loop over full logits rows; more steps than the readback slots, and a second
     call that reuses the committed prefix."""
     import gguf
@@ -33,6 +33,18 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
     host = DraftModel(model, n_ctx=64, top_k=4, on_device=False)
     dev = DraftModel(model, n_ctx=64, top_k=4)
     assert dev.on_device and not host.on_device
+    # the device loop's one-token steps through the persistent kernel (the GPU's default for
+    # a draft), the host loop's through the launch chain: a cache's choice is made with its
+    # state, so each state is made under its setting
+    be, args = model.backend, (model.family, model.config, model.weights)
+    monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", False)
+    assert be._model_state(*args, host.session.cache)["persistent"] is None
+    monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
+    pd = be._model_state(*args, dev.session.cache)["persistent"]
+    assert pd is not None
+    steps = []
+    forward = pd.forward
+    monkeypatch.setattr(pd, "forward", lambda *a: steps.append(1) or forward(*a))
     ctx = [3, 9, 4, 1, 7]
     for n in (3, 1):  # 3: more steps than the two slots; 1: a second call on the committed prefix
         a, b = host.propose(ctx, n), dev.propose(ctx, n)
@@ -54,3 +66,4 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
     assert a.tokens == b.tokens == full.tokens[:2]
     np.testing.assert_array_equal(b.topk_ids, full.topk_ids[:2])
     assert host.session.tokens == ctx + a.tokens[:1] and dev.session.tokens == ctx + b.tokens
+    assert len(steps) >= 5  # the device loop's one-token steps went through the kernel
