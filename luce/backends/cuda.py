@@ -1016,7 +1016,7 @@ class CUDABackend:
             weakref.finalize(weights, packs.pop, id(weights), None)
         try:
             return PersistentDecode(cfg, weights, kv, stream=self.stream, packed=pack)
-        except ValueError:  # a shape past the kernel's shared memory
+        except ValueError:  # a model the kernel refuses (applies() above, int8 x)
             return None
 
     def _ensure_arena(self, st, cfg, n_tokens: int, kv):

@@ -24,8 +24,12 @@ Status (docs/benchmarks.md, fortieth session): at the synthetic Qwen3-0.6B shape
 H100, 947.5 us a step alone and 985.9 through the backend (the argmax / top-k launches
 after it) against 1,157.2 for the backend's graph-replayed launch chain in the same call
 (0.85x; 3,435 us alone at its first version), its GPU tests passing; so CUDABackend takes
-it by default where applies() holds (LUCE_PERSISTENT_DECODE=0 turns it off). Where the
-time goes is printed by `python -m luce.bench.persistent_decode` (the phases' grid
+it by default where applies() holds, for a draft's size of weights (LUCE_PERSISTENT_DECODE=0
+turns it off). At the Qwen3-8B shape (its shared memory past 48 KB since it is one dynamic
+allocation) it runs, but slower than the chain: 4,390 against 3,282 us a step on an H100
+(forty-first session: every block stages each phase's whole x, 5-7.6 us a phase, and one
+block of 16 warps an SM streams the rows slower than matvec_fast's grids). Where the time
+goes is printed by `python -m luce.bench.persistent_decode [SHAPE]` (the phases' grid
 barriers, block 0's stamps inside them).
 
 Every block must be resident at once (the barrier waits for all of them): the grid is one
