@@ -297,11 +297,18 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                     raise click.UsageError(f"--synthetic {synthetic}: no draft shape of its vocabulary; give --draft")
             # made in memory (luce.load's synthetic:NAME): no multi-GB GGUF written and read back
             model, draft = f"synthetic:{synthetic}", f"synthetic:{name}" if name else draft
+        # a shape's costs: the draft's step alone against what a draft of draft max costs
+        costs = {} if synthetic and any(m in ("chain", "ddtree") for m in modes) else None
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max,
-                           draft_p_min=opts.draft_p_min, backend=backend)
+                           draft_p_min=opts.draft_p_min, backend=backend, costs=costs)
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
+        if costs:
+            from .bench.spec import costs_table
+            title = "the draft's step alone and a whole draft"
+            click.echo(f"\n{title}\n{costs_table(costs)}")
+            tables.append((title, costs_table(costs), None))
         if synthetic:
             from .bench.spec import PAIR_SETTINGS, projection
             if PAIR_SETTINGS == {"ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max,

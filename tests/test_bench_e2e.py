@@ -55,6 +55,12 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
         ms, acc, tps, plain, x = float(c[3]), float(c[4]), float(c[5]), float(c[6]), float(c[7].strip(" x"))
         assert acc == PAIR_ACCEPTANCE[(mode, "code")]
         assert abs(tps - acc * 1e3 / ms) <= 0.05 * tps + 0.1 and abs(x - tps / plain) <= 0.01 + 0.01 * x
+    # the draft's step alone against a whole draft (draft max 8): figures that fit together
+    cost = next(line.split("|") for line in r.output.splitlines() if line.startswith("| ") and len(line.split("|")) == 6
+                and line.split("|")[1].strip()[:1].isdigit())
+    step, n_step, prop, ratio = (float(c) for c in cost[1:5])
+    assert step > 0 and prop > 0 and abs(n_step - 8 * step) <= 0.01 + 1e-3 * n_step
+    assert abs(ratio - prop / (8 * step)) <= 0.01 + 0.01 * ratio
     # on a backend with graphs the first prompt runs once in every mode before the timed runs
     from luce.backends.cpu import CPUBackend
     monkeypatch.setattr(CPUBackend, "use_graphs", True, raising=False)

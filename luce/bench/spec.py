@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
 
@@ -51,10 +53,11 @@ def default_pair() -> tuple[Path, Path]:
 
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
         limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max: int = 8, draft_p_min: float = 0.0,
-        backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print) -> list[Result]:
+        backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
-    (JSONL) as they come, since a CPU run takes long."""
+    (JSONL) as they come, since a CPU run takes long. With `costs` (a dict), the draft's
+    step alone and its propose() are timed after the runs (draft_costs) into it."""
     from ..spec import DraftModel, PromptLookup, SpecOptions, stream
 
     if target is None:
@@ -126,7 +129,36 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         if sink:
             sink.close()
     echo(summary(results))
+    if costs is not None and draft_shared is not None and rows:
+        costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), draft_max))
     return results
+
+
+def draft_costs(drafter, context: list[int], n: int, reps: int = 8, steps: int = 32) -> dict:
+    """Where a draft's time goes: ms of the draft model's one-token step alone (the next
+    token left on the device, as `luce bench` times decode) and of propose(n) after a
+    one-token catch-up (what follows a rejected draft), median of `reps`. A propose costs
+    n forwards plus whatever surrounds them (the candidates' top-k, the host's loop)."""
+    from .e2e import _decode_pipelined
+    m = drafter.model
+    drafter.reset()
+    drafter.propose(context, n)  # the prefill; graphs recorded
+    kv = drafter.session.cache
+    step = _decode_pipelined(m.backend, m.family, m.config, m.weights, kv, int(context[-1]), steps) / steps
+    times = []
+    for i in range(reps + 1):  # the first records whatever graph the catch-up's width needs
+        t0 = time.perf_counter()
+        drafter.propose(context + [1 + i % 7], n)
+        times.append(time.perf_counter() - t0)
+    return {"step_ms": 1e3 * step, "propose_ms": 1e3 * float(np.median(times[1:])), "n": n}
+
+
+def costs_table(c: dict) -> str:
+    """draft_costs as a markdown table."""
+    n, step, prop = c["n"], c["step_ms"], c["propose_ms"]
+    return ("| draft step alone, ms | x draft max | propose(draft max), ms | propose / (draft max x step) |\n"
+            "|---|---|---|---|\n"
+            f"| {step:.3f} | {n * step:.2f} | {prop:.2f} | {prop / (n * step):.2f} |")
 
 
 def _load(m, backend, n_ctx, role, echo):
