@@ -56,9 +56,11 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
         assert acc == PAIR_ACCEPTANCE[(mode, "code")]
         assert abs(tps - acc * 1e3 / ms) <= 0.05 * tps + 0.1 and abs(x - tps / plain) <= 0.01 + 0.01 * x
     # the draft's step alone against a whole draft (draft max 8): figures that fit together
-    cost = next(line.split("|") for line in r.output.splitlines() if line.startswith("| ") and len(line.split("|")) == 6
+    # (a host-loop draft here: no top-k step of its own, so the plain step is the unit)
+    cost = next(line.split("|") for line in r.output.splitlines() if line.startswith("| ") and len(line.split("|")) == 7
                 and line.split("|")[1].strip()[:1].isdigit())
-    step, n_step, prop, ratio = (float(c) for c in cost[1:5])
+    assert cost[2].strip() == "-"
+    step, n_step, prop, ratio = (float(cost[i]) for i in (1, 3, 4, 5))
     assert step > 0 and prop > 0 and abs(n_step - 8 * step) <= 0.01 + 1e-3 * n_step
     assert abs(ratio - prop / (8 * step)) <= 0.01 + 0.01 * ratio
     # on a backend with graphs the first prompt runs once in every mode before the timed runs
@@ -85,3 +87,41 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     assert "no projection" in r.output  # the pair's acceptance was measured at budget 22, depth 8
     r = CliRunner().invoke(main, args + ["--spec-modes", "off,tree"])
     assert r.exit_code != 0 and "--spec-modes" in r.output
+
+
+def test_draft_topk_steps_queue_as_the_draft_loop_does():
+    """The spec bench's timing of a device draft's steps with their top-k: the first step
+    takes the token, the rest the one left on the device; never more pending than the
+    readback slots; every pending result read; the cache put back where it was."""
+    from types import SimpleNamespace
+
+    from luce.bench.spec import _topk_steps
+
+    class Cache:
+        n_past = 10
+
+        def truncate(self, n):
+            self.n_past = n
+
+    events, pending = [], []
+
+    class Pending:
+        def result(self):
+            pending.remove(self)
+            events.append("read")
+
+    class Session:
+        cache = Cache()
+
+        def queue_topk(self, token, k):
+            assert k == 4 and len(pending) < 3, "more pending than the readback slots"
+            self.cache.n_past += 1
+            events.append(token)
+            p = Pending()
+            pending.append(p)
+            return p
+
+    drafter = SimpleNamespace(session=Session(), top_k=4, model=SimpleNamespace(backend=SimpleNamespace(readback_slots=3)))
+    assert _topk_steps(drafter, 7, 5) >= 0
+    one_pass = [[7], None, None, "read", None, "read", None, "read", "read", "read"]
+    assert events == one_pass * 2 and not pending and drafter.session.cache.n_past == 10

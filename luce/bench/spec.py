@@ -136,29 +136,60 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
 
 def draft_costs(drafter, context: list[int], n: int, reps: int = 8, steps: int = 32) -> dict:
     """Where a draft's time goes: ms of the draft model's one-token step alone (the next
-    token left on the device, as `luce bench` times decode) and of propose(n) after a
-    one-token catch-up (what follows a rejected draft), median of `reps`. A propose costs
-    n forwards plus whatever surrounds them (the candidates' top-k, the host's loop)."""
+    token left on the device, as `luce bench` times decode), of the same step with its
+    candidates' top-k (a device draft's forward_topk, queued back to back as its loop
+    does), and of propose(n) after a one-token catch-up (what follows a rejected draft),
+    median of `reps`. A propose costs n forwards plus whatever surrounds them."""
     from .e2e import _decode_pipelined
     m = drafter.model
     drafter.reset()
     drafter.propose(context, n)  # the prefill; graphs recorded
     kv = drafter.session.cache
     step = _decode_pipelined(m.backend, m.family, m.config, m.weights, kv, int(context[-1]), steps) / steps
+    topk_step = _topk_steps(drafter, int(context[-1]), steps) / steps if getattr(drafter, "on_device", False) else None
     times = []
     for i in range(reps + 1):  # the first records whatever graph the catch-up's width needs
         t0 = time.perf_counter()
         drafter.propose(context + [1 + i % 7], n)
         times.append(time.perf_counter() - t0)
-    return {"step_ms": 1e3 * step, "propose_ms": 1e3 * float(np.median(times[1:])), "n": n}
+    return {"step_ms": 1e3 * step, "topk_step_ms": None if topk_step is None else 1e3 * topk_step,
+            "propose_ms": 1e3 * float(np.median(times[1:])), "n": n}
+
+
+def _topk_steps(drafter, token: int, steps: int) -> float:
+    """Seconds for `steps` forward_topk steps of a device draft queued back to back (each
+    read once the readback slots are full, as its loop reads them), from where its cache
+    is; the cache is put back afterwards."""
+    from collections import deque
+    s = drafter.session
+    n0 = s.cache.n_past
+    slots = drafter.model.backend.readback_slots
+    try:
+        for _pass in range(2):  # the first records the graphs
+            s.cache.truncate(n0)
+            t0 = time.perf_counter()
+            q = deque([s.queue_topk([token], drafter.top_k)])
+            for _ in range(steps - 1):
+                if len(q) >= slots:
+                    q.popleft().result()
+                q.append(s.queue_topk(None, drafter.top_k))
+            while q:
+                q.popleft().result()
+            dt = time.perf_counter() - t0
+    finally:
+        s.cache.truncate(n0)
+    return dt
 
 
 def costs_table(c: dict) -> str:
-    """draft_costs as a markdown table."""
+    """draft_costs as a markdown table: the last column is propose against draft max steps
+    with their top-k (or, on a host-loop draft, plain steps)."""
     n, step, prop = c["n"], c["step_ms"], c["propose_ms"]
-    return ("| draft step alone, ms | x draft max | propose(draft max), ms | propose / (draft max x step) |\n"
-            "|---|---|---|---|\n"
-            f"| {step:.3f} | {n * step:.2f} | {prop:.2f} | {prop / (n * step):.2f} |")
+    tk = c.get("topk_step_ms")
+    per = tk if tk is not None else step
+    return ("| draft step alone, ms | with its top-k, ms | x draft max | propose(draft max), ms | propose / that |\n"
+            "|---|---|---|---|---|\n"
+            f"| {step:.3f} | {'-' if tk is None else f'{tk:.3f}'} | {n * per:.2f} | {prop:.2f} | {prop / (n * per):.2f} |")
 
 
 def _load(m, backend, n_ctx, role, echo):
