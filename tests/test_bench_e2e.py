@@ -39,6 +39,8 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     assert "target synthetic:qwen3-8b loaded" in r.output and "draft synthetic:qwen3-0.6b loaded" in r.output
+    off = [line for line in r.output.splitlines() if line.startswith("off ")]
+    assert off and all(1 <= int(line.rsplit("distinct tokens", 1)[1]) <= 6 for line in off)
     assert not list(tmp_path.rglob("*.gguf*"))  # nothing written
     rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
             and line.split("|")[2].strip() == "all"}

@@ -116,7 +116,10 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 results.append(r)
                 echo(f"{mode:7s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
-                     + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}"))
+                     + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
+                     # random weights' greedy output is often one or two tokens over and over:
+                     # then its lossless check says little
+                     + (f"  distinct tokens {len(set(toks))}" if mode == "off" else ""))
                 if sink:
                     sink.write(json.dumps({**asdict(r), "acceptance_length": r.acceptance_length,
                                            "max_tokens": max_tokens, "ddtree_budget": ddtree_budget,
