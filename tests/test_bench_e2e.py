@@ -91,16 +91,19 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     assert r.exit_code != 0 and "--spec-modes" in r.output
 
 
-def test_draft_topk_steps_queue_as_the_draft_loop_does():
-    """The spec bench's timing of a device draft's steps with their top-k: the first step
-    takes the token, the rest the one left on the device; never more pending than the
-    readback slots; every pending result read; the cache put back where it was."""
+def test_pipelined_steps_queue_as_their_loops_do():
+    """The bench's timing of queued one-token steps: the first takes the token, the rest
+    the one left on the device; never more pending than `in_flight` (a draft's steps with
+    their top-k: its readback slots; decode: two); every result read; the cache put back."""
     from types import SimpleNamespace
 
-    from luce.bench.spec import _topk_steps
+    from luce.bench.e2e import _decode_pipelined
 
     class Cache:
         n_past = 10
+
+        def commit(self):
+            self.n_past += 1
 
         def truncate(self, n):
             self.n_past = n
@@ -112,18 +115,21 @@ def test_draft_topk_steps_queue_as_the_draft_loop_does():
             pending.remove(self)
             events.append("read")
 
-    class Session:
-        cache = Cache()
+    def step(limit, kind):
+        def queue(fam, cfg, w, kv, tok, pos, *rest, **kw):
+            assert pos == kv.n_past and len(pending) < limit, "more pending than the loop allows"
+            events.append((kind, tok))
+            pending.append(Pending())
+            return pending[-1]
+        return queue
 
-        def queue_topk(self, token, k):
-            assert k == 4 and len(pending) < 3, "more pending than the readback slots"
-            self.cache.n_past += 1
-            events.append(token)
-            p = Pending()
-            pending.append(p)
-            return p
-
-    drafter = SimpleNamespace(session=Session(), top_k=4, model=SimpleNamespace(backend=SimpleNamespace(readback_slots=3)))
-    assert _topk_steps(drafter, 7, 5) >= 0
-    one_pass = [[7], None, None, "read", None, "read", None, "read", "read", "read"]
-    assert events == one_pass * 2 and not pending and drafter.session.cache.n_past == 10
+    be = SimpleNamespace(forward_topk=step(3, "topk"), forward_next_token=step(2, "next"))
+    kv = Cache()
+    assert _decode_pipelined(be, None, None, None, kv, 7, 5, topk=4, in_flight=3) >= 0
+    t = [("topk", 7), ("topk", None), ("topk", None), "read", ("topk", None), "read", ("topk", None), "read",
+         "read", "read"]
+    assert events == t * 2 and not pending and kv.n_past == 10
+    events.clear()
+    assert _decode_pipelined(be, None, None, None, kv, 7, 3) >= 0
+    d = [("next", 7), ("next", None), "read", ("next", None), "read", "read"]
+    assert events == d * 2 and not pending and kv.n_past == 10

@@ -261,17 +261,23 @@ def run(model=None, synthetic=None, backend="auto", n_prompt=512, n_gen=128, lon
     return summary, verify, breakdown
 
 
-def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int, sampler=None) -> float:
+def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int, sampler=None, topk: int = 0,
+                      in_flight: int = 2) -> float:
     """Seconds for n decode steps as DeviceStepper runs them (the argmax, or with a sampler
     its draw, in the graph; the next step queued before the host reads a token), from where
-    the cache is; the cache is put back afterwards."""
+    the cache is; the cache is put back afterwards. topk > 0: a device draft's steps
+    instead (forward_topk: the candidates' top-k too), up to `in_flight` of them queued
+    before the oldest is read, as its loop reads them."""
     from collections import deque
     n0 = kv.n_past
     q = deque()
 
     def queue(tok):
-        sample = None if sampler is None else sampler.device_params()
-        q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past, sample=sample))
+        if topk:
+            q.append(be.forward_topk(fam, cfg, w, kv, tok, kv.n_past, topk))
+        else:
+            sample = None if sampler is None else sampler.device_params()
+            q.append(be.forward_next_token(fam, cfg, w, kv, tok, kv.n_past, sample=sample))
         kv.commit()
     try:
         for _pass in range(2):  # the first compiles and records the graph; the second is timed
@@ -279,9 +285,11 @@ def _decode_pipelined(be, fam, cfg, w, kv, first: int, n: int, sampler=None) -> 
             t0 = time.perf_counter()
             queue(first)
             for _ in range(n - 1):
+                if len(q) >= in_flight:
+                    q.popleft().result()
                 queue(None)
+            while q:
                 q.popleft().result()
-            q.popleft().result()
             dt = time.perf_counter() - t0
     finally:
         kv.truncate(n0)

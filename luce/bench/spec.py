@@ -148,8 +148,10 @@ def draft_costs(drafter, context: list[int], n: int, reps: int = 8, steps: int =
     drafter.reset()
     drafter.propose(context, n)  # the prefill; graphs recorded
     kv = drafter.session.cache
-    step = _decode_pipelined(m.backend, m.family, m.config, m.weights, kv, int(context[-1]), steps) / steps
-    topk_step = _topk_steps(drafter, int(context[-1]), steps) / steps if getattr(drafter, "on_device", False) else None
+    args = (m.backend, m.family, m.config, m.weights, kv, int(context[-1]), steps)
+    step = _decode_pipelined(*args) / steps
+    topk_step = _decode_pipelined(*args, topk=drafter.top_k, in_flight=m.backend.readback_slots) / steps \
+        if getattr(drafter, "on_device", False) else None
     times = []
     for i in range(reps + 1):  # the first records whatever graph the catch-up's width needs
         t0 = time.perf_counter()
@@ -157,31 +159,6 @@ def draft_costs(drafter, context: list[int], n: int, reps: int = 8, steps: int =
         times.append(time.perf_counter() - t0)
     return {"step_ms": 1e3 * step, "topk_step_ms": None if topk_step is None else 1e3 * topk_step,
             "propose_ms": 1e3 * float(np.median(times[1:])), "n": n}
-
-
-def _topk_steps(drafter, token: int, steps: int) -> float:
-    """Seconds for `steps` forward_topk steps of a device draft queued back to back (each
-    read once the readback slots are full, as its loop reads them), from where its cache
-    is; the cache is put back afterwards."""
-    from collections import deque
-    s = drafter.session
-    n0 = s.cache.n_past
-    slots = drafter.model.backend.readback_slots
-    try:
-        for _pass in range(2):  # the first records the graphs
-            s.cache.truncate(n0)
-            t0 = time.perf_counter()
-            q = deque([s.queue_topk([token], drafter.top_k)])
-            for _ in range(steps - 1):
-                if len(q) >= slots:
-                    q.popleft().result()
-                q.append(s.queue_topk(None, drafter.top_k))
-            while q:
-                q.popleft().result()
-            dt = time.perf_counter() - t0
-    finally:
-        s.cache.truncate(n0)
-    return dt
 
 
 def costs_table(c: dict) -> str:

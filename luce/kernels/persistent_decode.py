@@ -393,8 +393,8 @@ def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
-    """The kernel's shared memory at a shape: the dynamic arrays and 8 static bytes."""
-    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1] + 8
+    """The kernel's shared memory at a shape (all of it dynamic: what a launch asks for)."""
+    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1073,8 +1073,9 @@ def applies(cfg, weights, kv) -> str | None:
             return f"a {m.shape[1]}-column weight in {qk}-column blocks"
     smem = _shared_bytes(cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_ff, 32 if SIM else THREADS,
                          x8_fits(weights))
-    if smem > smem_max():
-        return f"its shape needs {smem} bytes of shared memory a block (at most {smem_max()})"
+    most = smem_max()
+    if smem > most:
+        return f"its shape needs {smem} bytes of shared memory a block (at most {most})"
     if weights.output.raw.size % 16:
         return "an output head whose bytes are not a multiple of 16 (its rows are read 16 bytes at a time)"
     return None
@@ -1164,7 +1165,7 @@ class PersistentDecode:
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
                               self.x8, pages_an_item)
-        self.smem = 4 * _shared_layout(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)[1]
+        self.smem = _shared_bytes(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
