@@ -97,11 +97,13 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     # them alike; "off" first so the others are checked against its output
     order = sorted(modes, key=lambda m: m != "off")
     if getattr(model.backend, "use_graphs", False) and rows:
-        # Graphs are captured the first time a width runs, and a prompt's prefill pieces
-        # (powers of two) give the draft and the target widths an earlier prompt may not
-        # have had: every prompt once in every mode, so that the timed runs replay. With
-        # the first prompt alone (H100, cb6d92b, 32B shape), the prompts that
-        # brought new widths ran ~2 ms a target forward slower in their timed DDTree runs.
+        # Graphs are captured the second time a width runs (the first runs eagerly), and
+        # a prompt's prefill pieces (powers of two) can bring the draft and the target
+        # widths an earlier prompt did not have: every prompt once in every mode, so that
+        # the timed runs only replay. (H100, cb6d92b, 32B shape, the first prompt alone
+        # warmed up: prompts 2 and 3 ran ~2.4 ms a target forward slower than 1 and 4 in
+        # both speculative modes, not in plain decode; whether new widths were the cause
+        # was not found.)
         t0 = time.perf_counter()
         for row in rows:
             for mode in order:
