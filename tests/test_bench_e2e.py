@@ -70,6 +70,9 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     import luce.spec
     from luce.backends.cpu import CPUBackend
     monkeypatch.setattr(CPUBackend, "use_graphs", True, raising=False)
+    # a backend that counts its forwards by how they ran (the CUDA backend's forward_counts):
+    # the bench says how many of the timed runs' forwards were recorded or eager
+    monkeypatch.setattr(CPUBackend, "forward_counts", {"replayed": 0, "captured": 0, "eager": 0}, raising=False)
     runs = []
     stream = luce.spec.stream
     monkeypatch.setattr(luce.spec, "stream", lambda model, ids, *a, **k: runs.append(tuple(ids)) or stream(
@@ -78,6 +81,9 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "warm-up" in r.output
     assert len(runs) == 2 * 3 * n_code and len(set(runs)) == n_code and runs[:3 * n_code] == runs[3 * n_code:]
+    counted = [line for line in r.output.splitlines() if "forwards in the timed runs:" in line]
+    assert [line.split(" forwards")[0] for line in counted] == ["draft", "target"], counted
+    assert all(line.endswith("replayed 0, captured 0, eager 0") for line in counted)
     rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
             and line.split("|")[2].strip() == "all"}
     assert rows["ddtree"].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows["ddtree"]

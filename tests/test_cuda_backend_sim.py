@@ -160,6 +160,46 @@ def test_failed_graph_capture_runs_eagerly(tiny_llama, monkeypatch):
     assert len(tries) == 1 and sum("eagerly" in str(c.message) for c in caught) == 1
 
 
+def test_forward_counts_say_how_each_forward_ran(tiny_llama, monkeypatch):
+    """forward_counts (what the spec bench reports over its timed runs): a form's first
+    forward runs eagerly (it compiles), the next is recorded as a graph, later ones replay
+    it, each with the eager result (a stand-in recorder that runs the forward when
+    replayed: the simulator has no graphs); a refused recording runs eagerly."""
+    from luce.backends import cuda_graph
+    from luce.backends.cuda import CUDABackend
+    from luce.models.transformer import build_weights
+
+    class Recorder:
+        def __init__(self, stream, fn):
+            self.fn = fn
+
+        def replay(self):
+            self.fn()
+    monkeypatch.setattr(cuda_graph, "Graph", Recorder)
+    f, fam, cfg = tiny_llama
+    gpu = CUDABackend(use_graphs=False)
+    gpu.use_graphs = True  # as on a GPU
+    w = build_weights(cfg, f, gpu.load_tensor)
+    kv = gpu.new_cache(cfg, 64)
+    seen = []
+    for _ in range(3):
+        seen.append(gpu.forward(fam, cfg, w, kv, [3, 5], [0, 1]))
+        kv.commit([])
+        seen.append(dict(gpu.forward_counts))
+    assert seen[1::2] == [{"replayed": 0, "captured": 0, "eager": 1}, {"replayed": 0, "captured": 1, "eager": 1},
+                          {"replayed": 1, "captured": 1, "eager": 1}]
+    for got in seen[2::2]:
+        np.testing.assert_allclose(got, seen[0], rtol=1e-6)
+    monkeypatch.setattr(cuda_graph, "Graph", lambda *a: (_ for _ in ()).throw(RuntimeError("refused")))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpu.forward(fam, cfg, w, kv, [3], [0])  # a new width: eager, then its recording refused
+        kv.commit([])
+        gpu.forward(fam, cfg, w, kv, [3], [0])
+    assert gpu.forward_counts == {"replayed": 1, "captured": 1, "eager": 3}
+
+
 def test_matvec_mma_routing(monkeypatch):
     """With the tensor-core small-M product routed for 1-8 tokens (luce.backends.cuda.
     MATVEC_MMA_ROWS; 2-32 by default), the backend's linear (Q4_K with a bias; Q6_K adding into

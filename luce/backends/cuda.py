@@ -897,6 +897,9 @@ class CUDABackend:
         self._ungraphable = set()  # forward keys whose capture failed
         self._g8_names = None  # plan_weights: the tensors with a Q6_K groups copy
         self._warm_long = False  # warmup: a decode forward as over a long context (its kernels)
+        # forwards by how they ran: a timed loop that still records graphs or runs eagerly
+        # measures one-time costs (the spec bench prints these over its timed runs)
+        self.forward_counts = {"replayed": 0, "captured": 0, "eager": 0}
 
     device_sampling = True  # forward_next_token draws sampled tokens too (sample=...)
 
@@ -1258,6 +1261,7 @@ class CUDABackend:
         if g is not None:
             graph, st["logits"] = g  # the output buffer this graph writes, not the last eager run's
             graph.replay()
+            self.forward_counts["replayed"] += 1
         elif self._graphable(n) and form in self._compiled and key not in self._ungraphable:
             from . import cuda_graph
             try:
@@ -1267,12 +1271,15 @@ class CUDABackend:
                 warnings.warn(f"luce: no CUDA graph for a {n}-token forward ({e}); running it eagerly")
                 self._ungraphable.add(key)
                 run()
+                self.forward_counts["eager"] += 1
             else:
                 st["graphs"][key] = (graph, st["logits"])
                 graph.replay()  # ... then runs
+                self.forward_counts["captured"] += 1
         else:
             run()  # eager; also compiles every kernel before any capture
             self._compiled.add(form)
+            self.forward_counts["eager"] += 1
         return st, st["logits"]
 
 
