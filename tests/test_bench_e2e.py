@@ -84,6 +84,14 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     counted = [line for line in r.output.splitlines() if "forwards in the timed runs:" in line]
     assert [line.split(" forwards")[0] for line in counted] == ["draft", "target"], counted
     assert all(line.endswith("replayed 0, captured 0, eager 0") for line in counted)
+    # a draft on the target's own backend: one line for both
+    import luce
+    from luce.bench.spec import run as run_spec
+    m = luce.load("synthetic:qwen3-0.6b", backend="cpu", n_ctx=256)
+    said = []
+    run_spec(m, m, modes=("off", "chain"), categories=("code",), limit=1, max_tokens=3, n_ctx=256, echo=said.append)
+    assert [x for x in said if "forwards in the timed runs:" in x] == [
+        "target and draft forwards in the timed runs: replayed 0, captured 0, eager 0"]
     rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
             and line.split("|")[2].strip() == "all"}
     assert rows["ddtree"].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows["ddtree"]

@@ -1,7 +1,8 @@
 """The CUDA backend's draft loop in the CUDA simulator: a greedy draft's steps queued on the
 device (luce.spec.DraftModel on the CUDA backend), each through the persistent decode kernel
-as on a GPU, against the host loop over whole logits rows through the launch chain. Its own file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so
-that CI's workers (pytest-xdist, by file) share it with tests/test_cuda_backend_sim.py."""
+as on a GPU, against the host loop over whole logits rows through the launch chain. Its own
+file (one draft forward is ~4 s in the simulator, the test ~3.5 minutes) so that CI's
+workers (pytest-xdist, by file) share it with tests/test_cuda_backend_sim.py."""
 import math
 
 import numpy as np
@@ -10,9 +11,9 @@ import numpy as np
 def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch):
     """A greedy draft on the CUDA backend queues its steps with the candidates taken on the
     device (forward_topk: top-k and log-sum-exp in the step, the next step's token left
-    there), its one-token steps in the persistent kernel: the same tokens, candidates and, to float rounding, log-probabilities as the
-    host loop over full logits rows; more steps than the readback slots, and a second
-    call that reuses the committed prefix."""
+    there), its one-token steps in the persistent kernel: the same tokens, candidates and,
+    to float rounding, log-probabilities as the host loop over full logits rows; more steps
+    than the readback slots, and a second call that reuses the committed prefix."""
     import gguf
 
     import luce

@@ -110,9 +110,12 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 one(mode, _prompt_ids(model, row), max_tokens)
         echo(f"warm-up (every prompt once in every mode, not counted) {time.perf_counter() - t0:.1f}s")
     sink = open(out, "a") if out else None
-    backends = {id(m.backend): (role, m.backend) for role, m in (("draft", draft_model), ("target", model))
-                if m is not None and hasattr(m.backend, "forward_counts")}
-    before = {k: dict(b.forward_counts) for k, (_, b) in backends.items()}
+    # backend -> (who runs on it, its counts before the timed runs)
+    counted: dict = {}
+    for role, m in (("draft", draft_model), ("target", model)):
+        if m is not None and hasattr(m.backend, "forward_counts"):
+            shared = counted.get(id(m.backend))
+            counted[id(m.backend)] = (m.backend, "target and draft" if shared else role, dict(m.backend.forward_counts))
     try:
         for row in rows:
             for mode in order:
@@ -141,13 +144,11 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     finally:
         if sink:
             sink.close()
-    for k, (role, b) in backends.items():
+    for b, role, before in counted.values():
         # graphs recorded or forwards run eagerly inside the timed runs are one-time costs
-        # in their figures (a backend shared by target and draft counts both)
-        d = {n: b.forward_counts[n] - before[k][n] for n in b.forward_counts}
-        role = "target and draft" if len(backends) == 1 and draft_model is not None and \
-            draft_model.backend is model.backend else role
-        echo(f"{role} forwards in the timed runs: " + ", ".join(f"{n} {v}" for n, v in d.items()))
+        # in their figures
+        echo(f"{role} forwards in the timed runs: "
+             + ", ".join(f"{n} {v - before[n]}" for n, v in b.forward_counts.items()))
     echo(summary(results))
     if costs is not None and draft_shared is not None and rows:
         costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), draft_max))
