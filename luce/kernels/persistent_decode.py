@@ -50,9 +50,10 @@ from numba import cuda
 from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
+from .bulk_copy import bulk_g2s, bulk_init_fence, bulk_reuse_fence, mbar_expect_tx, mbar_init, mbar_try_wait
 from .device import SIM, device, with_shared
-from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
-                          q6_scales, q8_acc, shr32)
+from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, make_weight_loads, nib_acc,
+                          pieces, q6_acc, q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
@@ -313,8 +314,7 @@ def _row_h(qt, cols):
     return np.int64(cols >> 5) * 17
 
 
-@device
-def _lanes_a_row(cols):
+def _lanes_for(cols):
     """Lanes that share a row: the largest power of two <= min(32, a K-quant row's units),
     the same for every type of one width, so that a warp's groups agree (Q8_0's rows have 4x
     the units and loop more)."""
@@ -322,6 +322,9 @@ def _lanes_a_row(cols):
     while n > (cols >> 6) and n > 1:
         n >>= 1
     return n
+
+
+_lanes_a_row = device(_lanes_for)
 
 
 @device
@@ -377,14 +380,41 @@ def _key_threads(DH):
     return min(8, DH // 8)
 
 
-def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
+def _c8(n):
+    return -(-n // 8) * 8
+
+
+_c8d = device(_c8)
+
+
+def _stage_slots(D, HQ, DH, F, hpb):
+    """uint16 of a warp's staging region for one of a row phase's segments (q/k/v, o and
+    down: a row pair each; gate/up: each matrix's rows of the warp), for rows of at most
+    hpb uint16 a 256 columns, at any 16-byte misalignment: (q/k/v, o, gate/up, down)."""
+    rh = lambda cols: cols // 256 * hpb  # noqa: E731
+    return (_c8(2 * rh(D) + 7), _c8(2 * rh(HQ * DH) + 7), _c8(32 // _lanes_for(D) * rh(D) + 7),
+            _c8(2 * rh(F) + 7))
+
+
+def _stage_halves(D, HQ, DH, F, hpb):
+    """uint16 a warp stages the first trip of its rows of a row phase into (0: none), the
+    largest of the four phases."""
+    if not hpb:
+        return 0
+    sa, so, sd, se = _stage_slots(D, HQ, DH, F, hpb)
+    ra, ro, re = 32 // _lanes_for(D), 32 // _lanes_for(HQ * DH), 32 // _lanes_for(F)
+    return max(ra * sa, ro * so, 2 * sd, re * se)
+
+
+def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False, hpb=0):
     """The kernel's dynamic shared memory at a shape: each array's offset (float32 words,
-    a multiple of 4: 16-byte aligned; x in int8 first) and the words in all."""
+    a multiple of 4: 16-byte aligned; x in int8 first) and the words in all; hpb > 0: each
+    warp's staging region for weights of at most hpb uint16 a 256 columns ("ws", last)."""
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
     KC = NT // _key_threads(DH)
     sizes = {"xq": _xq_floats(D, HQ, DH, F, x8), "xs": max(MX + MX // 64 + 1, W * G * DH),
              "red": max(1, W * WARP_RED_SLOTS), "bred": NT, "qsh": G * DH + DH, "ss": G * KC, "ml": 3 * G,
-             "cs": DH, "ps": PS}
+             "cs": DH, "ps": PS, "ws": W * _stage_halves(D, HQ, DH, F, hpb) // 2}
     offsets, o = {}, 0
     for name, n in sizes.items():
         offsets[name] = o
@@ -392,13 +422,17 @@ def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
     return offsets, o
 
 
-def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
+def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False, hpb=0):
     """The kernel's shared memory at a shape (all of it dynamic: what a launch asks for)."""
-    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1]
+    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8, hpb)[1]
+
+
+# weights a warp staged in shared memory, read by the same units as from global memory
+_load_q4_k_staged, _load_q6_k_staged = make_weight_loads(ld_u16_u32x4)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PPI=0):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PPI=0, HPB=0):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -425,9 +459,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     eps = np.float32(EPS)
     f32 = np.float32
     XQN = _xq_floats(D, HQ, DH, F, X8)
-    offs, words = _shared_layout(D, HQ, HKV, DH, F, NT, X8)
+    offs, words = _shared_layout(D, HQ, HKV, DH, F, NT, X8, HPB)
     O_XS, O_RED, O_BRED, O_QSH = offs["xs"], offs["red"], offs["bred"], offs["qsh"]
     O_SS, O_ML, O_CS, O_PS = offs["ss"], offs["ml"], offs["cs"], offs["ps"]
+    # HPB > 0 (rows over int8 x only): each warp's first trip of rows in a row phase comes
+    # from shared memory, bulk-copied there while the phase before it ran (see prefetch)
+    SW = HPB > 0 and X8
+    SWH = _stage_halves(D, HQ, DH, F, HPB) if SW else 0  # a warp's region, uint16
+    O_WS = offs["ws"]
+    SA, SO, SD, SE = _stage_slots(D, HQ, DH, F, max(HPB, 1))
+    RPA, RPO, RPE = 32 // _lanes_for(D), 32 // _lanes_for(QR), 32 // _lanes_for(F)
+    NSEG = max(RPA, RPO, RPE, 2)
     assert offs["xq"] == 0 and words >= XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN
 
     def stager(n):
@@ -529,10 +571,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return rows
 
     rows4, rows6 = unit_loop(ld4, dot4, 72), unit_loop(ld6, dot6, 105)
+    rows4s, rows6s = unit_loop(_load_q4_k_staged, dot4, 72), unit_loop(_load_q6_k_staged, dot6, 105)
 
     @device
-    def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane):
-        if qt == _Q4K:
+    def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane, staged):
+        """staged: w is the block's shared memory (uint16), ha and hb offsets in it."""
+        if staged:
+            if qt == _Q4K:
+                sa, sb = rows4s(w, ha, hb, cols, xq, lpr, lane)
+            else:
+                sa, sb = rows6s(w, ha, hb, cols, xq, lpr, lane)
+        elif qt == _Q4K:
             sa, sb = rows4(w, ha, hb, cols, xq, lpr, lane)
         else:
             sa, sb = rows6(w, ha, hb, cols, xq, lpr, lane)
@@ -543,7 +592,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         """Rows at uint16 ha (type qa) and hb (qb) with x, in every lane of lane's group of
         lpr lanes (X8: the same type, as the host checks)."""
         if X8:
-            return pair_x8(w, qa, ha, hb, cols, xq, lpr, red, wid, lane)
+            return pair_x8(w, qa, ha, hb, cols, xq, lpr, red, wid, lane, False)
         return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
@@ -560,6 +609,78 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             rr = r - QR - KR
         qt = wtab[li, kind, 1]
         return kind, rr, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
+
+    # Weights staged a phase ahead (SW). A row phase's warps were bound by their first
+    # loads' latency (H100, 0.6B shape: block 0's rows 1.9-3.4 us a phase for ~2-5 KB a
+    # warp, fortieth session), and those rows never change: so right after its rows of one
+    # phase each warp has the copy engine bring its first trip of the next row phase into
+    # its own region of shared memory (cp.async.bulk, one thread, no registers held), in
+    # flight across the grid barrier, x's staging and, for o, attention. A warp's rows of
+    # a phase are row pairs (q/k/v, o, down) or a run of gate's and of up's rows: a segment
+    # each, its 16-byte aligned cover copied so that offsets keep their alignment.
+    @device
+    def segment(ph, k, li, pb0, wtab):
+        """(uint16 start in w, uint16 count, uint16 offset in the warp's region) of the
+        k-th segment the warp stages for row phase ph (0 q/k/v, 1 o, 2 gate/up, 3 down)
+        of layer li, whose first trip starts at pair (gate/up: row) pb0; count 0: none."""
+        h = np.int64(0)
+        n = np.int64(0)
+        at = 0
+        if ph == 0:
+            p = pb0 + k
+            if k < RPA and p < NPA:
+                kind, rr, qt, h = qkv_row(wtab, li, 2 * p)
+                n = 2 * _row_h(qt, D)
+                at = k * SA
+        elif ph == 2:
+            if k < 2 and pb0 < F:
+                qt = wtab[li, 4 + k, 1]
+                rh = _row_h(qt, D)
+                h = wtab[li, 4 + k, 0] + np.int64(pb0) * rh
+                n = min(RPA, F - pb0) * rh
+                at = k * SD
+        else:
+            kk, cols, rp, sl = (3, QR, RPO, SO) if ph == 1 else (6, F, RPE, SE)
+            p = pb0 + k
+            if k < rp and p < D // 2:
+                qt = wtab[li, kk, 1]
+                rh = _row_h(qt, cols)
+                h = wtab[li, kk, 0] + np.int64(2 * p) * rh
+                n = 2 * rh
+                at = k * sl
+        return h, n, at
+
+    @device
+    def prefetch(ph, li, pb0, w, wtab, wsw, bars, wid, lane):
+        """Row phase ph's first trip of this warp's rows on their way into its region
+        (lane 0 issues; every lane of the warp calls it after its reads of the region)."""
+        warp_barrier()
+        if lane == 0:
+            tot = 0
+            for k in range(NSEG):
+                h, n, at = segment(ph, k, li, pb0, wtab)
+                if n > 0:
+                    tot += 2 * _c8d((h & 7) + n)
+            if tot > 0:
+                bulk_reuse_fence()  # the region's reads before the copy engine's writes
+                mbar_expect_tx(bars, wid, tot)
+                for k in range(NSEG):
+                    h, n, at = segment(ph, k, li, pb0, wtab)
+                    if n > 0:
+                        bulk_g2s(wsw, O_WS + (wid * SWH + at) // 2, w, h - (h & 7), 2 * _c8d((h & 7) + n), bars,
+                                 wid)
+
+    @device
+    def staged_at(ph, k, li, pb0, wtab, h, wid):
+        """Where the row at uint16 h of segment k sits in shared memory (uint16)."""
+        h0, n, at = segment(ph, k, li, pb0, wtab)
+        return 2 * O_WS + wid * SWH + at + (h0 & 7) + (h - h0)
+
+    @device
+    def wait_staged(bars, wid, par):
+        while not mbar_try_wait(bars, wid, par):
+            pass
+        return par ^ 1
 
     @device
     def head_load(src, qb, kb, nq, hd, xv, lane):
@@ -608,9 +729,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             warp_barrier()
 
     @device
-    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si):
+    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si, ph, li, wtab, wsh,
+                    bars, par):
         """xg += W x for the D rows of an n-column weight at uint16 off (o: n = QR, down:
-        n = F), a row pair a lane group, x staged by the caller (X8: in xq)."""
+        n = F; row phase ph of layer li), a row pair a lane group, x staged by the caller
+        (X8: in xq); the first trip from shared memory where SW. Returns the warp's parity."""
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
@@ -620,12 +743,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             r = 2 * min(p, D // 2 - 1)
             old0 = ldcg_f32(xg, r)  # in flight with the weights
             old1 = ldcg_f32(xg, r + 1)
-            y0, y1 = dot2(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, xs, xq, lpr, red, wid,
-                          lane)
+            if SW and pb == gw * rpw:
+                par = wait_staged(bars, wid, par)
+                hs = staged_at(ph, r // 2 - pb, li, pb, wtab, off + np.int64(r) * rh, wid)
+                y0, y1 = pair_x8(wsh, qt, hs, hs + rh, n, xq, lpr, red, wid, lane, True)
+            else:
+                y0, y1 = dot2(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, xs, xq, lpr, red,
+                              wid, lane)
             if (lane & (lpr - 1)) == 0 and p < D // 2:
                 xg[r] = old0 + y0
                 xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
+        return par
 
     # Attention's splits are merged where o's rows take their x, by every block for itself
     # (four splits' partials in flight a trip, online softmax over the splits), not by each
@@ -864,6 +993,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         part = xs
         xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
+        wsw = sm.view(np.uint32)  # staged weights (SW): at O_WS, a region a warp
+        wsh = sm.view(np.uint16)
+        bars = cuda.shared.array(W, np.uint64)  # a warp's mbarrier for its staged rows
+        par = 0  # the phase parity of this warp's mbarrier
+        if SW:
+            if lane == 0:
+                mbar_init(bars, wid, 1)
+                bulk_init_fence()
+            prefetch(0, 0, gw * RPA, w, wtab, wsw, bars, wid, lane)
         pslot = sm[O_PS:O_PS + PS].view(np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
@@ -907,7 +1045,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 p0 = pb + lane // lpr
                 r = 2 * min(p0, NPA - 1)
                 kind, rr, qt, ha = qkv_row(wtab, li, r)
-                ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
+                if SW and pb == gw * rpw:
+                    par = wait_staged(bars, wid, par)
+                    hs = staged_at(0, r // 2 - pb, li, pb, wtab, ha, wid)
+                    ya, yb = pair_x8(wsh, qt, hs, hs + _row_h(qt, D), D, xq, lpr, red, wid, lane, True)
+                else:
+                    ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
                 if mine and p0 < NPA:
                     qkv[r] = ya
                     qkv[r + 1] = yb
@@ -915,6 +1058,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                         v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(ya)
                         v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
+            if SW:
+                prefetch(1, li, gw * RPO, w, wtab, wsw, bars, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -968,8 +1113,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
 
             # (C) o rows into the residual stream, over attention's merged splits
             merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
-            into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 2)
+            par = into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
+                              stamp, stamps, DET + 8 * li + 2, 1, li, wtab, wsh, bars, par)
+            if SW:
+                prefetch(2, li, gw * RPA, w, wtab, wsw, bars, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -981,11 +1128,19 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             for rb in range(gw * rpw, F, nw_all * rpw):
                 r = rb + lane // lpr
                 rr = min(r, F - 1)
-                yg, yu = dot2(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
-                              wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, xq, lpr, red, wid, lane)
+                hga = wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D)
+                hua = wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D)
+                if SW and rb == gw * rpw:  # X8: gate and up of one type
+                    par = wait_staged(bars, wid, par)
+                    yg, yu = pair_x8(wsh, qg, staged_at(2, 0, li, rb, wtab, hga, wid),
+                                     staged_at(2, 1, li, rb, wtab, hua, wid), D, xq, lpr, red, wid, lane, True)
+                else:
+                    yg, yu = dot2(w, qg, hga, qu, hua, D, xs, xq, lpr, red, wid, lane)
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
+            if SW:
+                prefetch(3, li, gw * RPE, w, wtab, wsw, bars, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -995,8 +1150,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             else:
                 stage_f(xs, hg, tid)
                 cuda.syncthreads()
-            into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 6)
+            par = into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
+                              stamp, stamps, DET + 8 * li + 6, 3, li, wtab, wsh, bars, par)
+            if SW and li + 1 < L:
+                prefetch(0, li + 1, gw * RPA, w, wtab, wsw, bars, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1028,7 +1185,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True) -> str:
+                   max_pages: int = 32, x8: bool = True, hpb: int = 0) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1038,7 +1195,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, 0, hpb)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1050,6 +1207,15 @@ def x8_fits(weights) -> bool:
     mats = [getattr(lw, k) for lw in weights.layers for k in KINDS] + [weights.output]
     return all(QTYPE_CODES.get(m.qtype) in x8 for m in mats) and \
         all(lw.w_gate.qtype == lw.w_up.qtype for lw in weights.layers)
+
+
+def stage_hpb(weights) -> int:
+    """The most uint16 a 256 columns of any layer matrix's rows (Q4_K 72, Q6_K 105): what
+    a warp's staging region is sized for."""
+    def hpb(m):
+        qk, nbytes = _BLOCK[QTYPE_CODES[m.qtype]]
+        return nbytes // 2 * (256 // qk)
+    return max(hpb(getattr(lw, k)) for lw in weights.layers for k in KINDS)
 
 
 def applies(cfg, weights, kv) -> str | None:
@@ -1126,10 +1292,14 @@ class PersistentDecode:
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
     launch chain's products by default) where x8_fits (None), or over float x (False).
     pages_an_item > 0 fixes attention's pages an item (else as many as spread the items
-    over the grid; the simulator's one block then still has several splits)."""
+    over the grid; the simulator's one block then still has several splits).
+    stage_weights: each warp's first trip of rows in a row phase bulk-copied into shared
+    memory a phase ahead (over int8 x, where the block's shared memory fits it: None), or
+    never (False)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, pages_an_item: int = 0):
+                 threads: int = THREADS, x8: bool | None = None, pages_an_item: int = 0,
+                 stage_weights: bool | None = None):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1162,10 +1332,19 @@ class PersistentDecode:
         if x8 and not fits:
             raise ValueError("int8 x needs Q4_K / Q6_K row products, gate and up of one type")
         self.x8 = fits if x8 is None else x8
+        shape = (d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
+        hpb = stage_hpb(weights) if self.x8 and stage_weights is not False else 0
+        if hpb and _shared_bytes(*shape, hpb) > smem_max():
+            if stage_weights:
+                raise ValueError("staged weights do not fit this device's shared memory at this shape")
+            hpb = 0
+        if stage_weights and not hpb:
+            raise ValueError("staged weights need the row products over int8 x")
+        self.stage_weights = hpb > 0
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, pages_an_item)
-        self.smem = _shared_bytes(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
+                              self.x8, pages_an_item, hpb)
+        self.smem = _shared_bytes(*shape, hpb)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
