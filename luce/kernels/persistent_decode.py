@@ -18,7 +18,11 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
   (D) the norm again in each block, gate and up rows with SwiGLU;
   (E) down rows, added into the residual stream;
 and after the last layer the output norm and the head's rows into logits (the backend's
-argmax / top-k launches take them from there).
+argmax / top-k launches take them from there). Over int8 x, each warp's first trip of rows
+in a row phase is read from shared memory: right after its rows of the phase before, one
+lane has the copy engine bring them there (cp.async.bulk on a warp's mbarrier), so their
+DRAM latency overlaps the grid barrier, x's staging and (for o) attention instead of
+following them (`stage_weights`).
 
 Status (docs/benchmarks.md, fortieth session): at the synthetic Qwen3-0.6B shape on an
 H100, 947.5 us a step alone and 985.9 through the backend (the argmax / top-k launches
