@@ -19,10 +19,10 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
   (E) down rows, added into the residual stream;
 and after the last layer the output norm and the head's rows into logits (the backend's
 argmax / top-k launches take them from there). Over int8 x, each warp's first trip of rows
-in a row phase is read from shared memory: right after its rows of the phase before, one
-lane has the copy engine bring them there (cp.async.bulk on a warp's mbarrier), so their
-DRAM latency overlaps the grid barrier, x's staging and (for o) attention instead of
-following them (`stage_weights`).
+in a row phase is read from shared memory: right after its rows of the phase before, its
+lanes start copying them there (cp.async, 16 bytes a lane), so their DRAM latency overlaps
+the grid barrier, x's staging and (for o) attention instead of following them
+(`stage_weights`).
 
 Status (docs/benchmarks.md, fortieth session): at the synthetic Qwen3-0.6B shape on an
 H100, 947.5 us a step alone and 985.9 through the backend (the argmax / top-k launches
@@ -54,8 +54,8 @@ from numba import cuda
 from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
-from .bulk_copy import bulk_g2s, bulk_init_fence, bulk_reuse_fence, mbar_expect_tx, mbar_init, mbar_try_wait
 from .device import SIM, device, with_shared
+from .mma import cp_async16, cp_async_wait
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, make_weight_loads, nib_acc,
                           pieces, q6_acc, q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
@@ -467,7 +467,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     O_XS, O_RED, O_BRED, O_QSH = offs["xs"], offs["red"], offs["bred"], offs["qsh"]
     O_SS, O_ML, O_CS, O_PS = offs["ss"], offs["ml"], offs["cs"], offs["ps"]
     # HPB > 0 (rows over int8 x only): each warp's first trip of rows in a row phase comes
-    # from shared memory, bulk-copied there while the phase before it ran (see prefetch)
+    # from shared memory, copied there while the phase before it ran (see prefetch)
     SW = HPB > 0 and X8
     SWH = _stage_halves(D, HQ, DH, F, HPB) if SW else 0  # a warp's region, uint16
     O_WS = offs["ws"]
@@ -617,9 +617,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     # Weights staged a phase ahead (SW). A row phase's warps were bound by their first
     # loads' latency (H100, 0.6B shape: block 0's rows 1.9-3.4 us a phase for ~2-5 KB a
     # warp, fortieth session), and those rows never change: so right after its rows of one
-    # phase each warp has the copy engine bring its first trip of the next row phase into
-    # its own region of shared memory (cp.async.bulk, one thread, no registers held), in
-    # flight across the grid barrier, x's staging and, for o, attention. A warp's rows of
+    # phase each warp starts copying its first trip of the next row phase into its own
+    # region of shared memory (cp.async, no registers held), in flight across the grid
+    # barrier, x's staging and, for o, attention. The copy engine's cp.async.bulk (one lane
+    # a segment, on a warp's mbarrier) was slower than no staging at all (H100: 1,164
+    # against 1,024 us a step, block 0's rows no faster: bulk copies of a few KB are slow,
+    # docs/benchmarks.md, twenty-fifth session's reads). A warp's rows of
     # a phase are row pairs (q/k/v, o, down) or a run of gate's and of up's rows: a segment
     # each, its 16-byte aligned cover copied so that offsets keep their alignment.
     @device
@@ -655,24 +658,17 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return h, n, at
 
     @device
-    def prefetch(ph, li, pb0, w, wtab, wsw, bars, wid, lane):
-        """Row phase ph's first trip of this warp's rows on their way into its region
-        (lane 0 issues; every lane of the warp calls it after its reads of the region)."""
+    def prefetch(ph, li, pb0, w, wtab, wsw, wid, lane):
+        """Row phase ph's first trip of this warp's rows on their way into its region, 16
+        bytes a lane at a time (every lane of the warp calls it after its reads of the
+        region)."""
         warp_barrier()
-        if lane == 0:
-            tot = 0
-            for k in range(NSEG):
-                h, n, at = segment(ph, k, li, pb0, wtab)
-                if n > 0:
-                    tot += 2 * _c8d((h & 7) + n)
-            if tot > 0:
-                bulk_reuse_fence()  # the region's reads before the copy engine's writes
-                mbar_expect_tx(bars, wid, tot)
-                for k in range(NSEG):
-                    h, n, at = segment(ph, k, li, pb0, wtab)
-                    if n > 0:
-                        bulk_g2s(wsw, O_WS + (wid * SWH + at) // 2, w, h - (h & 7), 2 * _c8d((h & 7) + n), bars,
-                                 wid)
+        for k in range(NSEG):
+            h, n, at = segment(ph, k, li, pb0, wtab)
+            a = h - (h & 7)
+            o = O_WS + (wid * SWH + at) // 2
+            for c in range(lane, _c8d((h & 7) + n) // 8, 32):
+                cp_async16(wsw, o + 4 * c, w, a + 8 * c, 16)
 
     @device
     def staged_at(ph, k, li, pb0, wtab, h, wid):
@@ -681,10 +677,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return 2 * O_WS + wid * SWH + at + (h0 & 7) + (h - h0)
 
     @device
-    def wait_staged(bars, wid, par):
-        while not mbar_try_wait(bars, wid, par):
-            pass
-        return par ^ 1
+    def wait_staged():
+        """This warp's staged rows are in (its lanes' copies done, then seen by every lane)."""
+        cp_async_wait()
+        warp_barrier()
 
     @device
     def head_load(src, qb, kb, nq, hd, xv, lane):
@@ -733,11 +729,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             warp_barrier()
 
     @device
-    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si, ph, li, wtab, wsh,
-                    bars, par):
+    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si, ph, li, wtab, wsh):
         """xg += W x for the D rows of an n-column weight at uint16 off (o: n = QR, down:
         n = F; row phase ph of layer li), a row pair a lane group, x staged by the caller
-        (X8: in xq); the first trip from shared memory where SW. Returns the warp's parity."""
+        (X8: in xq); the first trip from shared memory where SW."""
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
@@ -748,7 +743,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             old0 = ldcg_f32(xg, r)  # in flight with the weights
             old1 = ldcg_f32(xg, r + 1)
             if SW and pb == gw * rpw:
-                par = wait_staged(bars, wid, par)
+                wait_staged()
                 hs = staged_at(ph, r // 2 - pb, li, pb, wtab, off + np.int64(r) * rh, wid)
                 y0, y1 = pair_x8(wsh, qt, hs, hs + rh, n, xq, lpr, red, wid, lane, True)
             else:
@@ -758,7 +753,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 xg[r] = old0 + y0
                 xg[r + 1] = old1 + y1
         _mark(stamp, stamps, si + 1)
-        return par
 
     # Attention's splits are merged where o's rows take their x, by every block for itself
     # (four splits' partials in flight a trip, online softmax over the splits), not by each
@@ -999,13 +993,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         xq = xqf.view(np.uint16)
         wsw = sm.view(np.uint32)  # staged weights (SW): at O_WS, a region a warp
         wsh = sm.view(np.uint16)
-        bars = cuda.shared.array(W, np.uint64)  # a warp's mbarrier for its staged rows
-        par = 0  # the phase parity of this warp's mbarrier
         if SW:
-            if lane == 0:
-                mbar_init(bars, wid, 1)
-                bulk_init_fence()
-            prefetch(0, 0, gw * RPA, w, wtab, wsw, bars, wid, lane)
+            prefetch(0, 0, gw * RPA, w, wtab, wsw, wid, lane)
         pslot = sm[O_PS:O_PS + PS].view(np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
@@ -1050,7 +1039,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 r = 2 * min(p0, NPA - 1)
                 kind, rr, qt, ha = qkv_row(wtab, li, r)
                 if SW and pb == gw * rpw:
-                    par = wait_staged(bars, wid, par)
+                    wait_staged()
                     hs = staged_at(0, r // 2 - pb, li, pb, wtab, ha, wid)
                     ya, yb = pair_x8(wsh, qt, hs, hs + _row_h(qt, D), D, xq, lpr, red, wid, lane, True)
                 else:
@@ -1063,7 +1052,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                         v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
             if SW:
-                prefetch(1, li, gw * RPO, w, wtab, wsw, bars, wid, lane)
+                prefetch(1, li, gw * RPO, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1117,10 +1106,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
 
             # (C) o rows into the residual stream, over attention's merged splits
             merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
-            par = into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
-                              stamp, stamps, DET + 8 * li + 2, 1, li, wtab, wsh, bars, par)
+            into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 2, 1, li, wtab, wsh)
             if SW:
-                prefetch(2, li, gw * RPA, w, wtab, wsw, bars, wid, lane)
+                prefetch(2, li, gw * RPA, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1135,7 +1124,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 hga = wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D)
                 hua = wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D)
                 if SW and rb == gw * rpw:  # X8: gate and up of one type
-                    par = wait_staged(bars, wid, par)
+                    wait_staged()
                     yg, yu = pair_x8(wsh, qg, staged_at(2, 0, li, rb, wtab, hga, wid),
                                      staged_at(2, 1, li, rb, wtab, hua, wid), D, xq, lpr, red, wid, lane, True)
                 else:
@@ -1144,7 +1133,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
             if SW:
-                prefetch(3, li, gw * RPE, w, wtab, wsw, bars, wid, lane)
+                prefetch(3, li, gw * RPE, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1154,10 +1143,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             else:
                 stage_f(xs, hg, tid)
                 cuda.syncthreads()
-            par = into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
-                              stamp, stamps, DET + 8 * li + 6, 3, li, wtab, wsh, bars, par)
+            into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
+                        stamp, stamps, DET + 8 * li + 6, 3, li, wtab, wsh)
             if SW and li + 1 < L:
-                prefetch(0, li + 1, gw * RPA, w, wtab, wsw, bars, wid, lane)
+                prefetch(0, li + 1, gw * RPA, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1297,7 +1286,7 @@ class PersistentDecode:
     launch chain's products by default) where x8_fits (None), or over float x (False).
     pages_an_item > 0 fixes attention's pages an item (else as many as spread the items
     over the grid; the simulator's one block then still has several splits).
-    stage_weights: each warp's first trip of rows in a row phase bulk-copied into shared
+    stage_weights: each warp's first trip of rows in a row phase copied into shared
     memory a phase ahead (over int8 x, where the block's shared memory fits it: None), or
     never (False)."""
 

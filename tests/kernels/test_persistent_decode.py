@@ -14,8 +14,7 @@ ptx_check = background_ptx_check("""
 from luce.kernels.persistent_decode import compile_ptx_at
 ptx = compile_ptx_at(1024, 16, 8, 128, 3072, 28, hpb=105)
 assert ".maxntid 512" in ptx
-assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx and \
-    "mbarrier.try_wait.parity" in ptx, "rows staged a phase ahead by the copy engine"
+assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_all" in ptx, "rows staged a phase ahead"
 assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
 assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx and "%globaltimer" in ptx
 assert "ld.global.nc.L2::256B.v4.u32" in ptx or "ld.global.nc.v4.u32" in ptx, "16-byte weight loads"
