@@ -79,11 +79,10 @@ def _run(cuda_backend, n_ctx, shape, n_prompt, n_steps, reps, record, float_x, v
         alone_float = time_alone(PersistentDecode(cfg, w, kv, packed=pd.pk, x8=False))
     var_rows = []
     if variants:
-        # the rows read straight from global memory (no staging a phase ahead) against the
-        # default, each a kernel to compile (a short GPU call); the options measured here
-        # before are gone (docs/benchmarks.md, thirty-ninth session: two made the default,
-        # the rest removed)
-        choices = [{}, {"stage_weights": False}]
+        # attention's pages an item against the default's (as many as spread the items
+        # over the grid); the options measured here before are gone (docs/benchmarks.md,
+        # thirty-ninth session: two made the default, the rest removed)
+        choices = [{}, {"pages_an_item": 1}, {"pages_an_item": 2}, {"pages_an_item": 4}]
         ks, diffs, times = [], [], []
         for c in choices:  # each timed once as it compiles, its line printed at once (a call cut short keeps them)
             k = PersistentDecode(cfg, w, kv, packed=pd.pk, **c)

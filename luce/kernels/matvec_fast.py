@@ -154,37 +154,29 @@ def pieces(h):
     return b0, b0 + (8 if a != U(0) else 0), a
 
 
-def make_ld16(load):
-    """ld16 over `load`, a 16-byte aligned load of four words (global with the weight
-    hint; luce.kernels.persistent_decode: generic, for weights staged in shared memory)."""
-
-    @_dev
-    def ld16(w, i0, i1, a):
-        """16 bytes at uint16 index i0 + a of w as four little-endian words, from the aligned
-        16 bytes at i0 and at i1 (see pieces)."""
-        a0, a1, a2, a3 = load(w, i0)
-        b0, b1, b2, b3 = load(w, i1)
-        s2 = U(a & U(4)) != U(0)
-        c0 = a2 if s2 else a0
-        c1 = a3 if s2 else a1
-        c2 = b0 if s2 else a2
-        c3 = b1 if s2 else a3
-        c4 = b2 if s2 else b0
-        c5 = b3 if s2 else b1
-        s1 = U(a & U(2)) != U(0)
-        d0 = c1 if s1 else c0
-        d1 = c2 if s1 else c1
-        d2 = c3 if s1 else c2
-        d3 = c4 if s1 else c3
-        d4 = c5 if s1 else c4
-        if a & U(1):  # ptxas predicates this: one funnel shift (SHF) per word
-            return (U(U(d0 >> B16) | U(d1 << B16)), U(U(d1 >> B16) | U(d2 << B16)),
-                    U(U(d2 >> B16) | U(d3 << B16)), U(U(d3 >> B16) | U(d4 << B16)))
-        return d0, d1, d2, d3
-    return ld16
-
-
-ld16 = make_ld16(ldw_u16_u32x4)
+@_dev
+def ld16(w, i0, i1, a):
+    """16 bytes at uint16 index i0 + a of w as four little-endian words, from the aligned
+    16 bytes at i0 and at i1 (see pieces)."""
+    a0, a1, a2, a3 = ldw_u16_u32x4(w, i0)
+    b0, b1, b2, b3 = ldw_u16_u32x4(w, i1)
+    s2 = U(a & U(4)) != U(0)
+    c0 = a2 if s2 else a0
+    c1 = a3 if s2 else a1
+    c2 = b0 if s2 else a2
+    c3 = b1 if s2 else a3
+    c4 = b2 if s2 else b0
+    c5 = b3 if s2 else b1
+    s1 = U(a & U(2)) != U(0)
+    d0 = c1 if s1 else c0
+    d1 = c2 if s1 else c1
+    d2 = c3 if s1 else c2
+    d3 = c4 if s1 else c3
+    d4 = c5 if s1 else c4
+    if a & U(1):  # ptxas predicates this: one funnel shift (SHF) per word
+        return (U(U(d0 >> B16) | U(d1 << B16)), U(U(d1 >> B16) | U(d2 << B16)),
+                U(U(d2 >> B16) | U(d3 << B16)), U(U(d3 >> B16) | U(d4 << B16)))
+    return d0, d1, d2, d3
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,6 +246,21 @@ def k4_word(qa, qb, x, c, acc):
     sl += (x0 + x1) + (x2 + x3)
     sh += (y0 + y1) + (y2 + y3)
     return al0, al8, ah0, ah8, bl0, bl8, bh0, bh8, sl, sh
+
+
+@_dev
+def load_q4_k(w, ha, hb, t):
+    # Q4_K: d dmin scales[12] qs[128]; qs byte 32j + l holds columns 64j + l (low
+    # nibble, sub-block 2j) and 64j + 32 + l (high nibble, sub-block 2j + 1). Unit t (4 a
+    # block) holds two 16-byte pieces of rows a and b, qs bytes 16t + 64k .. + 15 for k =
+    # 0, 1 (chunk j = 2k + (t >> 1)), and each row's 16-byte header (d, dmin, scales).
+    # The four units' first pieces are 64 contiguous bytes, and their x (columns
+    # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
+    # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
+    # 16-byte aligned (144 = 9 * 16).
+    return (ldw_u16_u32x4(w, ha + 8 + 8 * t), ldw_u16_u32x4(w, ha + 40 + 8 * t),
+            ldw_u16_u32x4(w, hb + 8 + 8 * t), ldw_u16_u32x4(w, hb + 40 + 8 * t),
+            ldw_u16_u32x4(w, ha), ldw_u16_u32x4(w, hb))
 
 
 def _make_unit_q4_k(inline_sums: bool):
@@ -422,56 +429,31 @@ def q6_group(pa, ha, pb, hb, g, x, c):
 
 
 @_dev
+def load_q6_k(w, ha, hb, t):
+    # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
+    # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
+    # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
+    # All four pieces of a unit share one offset mod 16, so ld16's selects agree.
+    n = t >> 1
+    hh = t & 1
+    o = 32 * n + 8 * hh
+    oh = 64 + 16 * n + 8 * hh
+    p0, p1, pa = pieces(ha)
+    la0 = ld16(w, p0 + o, p1 + o, pa)                    # ql, groups 0 and 2
+    la1 = ld16(w, p0 + o + 16, p1 + o + 16, pa)          # ql, groups 1 and 3
+    lha = ld16(w, p0 + oh, p1 + oh, pa)                  # qh
+    p0, p1, pa = pieces(hb)
+    return la0, la1, lha, ld16(w, p0 + o, p1 + o, pa), ld16(w, p0 + o + 16, p1 + o + 16, pa), \
+        ld16(w, p0 + oh, p1 + oh, pa), q6_scales(w, ha, n), q6_scales(w, hb, n)
+
+
+@_dev
 def q6_scales(w, h, n):
     """The uint16 words holding scales 8n + 2g + (0, 1) for g = 0..3 (scale 8n + 2g + hh is
     byte hh of uint16 96 + 4n + g), and d, of the block at uint16 h: loaded with the quants
     so that a unit's arithmetic waits on no load of its own."""
     sa = U64(h + 96 + 4 * n)  # unsigned: numba adds no negative-index wraparound
     return w[sa], w[sa + U64(1)], w[sa + U64(2)], w[sa + U64(3)], w[U64(h + 104)]
-
-
-def make_weight_loads(load):
-    """(load_q4_k, load_q6_k) over `load`, a 16-byte aligned load of four words: the
-    module's own read global memory with the weight hint; luce.kernels.persistent_decode's
-    read a generic address (weights it staged in shared memory)."""
-    l16 = make_ld16(load)
-
-    @_dev
-    def load_q4_k(w, ha, hb, t):
-        # Q4_K: d dmin scales[12] qs[128]; qs byte 32j + l holds columns 64j + l (low
-        # nibble, sub-block 2j) and 64j + 32 + l (high nibble, sub-block 2j + 1). Unit t (4 a
-        # block) holds two 16-byte pieces of rows a and b, qs bytes 16t + 64k .. + 15 for k =
-        # 0, 1 (chunk j = 2k + (t >> 1)), and each row's 16-byte header (d, dmin, scales).
-        # The four units' first pieces are 64 contiguous bytes, and their x (columns
-        # 64j + 16 (t & 1) ..) two cache lines: with 32-byte pieces (unit t = chunk t) a
-        # group's loads touched twice the lines (L1 was the bound, ncu). Every piece is
-        # 16-byte aligned (144 = 9 * 16).
-        return (load(w, ha + 8 + 8 * t), load(w, ha + 40 + 8 * t),
-                load(w, hb + 8 + 8 * t), load(w, hb + 40 + 8 * t),
-                load(w, ha), load(w, hb))
-
-    @_dev
-    def load_q6_k(w, ha, hb, t):
-        # Q6_K: ql[128] qh[64] scales[16] (int8) d. Column 128n + 32g + l: nibble g >> 1 of
-        # ql[64n + 32(g & 1) + l], bits 2g of qh[32n + l], scale 8n + 2g + l // 16. Unit t (4 a
-        # block) = (n, h) = (t >> 1, t & 1) holds l = 16h .. 16h + 15 of all four groups g.
-        # All four pieces of a unit share one offset mod 16, so ld16's selects agree.
-        n = t >> 1
-        hh = t & 1
-        o = 32 * n + 8 * hh
-        oh = 64 + 16 * n + 8 * hh
-        p0, p1, pa = pieces(ha)
-        la0 = l16(w, p0 + o, p1 + o, pa)                    # ql, groups 0 and 2
-        la1 = l16(w, p0 + o + 16, p1 + o + 16, pa)          # ql, groups 1 and 3
-        lha = l16(w, p0 + oh, p1 + oh, pa)                  # qh
-        p0, p1, pa = pieces(hb)
-        return la0, la1, lha, l16(w, p0 + o, p1 + o, pa), l16(w, p0 + o + 16, p1 + o + 16, pa), \
-            l16(w, p0 + oh, p1 + oh, pa), q6_scales(w, ha, n), q6_scales(w, hb, n)
-
-    return load_q4_k, load_q6_k
-
-
-load_q4_k, load_q6_k = make_weight_loads(ldw_u16_u32x4)
 
 
 @_dev

@@ -18,11 +18,7 @@ SM runs every layer, the phases separated by a grid barrier instead of a kernel 
   (D) the norm again in each block, gate and up rows with SwiGLU;
   (E) down rows, added into the residual stream;
 and after the last layer the output norm and the head's rows into logits (the backend's
-argmax / top-k launches take them from there). Over int8 x, each warp's first trip of rows
-in a row phase is read from shared memory: right after its rows of the phase before, its
-lanes start copying them there (cp.async, 16 bytes a lane), so their DRAM latency overlaps
-the grid barrier, x's staging and (for o) attention instead of following them
-(`stage_weights`).
+argmax / top-k launches take them from there).
 
 Status (docs/benchmarks.md, fortieth session): at the synthetic Qwen3-0.6B shape on an
 H100, 947.5 us a step alone and 985.9 through the backend (the argmax / top-k launches
@@ -55,9 +51,8 @@ from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
 from .device import SIM, device, with_shared
-from .mma import cp_async16, cp_async_wait
-from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, make_weight_loads, nib_acc,
-                          pieces, q6_acc, q6_scales, q8_acc, shr32)
+from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
+                          q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
@@ -318,7 +313,8 @@ def _row_h(qt, cols):
     return np.int64(cols >> 5) * 17
 
 
-def _lanes_for(cols):
+@device
+def _lanes_a_row(cols):
     """Lanes that share a row: the largest power of two <= min(32, a K-quant row's units),
     the same for every type of one width, so that a warp's groups agree (Q8_0's rows have 4x
     the units and loop more)."""
@@ -326,9 +322,6 @@ def _lanes_for(cols):
     while n > (cols >> 6) and n > 1:
         n >>= 1
     return n
-
-
-_lanes_a_row = device(_lanes_for)
 
 
 @device
@@ -384,41 +377,14 @@ def _key_threads(DH):
     return min(8, DH // 8)
 
 
-def _c8(n):
-    return -(-n // 8) * 8
-
-
-_c8d = device(_c8)
-
-
-def _stage_slots(D, HQ, DH, F, hpb):
-    """uint16 of a warp's staging region for one of a row phase's segments (q/k/v, o and
-    down: a row pair each; gate/up: each matrix's rows of the warp), for rows of at most
-    hpb uint16 a 256 columns, at any 16-byte misalignment: (q/k/v, o, gate/up, down)."""
-    rh = lambda cols: cols // 256 * hpb  # noqa: E731
-    return (_c8(2 * rh(D) + 7), _c8(2 * rh(HQ * DH) + 7), _c8(32 // _lanes_for(D) * rh(D) + 7),
-            _c8(2 * rh(F) + 7))
-
-
-def _stage_halves(D, HQ, DH, F, hpb):
-    """uint16 a warp stages the first trip of its rows of a row phase into (0: none), the
-    largest of the four phases."""
-    if not hpb:
-        return 0
-    sa, so, sd, se = _stage_slots(D, HQ, DH, F, hpb)
-    ra, ro, re = 32 // _lanes_for(D), 32 // _lanes_for(HQ * DH), 32 // _lanes_for(F)
-    return max(ra * sa, ro * so, 2 * sd, re * se)
-
-
-def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False, hpb=0):
+def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
     """The kernel's dynamic shared memory at a shape: each array's offset (float32 words,
-    a multiple of 4: 16-byte aligned; x in int8 first) and the words in all; hpb > 0: each
-    warp's staging region for weights of at most hpb uint16 a 256 columns ("ws", last)."""
+    a multiple of 4: 16-byte aligned; x in int8 first) and the words in all."""
     G, W, MX = HQ // HKV, NT // 32, max(D, F, HQ * DH)
     KC = NT // _key_threads(DH)
     sizes = {"xq": _xq_floats(D, HQ, DH, F, x8), "xs": max(MX + MX // 64 + 1, W * G * DH),
              "red": max(1, W * WARP_RED_SLOTS), "bred": NT, "qsh": G * DH + DH, "ss": G * KC, "ml": 3 * G,
-             "cs": DH, "ps": PS, "ws": W * _stage_halves(D, HQ, DH, F, hpb) // 2}
+             "cs": DH, "ps": PS}
     offsets, o = {}, 0
     for name, n in sizes.items():
         offsets[name] = o
@@ -426,17 +392,13 @@ def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False, hpb=0):
     return offsets, o
 
 
-def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False, hpb=0):
+def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
     """The kernel's shared memory at a shape (all of it dynamic: what a launch asks for)."""
-    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8, hpb)[1]
-
-
-# weights a warp staged in shared memory, read by the same units as from global memory
-_load_q4_k_staged, _load_q6_k_staged = make_weight_loads(ld_u16_u32x4)
+    return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PPI=0, HPB=0):
+def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PPI=0):
     G = HQ // HKV
     W = NT // 32
     QR = HQ * DH
@@ -463,17 +425,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     eps = np.float32(EPS)
     f32 = np.float32
     XQN = _xq_floats(D, HQ, DH, F, X8)
-    offs, words = _shared_layout(D, HQ, HKV, DH, F, NT, X8, HPB)
+    offs, words = _shared_layout(D, HQ, HKV, DH, F, NT, X8)
     O_XS, O_RED, O_BRED, O_QSH = offs["xs"], offs["red"], offs["bred"], offs["qsh"]
     O_SS, O_ML, O_CS, O_PS = offs["ss"], offs["ml"], offs["cs"], offs["ps"]
-    # HPB > 0 (rows over int8 x only): each warp's first trip of rows in a row phase comes
-    # from shared memory, copied there while the phase before it ran (see prefetch)
-    SW = HPB > 0 and X8
-    SWH = _stage_halves(D, HQ, DH, F, HPB) if SW else 0  # a warp's region, uint16
-    O_WS = offs["ws"]
-    SA, SO, SD, SE = _stage_slots(D, HQ, DH, F, max(HPB, 1))
-    RPA, RPO, RPE = 32 // _lanes_for(D), 32 // _lanes_for(QR), 32 // _lanes_for(F)
-    NSEG = max(RPA, RPO, RPE, 2)
     assert offs["xq"] == 0 and words >= XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN
 
     def stager(n):
@@ -575,17 +529,10 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return rows
 
     rows4, rows6 = unit_loop(ld4, dot4, 72), unit_loop(ld6, dot6, 105)
-    rows4s, rows6s = unit_loop(_load_q4_k_staged, dot4, 72), unit_loop(_load_q6_k_staged, dot6, 105)
 
     @device
-    def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane, staged):
-        """staged: w is the block's shared memory (uint16), ha and hb offsets in it."""
-        if staged:
-            if qt == _Q4K:
-                sa, sb = rows4s(w, ha, hb, cols, xq, lpr, lane)
-            else:
-                sa, sb = rows6s(w, ha, hb, cols, xq, lpr, lane)
-        elif qt == _Q4K:
+    def pair_x8(w, qt, ha, hb, cols, xq, lpr, red, wid, lane):
+        if qt == _Q4K:
             sa, sb = rows4(w, ha, hb, cols, xq, lpr, lane)
         else:
             sa, sb = rows6(w, ha, hb, cols, xq, lpr, lane)
@@ -596,7 +543,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         """Rows at uint16 ha (type qa) and hb (qb) with x, in every lane of lane's group of
         lpr lanes (X8: the same type, as the host checks)."""
         if X8:
-            return pair_x8(w, qa, ha, hb, cols, xq, lpr, red, wid, lane, False)
+            return pair_x8(w, qa, ha, hb, cols, xq, lpr, red, wid, lane)
         return _row_dot2(w, qa, ha, qb, hb, cols, xs, lpr, red, wid, lane)
 
     @device
@@ -613,74 +560,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             rr = r - QR - KR
         qt = wtab[li, kind, 1]
         return kind, rr, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
-
-    # Weights staged a phase ahead (SW). A row phase's warps were bound by their first
-    # loads' latency (H100, 0.6B shape: block 0's rows 1.9-3.4 us a phase for ~2-5 KB a
-    # warp, fortieth session), and those rows never change: so right after its rows of one
-    # phase each warp starts copying its first trip of the next row phase into its own
-    # region of shared memory (cp.async, no registers held), in flight across the grid
-    # barrier, x's staging and, for o, attention. The copy engine's cp.async.bulk (one lane
-    # a segment, on a warp's mbarrier) was slower than no staging at all (H100: 1,164
-    # against 1,024 us a step, block 0's rows no faster: bulk copies of a few KB are slow,
-    # docs/benchmarks.md, twenty-fifth session's reads). A warp's rows of
-    # a phase are row pairs (q/k/v, o, down) or a run of gate's and of up's rows: a segment
-    # each, its 16-byte aligned cover copied so that offsets keep their alignment.
-    @device
-    def segment(ph, k, li, pb0, wtab):
-        """(uint16 start in w, uint16 count, uint16 offset in the warp's region) of the
-        k-th segment the warp stages for row phase ph (0 q/k/v, 1 o, 2 gate/up, 3 down)
-        of layer li, whose first trip starts at pair (gate/up: row) pb0; count 0: none."""
-        h = np.int64(0)
-        n = np.int64(0)
-        at = 0
-        if ph == 0:
-            p = pb0 + k
-            if k < RPA and p < NPA:
-                kind, rr, qt, h = qkv_row(wtab, li, 2 * p)
-                n = 2 * _row_h(qt, D)
-                at = k * SA
-        elif ph == 2:
-            if k < 2 and pb0 < F:
-                qt = wtab[li, 4 + k, 1]
-                rh = _row_h(qt, D)
-                h = wtab[li, 4 + k, 0] + np.int64(pb0) * rh
-                n = min(RPA, F - pb0) * rh
-                at = k * SD
-        else:
-            kk, cols, rp, sl = (3, QR, RPO, SO) if ph == 1 else (6, F, RPE, SE)
-            p = pb0 + k
-            if k < rp and p < D // 2:
-                qt = wtab[li, kk, 1]
-                rh = _row_h(qt, cols)
-                h = wtab[li, kk, 0] + np.int64(2 * p) * rh
-                n = 2 * rh
-                at = k * sl
-        return h, n, at
-
-    @device
-    def prefetch(ph, li, pb0, w, wtab, wsw, wid, lane):
-        """Row phase ph's first trip of this warp's rows on their way into its region, 16
-        bytes a lane at a time (every lane of the warp calls it after its reads of the
-        region)."""
-        warp_barrier()
-        for k in range(NSEG):
-            h, n, at = segment(ph, k, li, pb0, wtab)
-            a = h - (h & 7)
-            o = O_WS + (wid * SWH + at) // 2
-            for c in range(lane, _c8d((h & 7) + n) // 8, 32):
-                cp_async16(wsw, o + 4 * c, w, a + 8 * c, 16)
-
-    @device
-    def staged_at(ph, k, li, pb0, wtab, h, wid):
-        """Where the row at uint16 h of segment k sits in shared memory (uint16)."""
-        h0, n, at = segment(ph, k, li, pb0, wtab)
-        return 2 * O_WS + wid * SWH + at + (h0 & 7) + (h - h0)
-
-    @device
-    def wait_staged():
-        """This warp's staged rows are in (its lanes' copies done, then seen by every lane)."""
-        cp_async_wait()
-        warp_barrier()
 
     @device
     def head_load(src, qb, kb, nq, hd, xv, lane):
@@ -729,10 +608,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             warp_barrier()
 
     @device
-    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si, ph, li, wtab, wsh):
+    def into_stream(xs, xq, n, w, off, qt, xg, red, wid, lane, gw, nw_all, stamp, stamps, si):
         """xg += W x for the D rows of an n-column weight at uint16 off (o: n = QR, down:
-        n = F; row phase ph of layer li), a row pair a lane group, x staged by the caller
-        (X8: in xq); the first trip from shared memory where SW."""
+        n = F), a row pair a lane group, x staged by the caller (X8: in xq)."""
         _mark(stamp, stamps, si)
         rh = _row_h(qt, n)
         lpr = _lanes_a_row(n)
@@ -742,13 +620,8 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             r = 2 * min(p, D // 2 - 1)
             old0 = ldcg_f32(xg, r)  # in flight with the weights
             old1 = ldcg_f32(xg, r + 1)
-            if SW and pb == gw * rpw:
-                wait_staged()
-                hs = staged_at(ph, r // 2 - pb, li, pb, wtab, off + np.int64(r) * rh, wid)
-                y0, y1 = pair_x8(wsh, qt, hs, hs + rh, n, xq, lpr, red, wid, lane, True)
-            else:
-                y0, y1 = dot2(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, xs, xq, lpr, red,
-                              wid, lane)
+            y0, y1 = dot2(w, qt, off + np.int64(r) * rh, qt, off + np.int64(r + 1) * rh, n, xs, xq, lpr, red, wid,
+                          lane)
             if (lane & (lpr - 1)) == 0 and p < D // 2:
                 xg[r] = old0 + y0
                 xg[r + 1] = old1 + y1
@@ -991,10 +864,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         part = xs
         xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
-        wsw = sm.view(np.uint32)  # staged weights (SW): at O_WS, a region a warp
-        wsh = sm.view(np.uint16)
-        if SW:
-            prefetch(0, 0, gw * RPA, w, wtab, wsw, wid, lane)
         pslot = sm[O_PS:O_PS + PS].view(np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
@@ -1038,12 +907,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 p0 = pb + lane // lpr
                 r = 2 * min(p0, NPA - 1)
                 kind, rr, qt, ha = qkv_row(wtab, li, r)
-                if SW and pb == gw * rpw:
-                    wait_staged()
-                    hs = staged_at(0, r // 2 - pb, li, pb, wtab, ha, wid)
-                    ya, yb = pair_x8(wsh, qt, hs, hs + _row_h(qt, D), D, xq, lpr, red, wid, lane, True)
-                else:
-                    ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
+                ya, yb = dot2(w, qt, ha, qt, ha + _row_h(qt, D), D, xs, xq, lpr, red, wid, lane)
                 if mine and p0 < NPA:
                     qkv[r] = ya
                     qkv[r + 1] = yb
@@ -1051,8 +915,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                         v_pool[slot_new, li, rr // DH, row_new, rr % DH] = np.float16(ya)
                         v_pool[slot_new, li, (rr + 1) // DH, row_new, (rr + 1) % DH] = np.float16(yb)
             _mark(stamp, stamps, DET + 8 * li + 1)
-            if SW:
-                prefetch(1, li, gw * RPO, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1107,9 +969,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             # (C) o rows into the residual stream, over attention's merged splits
             merge_stage(part_o.view(np.uint16), part_ml, n_ch, xs, xqw, xqf, red, tid, wid, lane)
             into_stream(xs, xq, QR, w, wtab[li, 3, 0], wtab[li, 3, 1], xg, red, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 2, 1, li, wtab, wsh)
-            if SW:
-                prefetch(2, li, gw * RPA, w, wtab, wsw, wid, lane)
+                        stamp, stamps, DET + 8 * li + 2)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1121,19 +981,11 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
             for rb in range(gw * rpw, F, nw_all * rpw):
                 r = rb + lane // lpr
                 rr = min(r, F - 1)
-                hga = wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D)
-                hua = wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D)
-                if SW and rb == gw * rpw:  # X8: gate and up of one type
-                    wait_staged()
-                    yg, yu = pair_x8(wsh, qg, staged_at(2, 0, li, rb, wtab, hga, wid),
-                                     staged_at(2, 1, li, rb, wtab, hua, wid), D, xq, lpr, red, wid, lane, True)
-                else:
-                    yg, yu = dot2(w, qg, hga, qu, hua, D, xs, xq, lpr, red, wid, lane)
+                yg, yu = dot2(w, qg, wtab[li, 4, 0] + np.int64(rr) * _row_h(qg, D), qu,
+                              wtab[li, 5, 0] + np.int64(rr) * _row_h(qu, D), D, xs, xq, lpr, red, wid, lane)
                 if mine and r < F:
                     hg[r] = _silu(yg) * yu
             _mark(stamp, stamps, DET + 8 * li + 5)
-            if SW:
-                prefetch(3, li, gw * RPE, w, wtab, wsw, wid, lane)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1144,9 +996,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 stage_f(xs, hg, tid)
                 cuda.syncthreads()
             into_stream(xs, xq, F, w, wtab[li, 6, 0], wtab[li, 6, 1], xg, red, wid, lane, gw, nw_all,
-                        stamp, stamps, DET + 8 * li + 6, 3, li, wtab, wsh)
-            if SW and li + 1 < L:
-                prefetch(0, li + 1, gw * RPA, w, wtab, wsw, wid, lane)
+                        stamp, stamps, DET + 8 * li + 6)
             epoch += 1
             _phase_end(cnt, epoch, nb, tid, stamp, stamps)
 
@@ -1178,7 +1028,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,
-                   max_pages: int = 32, x8: bool = True, hpb: int = 0) -> str:
+                   max_pages: int = 32, x8: bool = True) -> str:
     """The kernel's sm_90 PTX at a shape, as the GPU would compile it (launch bounds
     included), for a machine without one (luce.kernels.ptx.offline_target first): the
     simulator runs the Python and misses what only the compiler rejects."""
@@ -1188,7 +1038,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, i32,
            A(T.float32, 2), A(T.int64))
-    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8, 0, hpb)
+    k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
 
@@ -1200,15 +1050,6 @@ def x8_fits(weights) -> bool:
     mats = [getattr(lw, k) for lw in weights.layers for k in KINDS] + [weights.output]
     return all(QTYPE_CODES.get(m.qtype) in x8 for m in mats) and \
         all(lw.w_gate.qtype == lw.w_up.qtype for lw in weights.layers)
-
-
-def stage_hpb(weights) -> int:
-    """The most uint16 a 256 columns of any layer matrix's rows (Q4_K 72, Q6_K 105): what
-    a warp's staging region is sized for."""
-    def hpb(m):
-        qk, nbytes = _BLOCK[QTYPE_CODES[m.qtype]]
-        return nbytes // 2 * (256 // qk)
-    return max(hpb(getattr(lw, k)) for lw in weights.layers for k in KINDS)
 
 
 def applies(cfg, weights, kv) -> str | None:
@@ -1285,14 +1126,10 @@ class PersistentDecode:
     by the caches of one model. x8: the row products over x in int8 (two planes, as the
     launch chain's products by default) where x8_fits (None), or over float x (False).
     pages_an_item > 0 fixes attention's pages an item (else as many as spread the items
-    over the grid; the simulator's one block then still has several splits).
-    stage_weights: each warp's first trip of rows in a row phase copied into shared
-    memory a phase ahead (over int8 x, where the block's shared memory fits it: None), or
-    never (False)."""
+    over the grid; the simulator's one block then still has several splits)."""
 
     def __init__(self, cfg, weights, kv, stream=0, blocks: int | None = None, packed: PackedWeights | None = None,
-                 threads: int = THREADS, x8: bool | None = None, pages_an_item: int = 0,
-                 stage_weights: bool | None = None):
+                 threads: int = THREADS, x8: bool | None = None, pages_an_item: int = 0):
         why = applies(cfg, weights, kv)
         if why is not None:
             raise ValueError(f"the persistent decode kernel does not take this model: {why}")
@@ -1325,19 +1162,10 @@ class PersistentDecode:
         if x8 and not fits:
             raise ValueError("int8 x needs Q4_K / Q6_K row products, gate and up of one type")
         self.x8 = fits if x8 is None else x8
-        shape = (d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
-        hpb = stage_hpb(weights) if self.x8 and stage_weights is not False else 0
-        if hpb and _shared_bytes(*shape, hpb) > smem_max():
-            if stage_weights:
-                raise ValueError("staged weights do not fit this device's shared memory at this shape")
-            hpb = 0
-        if stage_weights and not hpb:
-            raise ValueError("staged weights need the row products over int8 x")
-        self.stage_weights = hpb > 0
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
-                              self.x8, pages_an_item, hpb)
-        self.smem = _shared_bytes(*shape, hpb)
+                              self.x8, pages_an_item)
+        self.smem = _shared_bytes(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
