@@ -50,7 +50,7 @@ from numba import cuda
 from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
-from .device import SIM, device, with_shared
+from .device import SIM, SMEM_STATIC, device, with_shared
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
@@ -393,8 +393,17 @@ def _shared_layout(D, HQ, HKV, DH, F, NT, x8=False):
 
 
 def _shared_bytes(D, HQ, HKV, DH, F, NT, x8=False):
-    """The kernel's shared memory at a shape (all of it dynamic: what a launch asks for)."""
+    """The kernel's shared memory at a shape."""
     return 4 * _shared_layout(D, HQ, HKV, DH, F, NT, x8)[1]
+
+
+def _static_shared(D, HQ, HKV, DH, F, NT, x8=False):
+    """Whether the kernel's arrays are static shared memory (within the 48 KB a launch gets
+    without opting in, on a GPU) rather than slices of one dynamic allocation: at the
+    Qwen3-0.6B shape the slices cost ptxas spills (sm_90: 516 / 820 bytes of spill stores
+    / loads against 320 / 504) and the step went 947.5 -> 1,021.2 us between the fortieth
+    session and this one (H100; the allocation is what changed in the kernel)."""
+    return not SIM and _shared_bytes(D, HQ, HKV, DH, F, NT, x8) <= SMEM_STATIC
 
 
 @functools.lru_cache(maxsize=None)
@@ -429,6 +438,28 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     O_XS, O_RED, O_BRED, O_QSH = offs["xs"], offs["red"], offs["bred"], offs["qsh"]
     O_SS, O_ML, O_CS, O_PS = offs["ss"], offs["ml"], offs["cs"], offs["ps"]
     assert offs["xq"] == 0 and words >= XSN + RED + NT + QSH + SSN + MLN + TMPN + PS + XQN
+    if _static_shared(D, HQ, HKV, DH, F, NT, X8):
+        @device(inline=True)
+        def carve():
+            """The phases' arrays as static shared memory (a draft's shape: see _static_shared);
+            x in int8 read 16 bytes at a time."""
+            return (cuda.shared.array(XQN, np.float32, alignment=16), cuda.shared.array(XSN, np.float32),
+                    cuda.shared.array(RED, np.float32), cuda.shared.array(NT, np.float32),
+                    cuda.shared.array(QSH, np.float32), cuda.shared.array(SSN, np.float32),
+                    cuda.shared.array(MLN, np.float32), cuda.shared.array(TMPN, np.float32),
+                    cuda.shared.array(PS, np.int32))
+    else:
+        @device(inline=True)
+        def carve():
+            """The phases' arrays carved from one dynamic allocation: past 48 KB at an 8B's
+            shape (x staged for a 12,288-wide down projection), which a launch must opt into."""
+            if SIM:  # no alignment argument there
+                sm = cuda.shared.array(0, nb_float32)  # a numba type: the simulator sizes it by itemsize
+            else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time: at offset 0
+                sm = cuda.shared.array(0, np.float32, alignment=16)
+            return (sm[0:XQN], sm[O_XS:O_XS + XSN], sm[O_RED:O_RED + RED], sm[O_BRED:O_BRED + NT],
+                    sm[O_QSH:O_QSH + QSH], sm[O_SS:O_SS + SSN], sm[O_ML:O_ML + MLN], sm[O_CS:O_CS + TMPN],
+                    sm[O_PS:O_PS + PS].view(np.int32))
 
     def stager(n):
         """stage(xs, src, tid): xs[_xi(i)] = src[i] for i < n (other blocks' writes, from L2),
@@ -847,24 +878,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         # 1,031 against 1,132 us a step)
         gw = wid * nb + bid
         nw_all = nb * W
-        # one dynamic allocation carved into the phases' arrays: past 48 KB at an 8B's shape
-        # (x staged for a 12,288-wide down projection), which a launch must opt into
-        if SIM:  # no alignment argument there
-            sm = cuda.shared.array(0, nb_float32)  # a numba type: the simulator sizes it by itemsize
-        else:  # x in int8 (X8), quantize_x's layout, read 16 bytes at a time: at offset 0
-            sm = cuda.shared.array(0, np.float32, alignment=16)
-        xqf = sm[0:XQN]
-        xs = sm[O_XS:O_XS + XSN]
-        red = sm[O_RED:O_RED + RED]
-        bred = sm[O_BRED:O_BRED + NT]
-        qsh = sm[O_QSH:O_QSH + QSH]  # the group's q heads, then the new k
-        ss = sm[O_SS:O_SS + SSN]
-        ml = sm[O_ML:O_ML + MLN]  # m, l, the pass's rescale a head
-        cs = sm[O_CS:O_CS + TMPN]  # the step's RoPE cos, then sin
+        # xq, xs, red, bred, qsh (the group's q heads, then the new k), ss, ml (m, l, the
+        # pass's rescale a head), cs (the step's RoPE cos, then sin), pslot
+        xqf, xs, red, bred, qsh, ss, ml, cs, pslot = carve()
         part = xs
         xqw = xqf.view(np.uint32)
         xq = xqf.view(np.uint16)
-        pslot = sm[O_PS:O_PS + PS].view(np.int32)
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
         vw = cuda.local.array(VW, np.uint32)
@@ -1165,7 +1184,8 @@ class PersistentDecode:
         self.kernel = _kernel(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, L, cfg.rope_dim,
                               cfg.rope_style == ROPE_HALVES, bool(cfg.qk_norm), float(cfg.rms_eps), self.threads, pages,
                               self.x8, pages_an_item)
-        self.smem = _shared_bytes(d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
+        shape = (d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
+        self.smem = 0 if _static_shared(*shape) else _shared_bytes(*shape)  # the dynamic bytes a launch asks for
 
     def forward(self, tok_d, pos_d):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its

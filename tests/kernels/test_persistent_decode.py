@@ -18,12 +18,13 @@ assert "ld.global.cg.v4.u32" in ptx, "K/V rows in 16-byte loads from L2"
 assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx and "%globaltimer" in ptx
 assert "ld.global.nc.L2::256B.v4.u32" in ptx or "ld.global.nc.v4.u32" in ptx, "16-byte weight loads"
 assert "ld.v4.u32" in ptx and "dp4a" in ptx, "int8 x in 16-byte loads from shared memory, dp4a"
-assert ".extern .shared .align 16" in ptx, "one dynamic allocation, 16-byte aligned (x in int8 at its start)"
+assert ".extern .shared" not in ptx and ".shared .align 16" in ptx, \
+    "static arrays within 48 KB (x in int8 16-byte aligned): slices of a dynamic allocation spill more"
 # a Qwen3-8B's shape: its shared memory (x staged for a 12,288-wide down) past 48 KB
 from luce.kernels.persistent_decode import SMEM_OPTIN, _shared_bytes
 assert 48 * 1024 < _shared_bytes(4096, 32, 8, 128, 12288, 512, True) <= SMEM_OPTIN
 ptx = compile_ptx_at(4096, 32, 8, 128, 12288, 36, max_pages=130)
-assert ".maxntid 512" in ptx and ".extern .shared .align 16" in ptx
+assert ".maxntid 512" in ptx and ".extern .shared .align 16" in ptx, "one dynamic allocation past 48 KB"
 print("PTX OK")
 """)
 
