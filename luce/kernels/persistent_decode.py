@@ -401,8 +401,9 @@ def _static_shared(D, HQ, HKV, DH, F, NT, x8=False):
     """Whether the kernel's arrays are static shared memory (within the 48 KB a launch gets
     without opting in, on a GPU) rather than slices of one dynamic allocation: at the
     Qwen3-0.6B shape the slices cost ptxas spills (sm_90: 516 / 820 bytes of spill stores
-    / loads against 320 / 504) and the step went 947.5 -> 1,021.2 us between the fortieth
-    session and this one (H100; the allocation is what changed in the kernel)."""
+    / loads against 320 / 504), and the step, 947.5 us with static arrays (H100, 41398cc),
+    measured 1,021.2 with the slices (H100, e7cef8a; the allocation was the kernel's main
+    change between them)."""
     return not SIM and _shared_bytes(D, HQ, HKV, DH, F, NT, x8) <= SMEM_STATIC
 
 
