@@ -417,7 +417,6 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     RED = max(1, W * WARP_RED_SLOTS)
     HALF = ROPE // 2
     NPL = DH // 32                   # a head's values a lane
-    XVN = 2 * NPL                    # and its norm's weights
     TPK = _key_threads(DH)           # threads a key's score
     KC = NT // TPK                   # keys an attention pass scores
     CH = DH // 8                     # 16-byte pieces of a K/V row
@@ -484,23 +483,15 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return stage
 
     stage_d, stage_f = stager(D), stager(F)
-    TQD = (D // 4 + NT - 1) // NT  # x's quads a thread
-    TQW = 4 * TQD
 
     @device
     def norm_into(xs, src, nw, off, bred, xqw, xqf, red, tid, wid, lane):
         """xs = rms_norm(src[:D]) * nw[off:] in this block (X8: into xq instead); every
         thread calls it."""
-        if X8:  # the norm's weights in flight with the stream's loads, not a round trip after the sum
-            wv = cuda.local.array(TQW, np.float32)
-            for k in range(TQD):
-                cc = min(4 * (tid + k * NT), D - 4)
-                for e in range(4):
-                    wv[4 * k + e] = nw[off + cc + e]
         tot = block_sum(stage_d(xs, src, tid), bred)
         inv = f32(1.0) / math.sqrt(tot / f32(D) + eps)
         if X8:
-            quantize_normed(xs, inv, wv, xqw, xqf, red, tid, wid, lane)
+            quantize_normed(xs, inv, nw, off, xqw, xqf, red, tid, wid, lane)
         else:
             for i in range(tid, D, NT):
                 xs[_xi(i)] = xs[_xi(i)] * inv * nw[off + i]
@@ -515,18 +506,18 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
 
     # x into xq four columns a thread (int8_quad_store: a warp a 32-column block and two
     # 16-lane reductions took 2.4-3.4 us a phase with the staging, d59ff40)
+    TQD = (D // 4 + NT - 1) // NT
 
     @device
-    def quantize_normed(xs, inv, wv, xqw, xqf, red, tid, wid, lane):
-        """rms_norm's output (xs, staged, times inv and the norm's weights, this thread's
-        quads of them in wv) into xq."""
+    def quantize_normed(xs, inv, nw, off, xqw, xqf, red, tid, wid, lane):
+        """rms_norm's output (xs, staged, times inv and nw[off:]) into xq."""
         for k in range(TQD):
             c = 4 * (tid + k * NT)
             live = c < D
             cc = min(c, D - 4)
             i = _xi(cc)  # a run of four inside one 64
-            int8_quad_store(xs[i] * inv * wv[4 * k], xs[i + 1] * inv * wv[4 * k + 1],
-                            xs[i + 2] * inv * wv[4 * k + 2], xs[i + 3] * inv * wv[4 * k + 3], live, c, lane, wid,
+            int8_quad_store(xs[i] * inv * nw[off + cc], xs[i + 1] * inv * nw[off + cc + 1],
+                            xs[i + 2] * inv * nw[off + cc + 2], xs[i + 3] * inv * nw[off + cc + 3], live, c, lane, wid,
                             red, xqw, xqf, 2)
         cuda.syncthreads()
 
@@ -603,18 +594,14 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         return kind, rr, qt, wtab[li, kind, 0] + np.int64(rr) * _row_h(qt, D)
 
     @device
-    def head_load(src, qb, kb, nq, hd, nw, off, xv, lane):
+    def head_load(src, qb, kb, nq, hd, xv, lane):
         """Head hd's DH floats (q heads < nq from src[qb + hd DH:], head nq from src[kb:]),
-        a lane's NPL of them into xv, and its norm's weights (nw[off:], off >= 0) into
-        xv[NPL:]: every load issued before anything waits on one (the L2 loads keep program
-        order: a store between them waited on its load, four round trips a head at 128, 3.5
-        us with the item's K/V loads, 485b280, H100)."""
+        a lane's NPL of them into xv: every load issued before anything waits on one (the
+        L2 loads keep program order: a store between them waited on its load, four round
+        trips a head at 128, 3.5 us with the item's K/V loads, 485b280, H100)."""
         sb = qb + hd * DH if hd < nq else kb
         for m in range(NPL):
             xv[m] = ldcg_f32(src, sb + lane + 32 * m)
-        if off >= 0:
-            for m in range(NPL):
-                xv[NPL + m] = nw[off + lane + 32 * m]
 
     @device
     def head_norm_rope(src, qb, kb, v, nw, offq, offk, nq, ntot, cs, red, wid, lane, xv):
@@ -628,7 +615,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         for hd in range(wid, ntot, W):
             hb = hd * DH
             off = offq if hd < nq else offk
-            head_load(src, qb, kb, nq, hd, nw, off, xv, lane)
+            head_load(src, qb, kb, nq, hd, xv, lane)
             ss = f32(0.0)
             for m in range(NPL):
                 ss += xv[m] * xv[m]
@@ -637,7 +624,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 inv = f32(1.0) / math.sqrt(warp_allsum(ss, red, wid, lane) / f32(DH) + eps)
             for m in range(NPL):
                 d = lane + 32 * m
-                v[hb + d] = xv[m] * inv * xv[NPL + m] if off >= 0 else xv[m]
+                v[hb + d] = xv[m] * inv * nw[off + d] if off >= 0 else xv[m]
             warp_barrier()
             for k in range(lane, HALF, 32):
                 if HALVES:
@@ -901,7 +888,7 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
         acc = cuda.local.array(GA, np.float32)
         kw = cuda.local.array(KW, np.uint32)
         vw = cuda.local.array(VW, np.uint32)
-        xv = cuda.local.array(XVN, np.float32)  # a warp's head in attention and its norm's weights (head_load)
+        xv = cuda.local.array(NPL, np.float32)  # a warp's head in attention (head_load)
         pslot_pg0 = -1
         n_past = meta[0]
         p = pos[0]
