@@ -187,7 +187,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 
     from .model import load
     from .server.app import create_app
-    from .spec import SpecOptions, make_drafter, make_stepper
+    from .spec import SpecOptions, make_drafter
+    from .spec import stepper_factory as spec_stepper_factory
 
     if max_queue < 0:
         raise click.BadParameter("must be >= 0", param_hint="--max-queue")
@@ -203,9 +204,9 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
     stepper_factory, draft_label = None, None
     if opts.enabled:
         drafter = make_drafter(m, opts)
-        stepper_factory = lambda session, params: make_stepper(session, params, opts, drafter)  # noqa: E731
+        stepper_factory = spec_stepper_factory(m, opts, drafter)
         draft_label = {"mode": opts.mode, "draft": opts.draft, "drafter": type(drafter).__name__,
-                       "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max,
+                       "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max_label,
                        "draft_p_min": opts.draft_p_min}
     app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
@@ -323,7 +324,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if not no_record:
             append_to_docs("luce bench --spec", tables,
                            notes=f"greedy, {gen_tokens} tokens a prompt, DDTree budget {opts.ddtree_budget}, "
-                                 f"draft max {opts.draft_max}, draft p-min {opts.draft_p_min}")
+                                 f"draft max {opts.draft_max_label}, draft p-min {opts.draft_p_min}")
         return
     if kernels:
         from .bench.kernels import run as run_kernels

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..spec.options import DEFAULT_DRAFT_MAX, parse_draft_max
+
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
 
@@ -151,7 +153,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
              + ", ".join(f"{n} {v - before[n]}" for n, v in b.forward_counts.items()))
     echo(summary(results))
     if costs is not None and draft_shared is not None and rows:
-        costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), draft_max))
+        # draft max auto: a draft of the default depth (auto's first steps draft that too)
+        costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), draft_max or DEFAULT_DRAFT_MAX))
     return results
 
 
@@ -279,7 +282,7 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ddtree-budget", type=int, default=22)
-    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--draft-max", default="8", help="N or auto")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
@@ -287,7 +290,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     run(a.target, a.draft, modes=tuple(a.modes.split(",")),
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
-        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=a.draft_max,
+        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_max(a.draft_max),
         draft_p_min=a.draft_p_min, backend=a.backend,
         n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout))
 

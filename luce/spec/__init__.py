@@ -13,7 +13,7 @@ from typing import Iterator
 from .ddtree import Tree, build_tree, chain_tree
 from .drafters import Draft, DraftModel, PromptLookup
 from .options import SPEC_MODES, SpecOptions, make_drafter, spec_options
-from .stepper import SpecCounters, SpeculativeStepper
+from .stepper import SpecCounters, SpeculativeStepper, auto_depth
 from .verify import Verdict, verify
 
 __all__ = ["Tree", "build_tree", "chain_tree", "Draft", "DraftModel", "PromptLookup", "SPEC_MODES",
@@ -21,14 +21,15 @@ __all__ = ["Tree", "build_tree", "chain_tree", "Draft", "DraftModel", "PromptLoo
            "verify", "make_stepper", "stepper_factory", "stream"]
 
 
-def make_stepper(session, params, opts: SpecOptions, drafter):
+def make_stepper(session, params, opts: SpecOptions, drafter, depth=None):
     """A SpeculativeStepper for one generation on `session` with SamplingParams `params`
-    (None when opts is off)."""
+    (None when opts is off); depth: a DepthController shared across generations (draft
+    max auto: what the earlier ones learned carries over)."""
     from ..engine.sampling import Sampler
     if not opts.enabled:
         return None
     return SpeculativeStepper(session, Sampler(params), drafter, method=opts.method,
-                              draft_max=opts.draft_max, budget=opts.ddtree_budget)
+                              draft_max=opts.draft_max, budget=opts.ddtree_budget, depth=depth)
 
 
 def stepper_factory(model, opts: SpecOptions, drafter=None):
@@ -39,7 +40,8 @@ def stepper_factory(model, opts: SpecOptions, drafter=None):
     if not opts.enabled:
         return None
     drafter = drafter or make_drafter(model, opts)
-    return lambda session, params: make_stepper(session, params, opts, drafter)
+    depth = auto_depth(opts.method, opts.ddtree_budget) if opts.draft_max == 0 else None
+    return lambda session, params: make_stepper(session, params, opts, drafter, depth)
 
 
 def stream(model, prompt, opts: SpecOptions, drafter=None, session=None, **params) -> Iterator:

@@ -12,6 +12,7 @@ SPEC_MODES = ("off", "chain", "ddtree", "lookup")
 DEFAULT_BUDGET = 22
 DEFAULT_DRAFT_MAX = 8
 DEFAULT_TOP_K = 8
+DRAFT_MAX_AUTO = 0  # --draft-max auto: each step's depth chosen from the steps before it (luce.spec.depth)
 
 
 @dataclass(frozen=True)
@@ -22,15 +23,15 @@ class SpecOptions:
     mode: str = "off"
     draft: str | None = None
     ddtree_budget: int = DEFAULT_BUDGET
-    draft_max: int = DEFAULT_DRAFT_MAX
+    draft_max: int = DEFAULT_DRAFT_MAX  # DRAFT_MAX_AUTO: chosen a step (luce.spec.depth)
     top_k: int = DEFAULT_TOP_K
     draft_p_min: float = 0.0  # DraftModel's p_min: stop drafting where the chain gets this unlikely
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
             raise LuceError(f"--spec must be one of {', '.join(SPEC_MODES)}, not {self.mode!r}")
-        if self.ddtree_budget < 1 or self.draft_max < 1 or self.top_k < 1:
-            raise LuceError("--ddtree-budget, --draft-max and the draft top-k must be >= 1")
+        if self.ddtree_budget < 1 or self.draft_max < 0 or self.top_k < 1:
+            raise LuceError("--ddtree-budget, --draft-max (or auto) and the draft top-k must be >= 1")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise LuceError(f"--draft-p-min must be in [0, 1), not {self.draft_p_min}")
 
@@ -39,16 +40,37 @@ class SpecOptions:
         return self.mode != "off"
 
     @property
+    def draft_max_label(self):
+        """draft_max as the options spell it: a number, or "auto"."""
+        return "auto" if self.draft_max == DRAFT_MAX_AUTO else self.draft_max
+
+    @property
     def method(self) -> str:
         return "ddtree" if self.mode == "ddtree" else "chain"
 
     @classmethod
     def from_cli(cls, spec: str | None, draft: str | None, ddtree_budget: int | None = None,
-                 draft_max: int | None = None, draft_p_min: float | None = None) -> "SpecOptions":
+                 draft_max: int | str | None = None, draft_p_min: float | None = None) -> "SpecOptions":
         # naming a draft is asking for speculation: DDTree unless said otherwise
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
-                   draft_max=draft_max or DEFAULT_DRAFT_MAX, draft_p_min=draft_p_min or 0.0)
+                   draft_max=parse_draft_max(draft_max), draft_p_min=draft_p_min or 0.0)
+
+
+def parse_draft_max(value) -> int:
+    """--draft-max's value: None -> the default, "auto" -> DRAFT_MAX_AUTO, else a number >= 1."""
+    if value is None:
+        return DEFAULT_DRAFT_MAX
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return DRAFT_MAX_AUTO
+        try:
+            value = int(value)
+        except ValueError:
+            raise LuceError(f"--draft-max must be a number >= 1 or auto, not {value!r}") from None
+    if value < 1:
+        raise LuceError(f"--draft-max must be a number >= 1 or auto, not {value!r}")
+    return int(value)
 
 
 def spec_options(f):
@@ -64,8 +86,9 @@ def spec_options(f):
                      help="draft model sharing the target's tokenizer; auto: the one the model family declares"),
         click.option("--ddtree-budget", type=int, default=None,
                      help=f"DDTree node budget per target forward [{DEFAULT_BUDGET}]"),
-        click.option("--draft-max", type=int, default=None,
-                     help=f"longest draft (tokens drafted per step, the tree's depth) [{DEFAULT_DRAFT_MAX}]"),
+        click.option("--draft-max", default=None, metavar="N|auto",
+                     help=f"longest draft (tokens drafted per step, the tree's depth); auto: chosen each step "
+                          f"from what drafting and verifying cost and how much the target kept [{DEFAULT_DRAFT_MAX}]"),
         click.option("--draft-p-min", type=float, default=None,
                      help="stop a draft where its chain's probability under the draft model falls below this "
                           "(0: always draft --draft-max tokens) [0]"),

@@ -20,6 +20,7 @@ from ..backends import GreedyRows
 from ..engine.generator import Session
 from ..engine.sampling import Sampler
 from .ddtree import Tree, build_tree, chain_tree, empty_tree
+from .depth import DepthController
 from .verify import plain_greedy, verify
 
 METHODS = ("chain", "ddtree")
@@ -40,11 +41,14 @@ class SpecCounters:
 
 class SpeculativeStepper:
     def __init__(self, session: Session, sampler: Sampler, drafter, method: str = "ddtree",
-                 draft_max: int = 8, budget: int = 22):
+                 draft_max: int = 8, budget: int = 22, depth: DepthController | None = None):
+        """draft_max 0: each step's depth from `depth` (a new auto_depth(method, budget)
+        when None; pass one to carry what it learned across generations)."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, not {method!r}")
         self.session, self.sampler, self.drafter = session, sampler, drafter
         self.method, self.draft_max, self.budget = method, draft_max, budget
+        self.depth = (depth or auto_depth(method, budget)) if draft_max == 0 else None
         self.counters = SpecCounters()
         self._next: int | None = None
         self._rows: list[int] = []
@@ -63,7 +67,7 @@ class SpeculativeStepper:
         room = self.session.n_ctx - cache.n_past - 1
         t = time.perf_counter()
         context = history + [t0]
-        depth = min(self.draft_max, room)
+        depth = min(self.depth.depth() if self.depth else self.draft_max, room)
         sample = self.method == "chain" and not params.greedy
         draft = self.drafter.propose(context, depth, params, self.sampler.rng, sample=sample)
         tree = self._tree(draft, room)
@@ -79,6 +83,8 @@ class SpeculativeStepper:
         verdict = verify(tree, logits, context, params, self.sampler.rng,
                          q=draft.q if self.method == "chain" else None)
         t2 = time.perf_counter()
+        if self.depth is not None:
+            self.depth.update(int(tree.depth.max()) if len(tree) else 0, len(verdict.nodes), t1 - t, t2 - t1)
         c = self.counters
         c.steps += 1
         c.tokens += 1 + len(verdict.nodes)
@@ -112,3 +118,11 @@ class SpeculativeStepper:
             self._next = int(self._logits.ids[rows[-1]])
             return None
         return self._logits[rows[-1]]
+
+
+def auto_depth(method: str, budget: int) -> DepthController:
+    """The depth controller for --draft-max auto. DDTree's depth stops at half its node
+    budget: past that the budget, not the depth, bounds what is kept (the Qwen2.5-Coder
+    pair at budget 22: depth 12 kept exactly what 10 did)."""
+    hi = 12 if method == "chain" else max(2, min(12, budget // 2))
+    return DepthController(lo=min(2, hi), hi=hi, start=min(8, hi))
