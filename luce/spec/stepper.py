@@ -21,6 +21,7 @@ from ..engine.generator import Session
 from ..engine.sampling import Sampler
 from .ddtree import Tree, build_tree, chain_tree, empty_tree
 from .depth import DepthController
+from .options import DEFAULT_DRAFT_MAX
 from .verify import plain_greedy, verify
 
 METHODS = ("chain", "ddtree")
@@ -125,4 +126,4 @@ def auto_depth(method: str, budget: int) -> DepthController:
     budget: past that the budget, not the depth, bounds what is kept (the Qwen2.5-Coder
     pair at budget 22: depth 12 kept exactly what 10 did)."""
     hi = 12 if method == "chain" else max(2, min(12, budget // 2))
-    return DepthController(lo=min(2, hi), hi=hi, start=min(8, hi))
+    return DepthController(lo=2, hi=hi, start=DEFAULT_DRAFT_MAX)  # start is clamped to hi there
