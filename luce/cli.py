@@ -240,7 +240,9 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--spec-modes", default="off,chain,ddtree", show_default=True,
               help="--spec: the modes run on every prompt (off, chain, ddtree, lookup)")
 @click.option("--ddtree-budget", type=int, default=None, help="--spec: DDTree node budget per target forward [22]")
-@click.option("--draft-max", type=int, default=None, help="--spec: longest draft, the tree's depth [8]")
+@click.option("--draft-max", default=None,
+              help="--spec: longest draft, the tree's depth, or auto [8]; several (4,6,8,auto) run in turn "
+                   "over one load")
 @click.option("--draft-p-min", type=float, default=None,
               help="--spec: stop a draft where its chain's probability falls below this [0: never]")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
@@ -284,7 +286,12 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if not modes or any(m not in SPEC_MODES for m in modes):
             raise click.BadParameter(f"{spec_modes!r}: comma-separated modes of {', '.join(SPEC_MODES)}",
                                      param_hint="--spec-modes")
-        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, draft_max, draft_p_min)  # checks the numbers
+        from .spec.options import draft_max_label, parse_draft_maxes
+        try:
+            depths = parse_draft_maxes(draft_max)
+        except LuceError as e:
+            raise click.BadParameter(str(e), param_hint="--draft-max")
+        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, depths[0], draft_p_min)  # checks the numbers
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
             # verification costs a step (the summary's ms / forward columns)
@@ -302,9 +309,14 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         costs = {} if synthetic and any(m in ("chain", "ddtree") for m in modes) else None
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
-                           ddtree_budget=opts.ddtree_budget, draft_max=opts.draft_max,
+                           ddtree_budget=opts.ddtree_budget, draft_max=depths,
                            draft_p_min=opts.draft_p_min, backend=backend, costs=costs)
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
+        if any(r.phases for r in results):
+            from .bench.spec import phases
+            title = "where a target forward's time goes (ms a target forward)"
+            click.echo(f"\n{title}\n{phases(results)}")
+            tables.append((title, phases(results), None))
         if costs:
             from .bench.spec import costs_table
             title = "the draft's step alone and a whole draft"
@@ -312,8 +324,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
             tables.append((title, costs_table(costs), None))
         if synthetic:
             from .bench.spec import PAIR_SETTINGS, projection
-            if PAIR_SETTINGS == {"ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max,
-                                 "draft_p_min": opts.draft_p_min}:
+            if PAIR_SETTINGS == {"ddtree_budget": opts.ddtree_budget, "draft_p_min": opts.draft_p_min}:
                 title = "projected with the Qwen2.5-Coder 0.5B -> 1.5B pair's acceptance (measured on the CPU)"
                 table = projection(results)
                 click.echo(f"\n{title}\n{table}")
@@ -324,7 +335,8 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if not no_record:
             append_to_docs("luce bench --spec", tables,
                            notes=f"greedy, {gen_tokens} tokens a prompt, DDTree budget {opts.ddtree_budget}, "
-                                 f"draft max {opts.draft_max_label}, draft p-min {opts.draft_p_min}")
+                                 f"draft max {','.join(str(draft_max_label(d)) for d in depths)}, "
+                                 f"draft p-min {opts.draft_p_min}")
         return
     if kernels:
         from .bench.kernels import run as run_kernels

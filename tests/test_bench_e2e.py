@@ -20,6 +20,50 @@ def test_bench_runs_on_cpu(tmp_path, capsys):
     assert "verify 4 nodes @40:" in out.err and "tree verification cost (40 tokens in context)" in out.out
 
 
+def _tiny_shapes(monkeypatch, tmp_path):
+    """The 8B and 0.6B synthetic names as tiny shapes of the same family (CPU runs)."""
+    from luce.bench import synthetic as S
+    monkeypatch.setenv("LUCE_CACHE", str(tmp_path))
+    monkeypatch.setitem(S.SHAPES, "qwen3-8b", S.tiny("qwen3", 512, n_layers=2, n_embd=64, n_ff=128, n_heads=2,
+                                                      n_kv_heads=1, head_dim=32))
+    monkeypatch.setitem(S.SHAPES, "qwen3-0.6b", S.tiny("qwen3", 512, n_layers=1, n_embd=32, n_ff=64, n_heads=2,
+                                                        n_kv_heads=1, head_dim=16))
+
+
+def test_bench_spec_sweeps_draft_max(tmp_path, monkeypatch):
+    """`--draft-max 4,auto`: each depth a config of its own over one load, each lossless;
+    the projection only where the pair's acceptance was measured at that depth (not auto);
+    the breakdown of a target forward's time adds up to it."""
+    from click.testing import CliRunner
+
+    from luce.bench.spec import PAIR_ACCEPTANCE_AT, load_prompts
+    from luce.cli import main
+    _tiny_shapes(monkeypatch, tmp_path)
+    args = ["bench", "--spec", "--synthetic", "qwen3-8b", "--backend", "cpu", "--gen-tokens", "5", "--categories",
+            "code", "--no-record", "--spec-modes", "off,ddtree"]
+    r = CliRunner().invoke(main, args + ["--draft-max", "4,auto"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count(" loaded in ") == 2  # target and draft, once for both depths
+    n_code = len(load_prompts(categories=("code",)))
+    table = [line.split("|") for line in r.output.splitlines() if line.startswith("| ")]
+    rows = {c[1].strip(): c for c in table if len(c) == 14 and c[2].strip() == "all"}
+    assert set(rows) == {"off", "ddtree@4", "ddtree@auto"}, r.output
+    for label in ("ddtree@4", "ddtree@auto"):
+        assert rows[label][12].strip() == f"{n_code}/{n_code}", rows[label]
+    proj = {c[1].strip(): c for c in table if len(c) == 9 and c[2].strip() == "code"}
+    assert set(proj) == {"ddtree@4"}, r.output
+    assert float(proj["ddtree@4"][4]) == round(PAIR_ACCEPTANCE_AT[4][("ddtree", "code")], 2)
+    phases = {c[1].strip(): [float(x) for x in c[2:11]] for c in table if len(c) == 12 and c[1].strip() != "config"
+              and not c[1].startswith("-")}
+    assert set(phases) == {"ddtree@4", "ddtree@auto"}, r.output
+    for cells in phases.values():
+        *parts, other, total = cells
+        assert all(p >= 0 for p in parts) and parts[1] == parts[4] == 0  # the CPU never waits on a GPU
+        assert total > 0 and abs(sum(parts) + other - total) <= 0.005 * len(cells) and other > -0.01 * total
+    r = CliRunner().invoke(main, args + ["--draft-max", "4,x"])
+    assert r.exit_code == 2 and "--draft-max" in r.output
+
+
 def test_bench_spec_synthetic(tmp_path, monkeypatch):
     """`luce bench --spec --synthetic NAME`: the shape made in memory (no GGUF written), its
     family's smallest shape as the draft, every speculative output checked against the
@@ -29,11 +73,7 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     from luce.bench import synthetic as S
     from luce.bench.spec import load_prompts
     from luce.cli import main
-    monkeypatch.setenv("LUCE_CACHE", str(tmp_path))
-    monkeypatch.setitem(S.SHAPES, "qwen3-8b", S.tiny("qwen3", 512, n_layers=2, n_embd=64, n_ff=128, n_heads=2,
-                                                      n_kv_heads=1, head_dim=32))
-    monkeypatch.setitem(S.SHAPES, "qwen3-0.6b", S.tiny("qwen3", 512, n_layers=1, n_embd=32, n_ff=64, n_heads=2,
-                                                        n_kv_heads=1, head_dim=16))
+    _tiny_shapes(monkeypatch, tmp_path)
     args = ["bench", "--spec", "--synthetic", "qwen3-8b", "--backend", "cpu", "--gen-tokens", "6", "--categories",
             "code", "--no-record"]
     r = CliRunner().invoke(main, args)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -901,6 +902,13 @@ class CUDABackend:
         # measures one-time costs (the spec bench prints these over its timed runs)
         self.forward_counts = {"replayed": 0, "captured": 0, "eager": 0}
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds the host has spent blocked on the GPU in this process (forwards' result
+        copies, pending tokens and candidates): what a phase's wall time less its change is
+        host work (the spec bench's breakdown of a target forward)."""
+        return _WAITED[0]
+
     device_sampling = True  # forward_next_token draws sampled tokens too (sample=...)
 
     @property
@@ -1056,7 +1064,7 @@ class CUDABackend:
         buf = host.get(logits.shape)
         if buf is None:
             buf = host[logits.shape] = self.cuda.pinned_array(logits.shape, np.float32)
-        d2h_sync(buf, logits, self.stream)
+        _waited(d2h_sync, buf, logits, self.stream)
         return buf.copy()  # callers keep logits across steps; the buffer is reused
 
     def forward_greedy(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None):
@@ -1071,7 +1079,7 @@ class CUDABackend:
             ids_d[n] = (self.cuda.device_array(n, np.int32), self.cuda.pinned_array(n, np.int32))
         st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, None, argmax=ids_d[n][0])
         host = ids_d[n][1]
-        d2h_sync(host, ids_d[n][0], self.stream)
+        _waited(d2h_sync, host, ids_d[n][0], self.stream)
         turn = st["forward_turn"]
 
         def fetch(i):
@@ -1283,6 +1291,15 @@ class CUDABackend:
         return st, st["logits"]
 
 
+_WAITED = [0.0]  # CUDABackend.wait_s
+
+
+def _waited(fn, *args):
+    t = time.perf_counter()
+    fn(*args)
+    _WAITED[0] += time.perf_counter() - t
+
+
 TOKEN_SLOTS = 8  # pinned readback slots of queued next tokens a model state cycles through
 
 
@@ -1306,7 +1323,7 @@ class PendingToken:
         host, event, turn = self._slot
         if turn != self._turn:
             raise RuntimeError(f"a pending token read after {TOKEN_SLOTS} more were queued: its slot is reused")
-        event.synchronize()
+        _waited(event.synchronize)
         return int(host[0])
 
 
@@ -1324,7 +1341,7 @@ class PendingTopK:
         ids, vals, lz, event, turn = self._slot
         if turn != self._turn:
             raise RuntimeError(f"pending candidates read after {TOKEN_SLOTS} more were queued: their slot is reused")
-        event.synchronize()
+        _waited(event.synchronize)
         keep = ids[0] >= 0
         return ids[0][keep].astype(np.int64), vals[0][keep].astype(np.float64) - float(lz[0])
 

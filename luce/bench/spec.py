@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..spec.options import DEFAULT_DRAFT_MAX, parse_draft_max
+from ..spec.options import DEFAULT_DRAFT_MAX, draft_max_label, parse_draft_maxes
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
@@ -34,6 +34,9 @@ class Result:
     draft_s: float
     verify_s: float
     matches_plain: bool | None
+    draft_max: int | None = None  # DRAFT_MAX_AUTO for auto; None for plain decode
+    config: str = ""  # the summary's row label: the mode, with the depth in a sweep of several
+    phases: dict | None = None  # SpecCounters.phases (seconds)
 
     @property
     def acceptance_length(self) -> float:
@@ -54,12 +57,17 @@ def default_pair() -> tuple[Path, Path]:
 
 
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
-        limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max: int = 8, draft_p_min: float = 0.0,
+        limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max=8, draft_p_min: float = 0.0,
         backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
-    (JSONL) as they come, since a CPU run takes long. With `costs` (a dict), the draft's
-    step alone and its propose() are timed after the runs (draft_costs) into it."""
+    (JSONL) as they come, since a CPU run takes long. draft_max may be a sequence: every
+    speculative mode at each depth, over one load of the models (a result's config then
+    names mode and depth, as "ddtree@6"). With `costs` (a dict), the draft's step alone
+    and its propose() are timed after the runs (draft_costs) into it, at the first depth."""
+    depths = tuple(draft_max) if isinstance(draft_max, (list, tuple)) else (draft_max,)
+    if not depths:
+        raise ValueError("draft_max: at least one depth")
     from ..spec import DraftModel, PromptLookup, SpecOptions, stream
 
     if target is None:
@@ -80,8 +88,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     session = model.new_session(n_ctx)
     draft_shared = DraftModel(draft_model, n_ctx=n_ctx, p_min=draft_p_min) if draft_model else None
 
-    def one(mode, ids, n_tokens):
-        opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=draft_max)
+    def one(mode, depth, ids, n_tokens):
+        opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=depths[0] if depth is None else depth)
         drafter = None
         if mode == "lookup" or (mode != "off" and draft_model is None):
             drafter = PromptLookup()
@@ -97,7 +105,11 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
 
     # prompt by prompt, the modes back to back: a shared machine's load then skews
     # them alike; "off" first so the others are checked against its output
-    order = sorted(modes, key=lambda m: m != "off")
+    order = [(m, None if m == "off" else d) for m in sorted(modes, key=lambda m: m != "off")
+             for d in (depths[:1] if m == "off" else depths)]
+
+    def config(mode, depth):
+        return mode if depth is None or len(depths) == 1 else f"{mode}@{draft_max_label(depth)}"
     if getattr(model.backend, "use_graphs", False) and rows:
         # Graphs are captured the second time a width runs (the first runs eagerly), and
         # a prompt's prefill pieces (powers of two) can bring the draft and the target
@@ -108,8 +120,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         # was not found.)
         t0 = time.perf_counter()
         for row in rows:
-            for mode in order:
-                one(mode, _prompt_ids(model, row), max_tokens)
+            for mode, depth in order:
+                one(mode, depth, _prompt_ids(model, row), max_tokens)
         echo(f"warm-up (every prompt once in every mode, not counted) {time.perf_counter() - t0:.1f}s")
     sink = open(out, "a") if out else None
     # backend -> (who runs on it, its counts before the timed runs)
@@ -120,16 +132,17 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
             counted[id(m.backend)] = (m.backend, "target and draft" if shared else role, dict(m.backend.forward_counts))
     try:
         for row in rows:
-            for mode in order:
+            for mode, depth in order:
                 ids = _prompt_ids(model, row)
-                toks, stats = one(mode, ids, max_tokens)
+                toks, stats = one(mode, depth, ids, max_tokens)
                 if mode == "off":
                     plain[row["id"]] = toks
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
-                           (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None)
+                           (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None,
+                           depth, config(mode, depth), stats.spec_phases)
                 results.append(r)
-                echo(f"{mode:7s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
+                echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
                      + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
                      # random weights' greedy output is often one or two tokens over and over:
@@ -138,7 +151,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 if sink:
                     sink.write(json.dumps({**asdict(r), "acceptance_length": r.acceptance_length,
                                            "max_tokens": max_tokens, "ddtree_budget": ddtree_budget,
-                                           "draft_max": draft_max, "draft_p_min": draft_p_min,
+                                           "draft_p_min": draft_p_min,
                                            "target": Path(model.path).name,
                                            "draft": Path(draft_model.path).name if draft_model else None,
                                            "tokens": toks}) + "\n")
@@ -154,7 +167,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     echo(summary(results))
     if costs is not None and draft_shared is not None and rows:
         # draft max auto: a draft of the default depth (auto's first steps draft that too)
-        costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), draft_max or DEFAULT_DRAFT_MAX))
+        costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), depths[0] or DEFAULT_DRAFT_MAX))
     return results
 
 
@@ -218,9 +231,9 @@ def summary(results: list[Result]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict = {}
     for r in results:
-        for key in ((r.mode, r.category), (r.mode, "all")):
+        for key in ((_label(r), r.category), (_label(r), "all")):
             groups.setdefault(key, []).append(r)
-    modes = list(dict.fromkeys(r.mode for r in results))
+    modes = list(dict.fromkeys(_label(r) for r in results))
     cats = list(dict.fromkeys(r.category for r in results)) + ["all"]
     for (mode, cat), rs in sorted(groups.items(), key=lambda kv: (modes.index(kv[0][0]), cats.index(kv[0][1]))):
         tok = sum(r.completion_tokens for r in rs)
@@ -238,36 +251,75 @@ def summary(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _label(r: Result) -> str:
+    return r.config or r.mode
+
+
+def phases(results: list[Result]) -> str:
+    """A markdown table: per speculative config, where a target forward's wall time goes
+    (ms a target forward): the draft's propose (host work, then the part spent waiting on
+    the GPU), the tree's build, the verification forward (likewise), the walk down the
+    tree, the commit of the accepted rows, and what else the decode loop spent."""
+    lines = ["| config | propose: host | propose: GPU wait | tree | forward: host | forward: GPU wait | walk | "
+             "commit | other | ms a target forward |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by: dict = {}
+    for r in results:
+        if r.phases:
+            by.setdefault(_label(r), []).append(r)
+    for label, rs in by.items():
+        fwd = max(1, sum(r.target_forwards for r in rs))
+        ph = {k: 1e3 * sum(r.phases.get(k, 0.0) for r in rs) / fwd for k in rs[0].phases}
+        total = 1e3 * sum(r.decode_s for r in rs) / fwd
+        cells = [ph["propose"] - ph["propose wait"], ph["propose wait"], ph["tree"],
+                 ph["forward"] - ph["forward wait"], ph["forward wait"], ph["walk"], ph["commit"]]
+        lines.append(f"| {label} | " + " | ".join(f"{c:.3f}" for c in cells)
+                     + f" | {total - sum(cells):.3f} | {total:.2f} |")
+    return "\n".join(lines)
+
+
 # Acceptance lengths of the Qwen2.5-Coder 0.5B -> 1.5B pair on this prompt set (greedy,
-# DDTree budget 22, draft max 8, no p-min; CPU backend at 68aafc2, 48 tokens a code prompt
-# and 32 a math or chat one; docs/benchmarks.md). Acceptance does not depend on the machine:
-# random-weight shapes, which accept about one token a step, are projected with these.
-PAIR_ACCEPTANCE = {("chain", "code"): 5.19, ("ddtree", "code"): 6.19, ("chain", "math"): 4.36,
-                   ("ddtree", "math"): 5.05, ("chain", "chat"): 4.36, ("ddtree", "chat"): 5.05}
-PAIR_SETTINGS = {"ddtree_budget": 22, "draft_max": 8, "draft_p_min": 0.0}
+# DDTree budget 22, no p-min; CPU backend, 48 tokens a code prompt and 32 a math or chat
+# one; docs/benchmarks.md): at draft max 8 from 68aafc2, at the other depths from the
+# forty-fourth session (math and chat there as one figure). Acceptance does not depend on
+# the machine: random-weight shapes, which accept about one token a step, are projected
+# with these.
+PAIR_ACCEPTANCE_AT = {
+    4: {("chain", "code"): 3.765, ("ddtree", "code"): 4.267},
+    6: {("chain", "code"): 4.683, ("ddtree", "code"): 5.486, ("ddtree", "math"): 4.465, ("ddtree", "chat"): 4.465},
+    8: {("chain", "code"): 5.19, ("ddtree", "code"): 6.19, ("chain", "math"): 4.36, ("ddtree", "math"): 5.05,
+        ("chain", "chat"): 4.36, ("ddtree", "chat"): 5.05},
+    10: {("ddtree", "code"): 6.857, ("ddtree", "math"): 5.333, ("ddtree", "chat"): 5.333},
+    12: {("ddtree", "code"): 6.857},
+}
+PAIR_ACCEPTANCE = PAIR_ACCEPTANCE_AT[DEFAULT_DRAFT_MAX]
+PAIR_SETTINGS = {"ddtree_budget": 22, "draft_p_min": 0.0}
 
 
 def projection(results: list[Result], acceptance=None) -> str:
-    """A markdown table: per mode and category, what speculative decoding would reach at
+    """A markdown table: per config and category, what speculative decoding would reach at
     this run's cost of a target forward (draft, verification and host time, whatever it
-    committed) with the pair's acceptance length: acceptance / (ms a forward), against the
-    same run's plain decode. Meant for random-weight runs, whose own acceptance is ~1 but
-    whose drafts (no p-min) cost what a real draft's of the same shape would."""
-    acceptance = PAIR_ACCEPTANCE if acceptance is None else acceptance
+    committed) with the pair's acceptance length at the same draft max: acceptance / (ms a
+    forward), against the same run's plain decode. Meant for random-weight runs, whose own
+    acceptance is ~1 but whose drafts (no p-min) cost what a real draft's of the same shape
+    would. Configs whose acceptance the pair was not measured at (auto, whose depths follow
+    acceptance) get no row. acceptance: {(mode, category): length}, for every depth."""
     lines = ["| mode | category | ms a target forward | pair acceptance | projected tok/s | plain tok/s | "
              "projected speedup |", "|---|---|---|---|---|---|---|"]
     by: dict = {}
     for r in results:
-        by.setdefault((r.mode, r.category), []).append(r)
-    for (mode, cat), rs in by.items():
-        acc = acceptance.get((mode, cat))
+        by.setdefault((_label(r), r.category), []).append(r)
+    for (label, cat), rs in by.items():
+        mode, depth = rs[0].mode, rs[0].draft_max
+        table = acceptance if acceptance is not None else \
+            PAIR_ACCEPTANCE_AT.get(DEFAULT_DRAFT_MAX if depth is None else depth, {})
+        acc = table.get((mode, cat))
         off = by.get(("off", cat))
         if acc is None:
             continue
         ms = 1e3 * sum(r.decode_s for r in rs) / max(1, sum(r.target_forwards for r in rs))
         tps = acc * 1e3 / ms if ms else 0.0
         plain = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
-        lines.append(f"| {mode} | {cat} | {ms:.2f} | {acc:.2f} | {tps:.1f} | "
+        lines.append(f"| {label} | {cat} | {ms:.2f} | {acc:.2f} | {tps:.1f} | "
                      + (f"{plain:.1f} | {tps / plain:.2f}x |" if plain else "- | - |"))
     return "\n".join(lines)
 
@@ -282,7 +334,7 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ddtree-budget", type=int, default=22)
-    ap.add_argument("--draft-max", default="8", help="N or auto")
+    ap.add_argument("--draft-max", default="8", help="N, auto, or several (4,6,8,auto): each in turn")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
@@ -290,7 +342,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     run(a.target, a.draft, modes=tuple(a.modes.split(",")),
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
-        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_max(a.draft_max),
+        max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_maxes(a.draft_max),
         draft_p_min=a.draft_p_min, backend=a.backend,
         n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout))
 

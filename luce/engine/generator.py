@@ -55,6 +55,7 @@ class GenerationStats:
     target_forwards: int = 0  # decode forwards; tokens per forward = acceptance length
     draft_s: float = 0.0
     verify_s: float = 0.0
+    spec_phases: dict | None = None  # SpecCounters.phases
 
     @property
     def prefill_tok_s(self) -> float:

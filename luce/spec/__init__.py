@@ -58,4 +58,5 @@ def stream(model, prompt, opts: SpecOptions, drafter=None, session=None, **param
         if d.stats is not None and stepper is not None:
             d.stats.draft_s = stepper.counters.draft_s
             d.stats.verify_s = stepper.counters.verify_s
+            d.stats.spec_phases = dict(stepper.counters.phases)
         yield d

@@ -42,7 +42,7 @@ class SpecOptions:
     @property
     def draft_max_label(self):
         """draft_max as the options spell it: a number, or "auto"."""
-        return "auto" if self.draft_max == DRAFT_MAX_AUTO else self.draft_max
+        return draft_max_label(self.draft_max)
 
     @property
     def method(self) -> str:
@@ -55,6 +55,19 @@ class SpecOptions:
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
                    draft_max=parse_draft_max(draft_max), draft_p_min=draft_p_min or 0.0)
+
+
+def draft_max_label(draft_max: int):
+    """A draft max as the options spell it: a number, or "auto"."""
+    return "auto" if draft_max == DRAFT_MAX_AUTO else draft_max
+
+
+def parse_draft_maxes(value) -> tuple[int, ...]:
+    """A comma-separated list of draft maxes (a bench's sweep), each as parse_draft_max."""
+    items = [v for v in str(value).split(",") if v.strip()] if value is not None else [None]
+    if not items:
+        raise LuceError(f"--draft-max must be a number >= 1 or auto, not {value!r}")
+    return tuple(dict.fromkeys(parse_draft_max(v) for v in items))
 
 
 def parse_draft_max(value) -> int:

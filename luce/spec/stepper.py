@@ -12,7 +12,7 @@ anything. Tokens per step, i.e. per target forward, is the acceptance length.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from .options import DEFAULT_DRAFT_MAX
 from .verify import plain_greedy, verify
 
 METHODS = ("chain", "ddtree")
+PHASES = ("propose", "propose wait", "tree", "forward", "forward wait", "walk", "commit")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class SpecCounters:
     drafted: int = 0  # nodes sent to the target
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # where a step's wall time goes (seconds, summed): the draft's propose, the tree's
+    # build, the target forward, the walk down the tree, advance's commit; "... wait" is
+    # the part of the one before it the host spent blocked on the GPU (backends that say)
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     @property
     def acceptance_length(self) -> float:
@@ -66,11 +71,13 @@ class SpeculativeStepper:
         cache = self.session.cache
         # every node needs a row, and an accepted path must still fit the context
         room = self.session.n_ctx - cache.n_past - 1
-        t = time.perf_counter()
+        waited = self._waited
+        t, w = time.perf_counter(), waited()
         context = history + [t0]
         depth = min(self.depth.depth() if self.depth else self.draft_max, room)
         sample = self.method == "chain" and not params.greedy
         draft = self.drafter.propose(context, depth, params, self.sampler.rng, sample=sample)
+        tp, wp = time.perf_counter(), waited()
         tree = self._tree(draft, room)
         t1 = time.perf_counter()
         tokens, positions, mask = tree.forward_inputs(t0, cache.n_past)
@@ -81,6 +88,7 @@ class SpeculativeStepper:
             logits = self.model.forward_greedy(cache, tokens, positions, mask=mask)
         else:
             logits = self.model.forward(cache, tokens, positions, mask=mask)
+        tf, wf = time.perf_counter(), waited()
         verdict = verify(tree, logits, context, params, self.sampler.rng,
                          q=draft.q if self.method == "chain" else None)
         t2 = time.perf_counter()
@@ -92,10 +100,21 @@ class SpeculativeStepper:
         c.drafted += len(tree)
         c.draft_s += t1 - t
         c.verify_s += t2 - t1
+        ph = c.phases
+        ph["propose"] += tp - t
+        ph["propose wait"] += wp - w
+        ph["tree"] += t1 - tp
+        ph["forward"] += tf - t1
+        ph["forward wait"] += wf - wp
+        ph["walk"] += t2 - tf
         self._rows = [0] + [n + 1 for n in verdict.nodes]
         self._logits = logits
         self._next = verdict.next_token
         return [t0] + verdict.tokens
+
+    def _waited(self) -> float:
+        """Seconds blocked on the GPU so far (the backend's wait_s; 0 where it has none)."""
+        return getattr(self.model.backend, "wait_s", 0.0)
 
     def _tree(self, draft, room: int) -> Tree:
         if not draft.tokens or room <= 0:
@@ -110,7 +129,9 @@ class SpeculativeStepper:
             # the caller stopped early: a pending replacement belongs after tokens it dropped
             self._next = None
         rows = self._rows[:n]
+        t = time.perf_counter()
         self.session.cache.commit(rows)
+        self.counters.phases["commit"] += time.perf_counter() - t
         self.session.tokens.extend(tokens)
         self.counters.tokens -= len(self._rows) - n
         if isinstance(self._logits, GreedyRows) and plain_greedy(self.sampler.params):
