@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -1129,7 +1130,7 @@ class CUDABackend:
         and the draft's steps queue one after another without waiting for the host.
         token may be a list (a draft catching up with the tokens the target accepted,
         at positions position..): one forward, the candidates after its last token."""
-        from ..kernels.sampling import MAX_TOP_K, topk_scratch_shape
+        from ..kernels.sampling import MAX_TOP_K, topk_lse_scratch
         if not 1 <= k <= MAX_TOP_K:
             raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
         st = self._model_state(family, cfg, weights, kv)
@@ -1139,10 +1140,8 @@ class CUDABackend:
             raise RuntimeError("forward_topk(None) needs a queued forward_topk or forward_next_token before it")
         tk = st.setdefault("topk", {})
         if k not in tk:  # fixed addresses: graphs write into them
-            shape = topk_scratch_shape(1, cfg.vocab_size, k)
             tk[k] = {"v": cuda.device_array((1, k), np.float32), "i": cuda.device_array((1, k), np.int32),
-                     "lz": cuda.device_array(1, np.float64),
-                     "scratch": (cuda.device_array(shape, np.float32), cuda.device_array(shape, np.int32)),
+                     "lz": cuda.device_array(1, np.float64), "scratch": topk_lse_scratch(1, cfg.vocab_size, k),
                      "slots": [[cuda.pinned_array((1, k), np.int32), cuda.pinned_array((1, k), np.float32),
                                 cuda.pinned_array(1, np.float64), cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
                      "turn": 0}
@@ -1251,14 +1250,13 @@ class CUDABackend:
                 logits = st["logits"]
                 sample_cuda(logits, draw[0], argmax, scratch=draw[1], row=logits.shape[0] - 1, stream=self.stream,
                             state=draw[2])
+            elif topk is not None:
+                from ..kernels.sampling import topk_logsumexp_cuda
+                topk_logsumexp_cuda(st["logits"], topk["v"].shape[1], topk["v"], topk["i"], topk["lz"], argmax,
+                                    scratch=topk["scratch"], stream=self.stream)
             elif argmax is not None:
                 from ..kernels.sampling import argmax_cuda
                 argmax_cuda(st["logits"], out=argmax, stream=self.stream)
-                if topk is not None:
-                    from ..kernels.sampling import logsumexp_cuda, topk_cuda
-                    k = topk["v"].shape[1]
-                    topk_cuda(st["logits"], k, topk["v"], topk["i"], scratch=topk["scratch"], stream=self.stream)
-                    logsumexp_cuda(st["logits"], topk["v"], topk["lz"], stream=self.stream)
 
         st["forward_turn"] = st.get("forward_turn", 0) + 1
         # the argmax's destination is part of what a graph captured (next token, verify rows)
@@ -1350,6 +1348,11 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+@functools.lru_cache(maxsize=64)
+def _tril(n: int) -> np.ndarray:
+    return np.tril(np.ones((n, n), dtype=bool))
+
+
 def _is_causal(mask) -> bool:
     m = np.asarray(mask, dtype=bool)
-    return bool(np.array_equal(m, np.tril(np.ones_like(m))))
+    return m.ndim == 2 and m.shape[0] == m.shape[1] and bool(np.array_equal(m, _tril(m.shape[0])))

@@ -2,7 +2,8 @@
 hidden state, the fused q/k norm + RoPE against its unfused parts (two per-head norms and
 two RoPE launches), at the Qwen3-8B shape for one token (decode) and 512 (a prefill piece);
 and once a decode step, the next token from 151,936 logits: the argmax, the draw with the
-default sampling parameters, and with penalties (luce.kernels.sampling.sample_cuda).
+default sampling parameters, and with penalties (luce.kernels.sampling.sample_cuda); a
+draft step's 8 candidates with their log-sum-exp, fused against four launches.
 Each is a few microseconds of latency, not bandwidth: the rows say what one launch costs
 inside a CUDA graph, which is what the decode step pays per call."""
 from __future__ import annotations
@@ -69,7 +70,24 @@ def _next_token_cases(rng, stream) -> list:
     pen_sp = cuda.to_device(sample_params(0.8, 40, 0.95, 0.05, 0.5, repeat_penalty=1.1, presence_penalty=0.2),
                             stream=stream)
     state = tuple(cuda.to_device(a, stream=stream) for a in penalty_state(rng.integers(0, VOCAB, 600), VOCAB, 64))
-    return [("next token: argmax", lambda: argmax_cuda(logits, out=tok, stream=stream)),
+    from ..kernels.sampling import (logsumexp_cuda, topk_cuda, topk_logsumexp_cuda, topk_lse_scratch,
+                                    topk_scratch_shape)
+    k = 8  # the draft's top-k
+    ov, oi, lz = (cuda.device_array((1, k), np.float32), cuda.device_array((1, k), np.int32),
+                  cuda.device_array(1, np.float64))
+    shape = topk_scratch_shape(1, VOCAB, k)
+    tk_scratch = (cuda.device_array(shape, np.float32), cuda.device_array(shape, np.int32))
+    lse_scratch = topk_lse_scratch(1, VOCAB, k)
+
+    def separate():
+        argmax_cuda(logits, out=tok, stream=stream)
+        topk_cuda(logits, k, ov, oi, scratch=tk_scratch, stream=stream)
+        logsumexp_cuda(logits, ov, lz, stream=stream)
+
+    return [("draft candidates: argmax, top-8 (2 phases), log-sum-exp: 4 launches", separate),
+            ("draft candidates: fused (topk_logsumexp_cuda)",
+             lambda: topk_logsumexp_cuda(logits, k, ov, oi, lz, tok, scratch=lse_scratch, stream=stream)),
+            ("next token: argmax", lambda: argmax_cuda(logits, out=tok, stream=stream)),
             ("next token: draw (default sampling)",
              lambda: sample_cuda(logits, plain, tok, scratch=scratch, stream=stream, state=state)),
             ("next token: draw with penalties",

@@ -186,7 +186,7 @@ class PagedKVCache:
                 if len(idx) - first > 64 and np.any(np.diff(idx[first:]) <= 0):
                     raise ValueError("more than 64 rows to move must be in increasing order")
                 if self.device:
-                    acc = self._cuda.to_device(idx.astype(np.int32), stream=self.stream)
+                    acc = self._accepted_d(idx)
                     for n_pair, (kp, vp) in enumerate(self._pairs()):
                         compact_cuda(kp, vp, self.table_d, self.meta, acc, len(idx), self.pos_d, stream=self.stream,
                                      first=first, with_pos=n_pair == 0)
@@ -197,6 +197,19 @@ class PagedKVCache:
         self.n_pending = 0
         self._unmap_from(self.n_past)
         self._sync_meta()
+
+    def _accepted_d(self, idx: np.ndarray):
+        """idx on the device, in a buffer kept across commits (a fresh device array each
+        commit was an allocation on the host's path between verification and the draft)."""
+        buf = getattr(self, "_acc", None)
+        if buf is None or buf[1].shape[0] < len(idx):
+            n = max(64, 1 << (len(idx) - 1).bit_length())
+            buf = self._acc = (self._cuda.device_array(n, np.int32), np.zeros(n, np.int32))
+        dev, host = buf
+        host[:len(idx)] = idx
+        from ..backends.cuda_copy import h2d
+        h2d(dev, host, self.stream)  # staged before it returns: host may change after
+        return dev
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n committed rows (prefix reuse, rollback)."""

@@ -208,6 +208,26 @@ def test_topk_vocab(k):
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
 
 
+@pytest.mark.parametrize("k", [8, 1])
+def test_topk_logsumexp_vocab(k):
+    """The draft step's fused candidates at Qwen's vocabulary (75 blocks merged by the
+    last): top-k, argmax and log-sum-exp as the references, three launches in a row."""
+    from luce.kernels.sampling import logsumexp_ref, topk_logsumexp_cuda, topk_lse_scratch
+    x = randn(2, VOCAB, scale=4)
+    x[0, VOCAB // 3:VOCAB // 3 + 100] = 20.0  # ties beyond k
+    x[1, : VOCAB // 2] = -np.inf
+    d, scratch = cuda.to_device(x), topk_lse_scratch(2, VOCAB, k)
+    for _ in range(3):
+        ov, oi = cuda.to_device(np.full((2, k), np.nan, np.float32)), cuda.to_device(np.full((2, k), -7, np.int32))
+        lz, am = cuda.to_device(np.full(2, np.nan)), cuda.to_device(np.full(2, -7, np.int32))
+        topk_logsumexp_cuda(d, k, ov, oi, lz, am, scratch=scratch)
+        rv, ri = topk_ref(x, k)
+        np.testing.assert_array_equal(oi.copy_to_host(), ri)
+        np.testing.assert_array_equal(ov.copy_to_host(), rv)
+        np.testing.assert_array_equal(am.copy_to_host(), argmax_ref(x))
+        np.testing.assert_allclose(lz.copy_to_host(), logsumexp_ref(x), rtol=0, atol=1e-5)
+
+
 def test_sample_vocab():
     """The device draw at Qwen's vocabulary with 1024-thread blocks: rows of spread-out
     logits, a peaked row, and one with a block of equal logits at the top (ties beyond k)."""

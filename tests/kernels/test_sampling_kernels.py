@@ -77,6 +77,42 @@ def test_topk(vocab, k):
     np.testing.assert_array_equal(ov.copy_to_host(), rv)
 
 
+@pytest.mark.parametrize("vocab,k,launches", [(600, 4, 2), (40, 3, 1)])  # three chunks merged by the last block; one
+def test_topk_logsumexp_in_one_launch(vocab, k, launches):
+    """The draft step's fused form: top-k, log-sum-exp and argmax as the three kernels'
+    references give them, over poisoned outputs and scratch; launched again, the block
+    counter has reset itself."""
+    from luce.kernels.sampling import _topk_lse_chunks, topk_logsumexp_cuda, topk_lse_scratch
+    x = (4 * rng.standard_normal((2, vocab))).astype(np.float32)
+    x[0, 10:14] = 30.0  # ties are ordered by id
+    x[0] -= 80.0  # far below 0
+    x[1, : vocab // 2] = -np.inf  # whole chunks of -inf: their sums add nothing
+    x[1, vocab - 1] = np.nan  # never a candidate; the row's sum is NaN, as logsumexp_ref's
+    assert _topk_lse_chunks(vocab, k)[0] == (1 if vocab < 100 else 3)
+    d = cuda.to_device(x)
+    scratch = topk_lse_scratch(2, vocab, k)
+    scratch[0].copy_to_device(np.full(scratch[0].shape, np.nan, np.float32))
+    scratch[1].copy_to_device(np.full(scratch[1].shape, -7, np.int32))
+    scratch[2].copy_to_device(np.full(scratch[2].shape, np.nan))
+    for _ in range(launches):
+        ov = cuda.to_device(np.full((2, k), np.nan, np.float32))
+        oi = cuda.to_device(np.full((2, k), -7, np.int32))
+        lz = cuda.to_device(np.full(2, np.nan))
+        am = cuda.to_device(np.full(2, -7, np.int32))
+        topk_logsumexp_cuda(d, k, ov, oi, lz, am, scratch=scratch)
+        rv, ri = topk_ref(x, k)
+        np.testing.assert_array_equal(oi.copy_to_host(), ri)
+        np.testing.assert_array_equal(ov.copy_to_host(), rv)
+        np.testing.assert_array_equal(am.copy_to_host(), argmax_ref(x))
+        got, want = lz.copy_to_host(), logsumexp_ref(x)
+        assert np.isnan(got[1]) and np.isnan(want[1])
+        np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-5)
+    # without the NaN: the -inf chunks add nothing to the sum
+    x[1, vocab - 1] = 1.0
+    topk_logsumexp_cuda(cuda.to_device(x), k, ov, oi, lz, am, scratch=scratch)
+    np.testing.assert_allclose(lz.copy_to_host(), logsumexp_ref(x), rtol=0, atol=1e-5)
+
+
 def test_logsumexp_after_topk():
     from luce.engine.sampling import top_logprobs
     x = (4 * rng.standard_normal((3, 1300))).astype(np.float32)
