@@ -245,6 +245,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
                    "over one load")
 @click.option("--draft-p-min", type=float, default=None,
               help="--spec: stop a draft where its chain's probability falls below this [0: never]")
+@click.option("--profile", type=int, default=0, metavar="N",
+              help="--spec: the speculative runs under cProfile, its N functions of most own time (host work)")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
 @click.option("--no-breakdown", is_flag=True,
               help="skip the per-op and host-time tables (each op timed alone: most of a GPU run's time)")
@@ -255,7 +257,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, draft_p_min, no_record, no_breakdown, compare, rounds, verify_widths):
+          spec_modes, ddtree_budget, draft_max, draft_p_min, profile, no_record, no_breakdown, compare, rounds,
+          verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if compare:
@@ -310,7 +313,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=depths,
-                           draft_p_min=opts.draft_p_min, backend=backend, costs=costs)
+                           draft_p_min=opts.draft_p_min, backend=backend, costs=costs, profile=profile)
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
         if any(r.phases for r in results):
             from .bench.spec import phases

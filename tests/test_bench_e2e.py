@@ -41,8 +41,11 @@ def test_bench_spec_sweeps_draft_max(tmp_path, monkeypatch):
     _tiny_shapes(monkeypatch, tmp_path)
     args = ["bench", "--spec", "--synthetic", "qwen3-8b", "--backend", "cpu", "--gen-tokens", "5", "--categories",
             "code", "--no-record", "--spec-modes", "off,ddtree"]
-    r = CliRunner().invoke(main, args + ["--draft-max", "4,auto"])
+    r = CliRunner().invoke(main, args + ["--draft-max", "4,auto", "--profile", "5"])
     assert r.exit_code == 0, r.output
+    # the host's work by function: cProfile's table of the speculative runs, 5 rows
+    prof = r.output.split("host work of the speculative runs by function")[1]
+    assert "ncalls" in prof and "tottime" in prof
     assert r.output.count(" loaded in ") == 2  # target and draft, once for both depths
     n_code = len(load_prompts(categories=("code",)))
     table = [line.split("|") for line in r.output.splitlines() if line.startswith("| ")]

@@ -58,13 +58,17 @@ def default_pair() -> tuple[Path, Path]:
 
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
         limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max=8, draft_p_min: float = 0.0,
-        backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None) -> list[Result]:
+        backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None,
+        profile: int = 0) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
     (JSONL) as they come, since a CPU run takes long. draft_max may be a sequence: every
     speculative mode at each depth, over one load of the models (a result's config then
     names mode and depth, as "ddtree@6"). With `costs` (a dict), the draft's step alone
-    and its propose() are timed after the runs (draft_costs) into it, at the first depth."""
+    and its propose() are timed after the runs (draft_costs) into it, at the first depth.
+    profile N > 0: the timed speculative runs under cProfile, its N functions of most own
+    time printed after them (host work by function; the runs' times then include the
+    profiler's overhead)."""
     depths = tuple(draft_max) if isinstance(draft_max, (list, tuple)) else (draft_max,)
     if not depths:
         raise ValueError("draft_max: at least one depth")
@@ -130,11 +134,19 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         if m is not None and hasattr(m.backend, "forward_counts"):
             shared = counted.get(id(m.backend))
             counted[id(m.backend)] = (m.backend, "target and draft" if shared else role, dict(m.backend.forward_counts))
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
     try:
         for row in rows:
             for mode, depth in order:
                 ids = _prompt_ids(model, row)
+                if prof and mode != "off":
+                    prof.enable()
                 toks, stats = one(mode, depth, ids, max_tokens)
+                if prof:
+                    prof.disable()
                 if mode == "off":
                     plain[row["id"]] = toks
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
@@ -165,6 +177,13 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         echo(f"{role} forwards in the timed runs: "
              + ", ".join(f"{n} {v - before[n]}" for n, v in b.forward_counts.items()))
     echo(summary(results))
+    if prof:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+        echo("host work of the speculative runs by function (cProfile, own time; their tok/s include its "
+             "overhead)\n" + text.getvalue())
     if costs is not None and draft_shared is not None and rows:
         # draft max auto: a draft of the default depth (auto's first steps draft that too)
         costs.update(draft_costs(draft_shared, _prompt_ids(model, rows[0]), depths[0] or DEFAULT_DRAFT_MAX))
@@ -339,12 +358,14 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="the speculative runs under cProfile: its N functions of most own time")
     a = ap.parse_args(argv)
     run(a.target, a.draft, modes=tuple(a.modes.split(",")),
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
         max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_maxes(a.draft_max),
         draft_p_min=a.draft_p_min, backend=a.backend,
-        n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout))
+        n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout), profile=a.profile)
 
 
 if __name__ == "__main__":
