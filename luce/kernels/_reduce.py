@@ -181,13 +181,17 @@ def _shfl_argmax(v, i, vbuf, ibuf):
     return v, i
 
 
+# a block's sum through shared memory in the buffer's dtype, on both paths: float64 sums,
+# which the shuffle path does not take
+smem_sum = _smem_sum
+
 if SIM:
     block_sum, block_max, block_argmax = _smem_sum, _smem_max, _smem_argmax
 else:
     block_sum, block_max, block_argmax = _shfl_sum, _shfl_max, _shfl_argmax
 
 __all__ = ["SIM", "MAX_THREADS", "BIG_INDEX", "block_threads", "ceil_div", "stride_grid",
-           "block_sum", "block_max", "block_argmax"]
+           "block_sum", "block_max", "block_argmax", "smem_sum"]
 
 
 # ---------------------------------------------------------------- one warp's sum

@@ -15,7 +15,7 @@ import numpy as np
 from numba import cuda
 
 from .device import device
-from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div
+from ._reduce import BIG_INDEX, MAX_THREADS, block_argmax, block_threads, ceil_div, smem_sum
 from .pdl import grid_dependency_sync, ready as pdl_ready
 from .split_merge import arrive
 from .vector_load import f32_to_u32_bits, u32_bits_to_f32
@@ -217,22 +217,6 @@ def _topk_kernel(vals, ids, use_ids, k, chunk, out_v, out_i):
                  vbuf, ibuf)
 
 
-@device(inline=True)
-def _block_sum_f64(s, dbuf):
-    t = cuda.threadIdx.x
-    dbuf[t] = s
-    cuda.syncthreads()
-    h = cuda.blockDim.x // 2  # a power of two (block_threads)
-    while h > 0:
-        if t < h:
-            dbuf[t] += dbuf[t + h]
-        cuda.syncthreads()
-        h //= 2
-    s = dbuf[0]
-    cuda.syncthreads()
-    return s
-
-
 @pdl_ready
 @cuda.jit
 def _topk_lse_kernel(logits, k, chunk, cand_v, cand_i, part, counter, out_v, out_i, out_lz, out_arg):
@@ -255,7 +239,7 @@ def _topk_lse_kernel(logits, k, chunk, cand_v, cand_i, part, counter, out_v, out
     if m > -math.inf:  # else every logit here is -inf or NaN: nothing to add
         for j in range(lo + t, hi, cuda.blockDim.x):
             s += np.float64(math.exp(np.float32(logits[row, j]) - m))  # float32 exps, as logsumexp_ref
-    s = _block_sum_f64(s, dbuf)
+    s = smem_sum(s, dbuf)
     if t == 0:
         part[row, c, 0] = np.float64(m)
         part[row, c, 1] = s
@@ -267,7 +251,7 @@ def _topk_lse_kernel(logits, k, chunk, cand_v, cand_i, part, counter, out_v, out
             for b in range(t, nb, cuda.blockDim.x):
                 if part[row, b, 0] > -math.inf:
                     s += part[row, b, 1] * math.exp(part[row, b, 0] - big)
-        s = _block_sum_f64(s, dbuf)
+        s = smem_sum(s, dbuf)
         if t == 0:
             out_lz[row] = big + math.log(s) if top > -math.inf else big
             first = out_i[row, 0]
@@ -327,16 +311,9 @@ def _logsumexp_kernel(logits, maxima, out):
     s = np.float64(0.0)
     for j in range(t, logits.shape[1], nt):
         s += np.float64(math.exp(np.float32(logits[row, j]) - m))
-    buf[t] = s
-    cuda.syncthreads()
-    h = nt // 2  # a power of two (block_threads)
-    while h > 0:
-        if t < h:
-            buf[t] += buf[t + h]
-        cuda.syncthreads()
-        h //= 2
+    s = smem_sum(s, buf)
     if t == 0:
-        out[row] = np.float64(m) + math.log(buf[0])
+        out[row] = np.float64(m) + math.log(s)
 
 
 def logsumexp_cuda(logits, maxima, out=None, stream=0):
