@@ -56,6 +56,7 @@ def test_bench_spec_sweeps_draft_max(tmp_path, monkeypatch):
     proj = {c[1].strip(): c for c in table if len(c) == 9 and c[2].strip() == "code"}
     assert set(proj) == {"ddtree@4"}, r.output
     assert float(proj["ddtree@4"][4]) == round(PAIR_ACCEPTANCE_AT[4][("ddtree", "code")], 2)
+    assert "128 tokens a prompt" not in r.output  # measured at 6, 8 and 10 only
     phases = {c[1].strip(): [float(x) for x in c[2:11]] for c in table if len(c) == 12 and c[1].strip() != "config"
               and not c[1].startswith("-")}
     assert set(phases) == {"ddtree@4", "ddtree@auto"}, r.output
@@ -63,6 +64,17 @@ def test_bench_spec_sweeps_draft_max(tmp_path, monkeypatch):
         *parts, other, total = cells
         assert all(p >= 0 for p in parts) and parts[1] == parts[4] == 0  # the CPU never waits on a GPU
         assert total > 0 and abs(sum(parts) + other - total) <= 0.005 * len(cells) and other > -0.01 * total
+    # at 6: both projections, each with its own acceptance
+    r = CliRunner().invoke(main, args + ["--draft-max", "6"])
+    assert r.exit_code == 0, r.output
+    from luce.bench.spec import PAIR_ACCEPTANCE_LONG_AT
+    parts = r.output.split("128 tokens a prompt")
+    assert len(parts) == 2, r.output
+    short, long = (next(c for c in (line.split("|") for line in part.splitlines())
+                        if len(c) == 9 and c[1].strip() == "ddtree") for part in parts)
+    assert float(short[4]) == round(PAIR_ACCEPTANCE_AT[6][("ddtree", "code")], 2)
+    assert float(long[4]) == round(PAIR_ACCEPTANCE_LONG_AT[6][("ddtree", "code")], 2)
+    assert short[3] == long[3]  # the same run's cost of a forward
     r = CliRunner().invoke(main, args + ["--draft-max", "4,x"])
     assert r.exit_code == 2 and "--draft-max" in r.output
 
@@ -93,7 +105,8 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
         assert rows[mode].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows[mode]  # lossless, every prompt
     # the projection: the pair's acceptance over this run's cost of a target forward
     from luce.bench.spec import PAIR_ACCEPTANCE
-    proj = {c[1].strip(): c for c in (line.split("|") for line in r.output.splitlines())
+    # (the first projection: 48 tokens a prompt, as this run; the second, over 128, has DDTree only)
+    proj = {c[1].strip(): c for c in (line.split("|") for line in r.output.split("128 tokens a prompt")[0].splitlines())
             if len(c) == 9 and c[2].strip() == "code" and c[1].strip() in ("chain", "ddtree")}
     assert set(proj) == {"chain", "ddtree"}, r.output
     for mode, c in proj.items():

@@ -311,17 +311,23 @@ PAIR_ACCEPTANCE_AT = {
     12: {("ddtree", "code"): 6.857},
 }
 PAIR_ACCEPTANCE = PAIR_ACCEPTANCE_AT[DEFAULT_DRAFT_MAX]
+# The same pair later in its outputs: 128 tokens a code prompt (forty-fifth session, CPU,
+# 8773b7a), where it agrees for longer and deeper drafts pay more.
+PAIR_ACCEPTANCE_LONG_AT = {6: {("ddtree", "code"): 5.89}, 8: {("ddtree", "code"): 7.01},
+                           10: {("ddtree", "code"): 8.13}}
 PAIR_SETTINGS = {"ddtree_budget": 22, "draft_p_min": 0.0}
 
 
-def projection(results: list[Result], acceptance=None) -> str:
+def projection(results: list[Result], acceptance_at=None) -> str:
     """A markdown table: per config and category, what speculative decoding would reach at
     this run's cost of a target forward (draft, verification and host time, whatever it
     committed) with the pair's acceptance length at the same draft max: acceptance / (ms a
     forward), against the same run's plain decode. Meant for random-weight runs, whose own
     acceptance is ~1 but whose drafts (no p-min) cost what a real draft's of the same shape
     would. Configs whose acceptance the pair was not measured at (auto, whose depths follow
-    acceptance) get no row. acceptance: {(mode, category): length}, for every depth."""
+    acceptance) get no row. acceptance_at: {draft max: {(mode, category): length}}, by
+    default PAIR_ACCEPTANCE_AT (48 tokens a prompt); PAIR_ACCEPTANCE_LONG_AT is the same
+    over 128."""
     lines = ["| mode | category | ms a target forward | pair acceptance | projected tok/s | plain tok/s | "
              "projected speedup |", "|---|---|---|---|---|---|---|"]
     by: dict = {}
@@ -329,8 +335,8 @@ def projection(results: list[Result], acceptance=None) -> str:
         by.setdefault((_label(r), r.category), []).append(r)
     for (label, cat), rs in by.items():
         mode, depth = rs[0].mode, rs[0].draft_max
-        table = acceptance if acceptance is not None else \
-            PAIR_ACCEPTANCE_AT.get(DEFAULT_DRAFT_MAX if depth is None else depth, {})
+        table = (PAIR_ACCEPTANCE_AT if acceptance_at is None else acceptance_at).get(
+            DEFAULT_DRAFT_MAX if depth is None else depth, {})
         acc = table.get((mode, cat))
         off = by.get(("off", cat))
         if acc is None:
