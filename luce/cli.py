@@ -317,9 +317,9 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
         if any(r.phases for r in results):
             from .bench.spec import phases
-            title = "where a target forward's time goes (ms a target forward)"
-            click.echo(f"\n{title}\n{phases(results)}")
-            tables.append((title, phases(results), None))
+            title, table = "where a target forward's time goes (ms a target forward)", phases(results)
+            click.echo(f"\n{title}\n{table}")
+            tables.append((title, table, None))
         if costs:
             from .bench.spec import costs_table
             title = "the draft's step alone and a whole draft"

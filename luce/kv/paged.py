@@ -58,6 +58,7 @@ class PagedKVCache:
             # instead of launch arguments, so a captured graph stays valid
             self.meta = cuda.to_device(np.zeros(4, np.int32))
             self._meta_host = np.zeros(4, np.int32)
+            self._acc = None  # _accepted_d's (device, host) buffers, made at the first commit that moves rows
             self._side_event = None
             self._dirty_slots = []  # slots freed by an eviction still copying out
         else:
@@ -201,7 +202,7 @@ class PagedKVCache:
     def _accepted_d(self, idx: np.ndarray):
         """idx on the device, in a buffer kept across commits (a fresh device array each
         commit was an allocation on the host's path between verification and the draft)."""
-        buf = getattr(self, "_acc", None)
+        buf = self._acc
         if buf is None or buf[1].shape[0] < len(idx):
             n = max(64, 1 << (len(idx) - 1).bit_length())
             buf = self._acc = (self._cuda.device_array(n, np.int32), np.zeros(n, np.int32))
