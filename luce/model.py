@@ -98,6 +98,15 @@ class Model:
         from .backends import greedy_rows
         return greedy_rows(self.forward(cache, tokens, positions, mask=mask))
 
+    def queue_greedy(self, cache, tokens, positions, mask=None):
+        """forward_greedy queued: `.result()` gives its GreedyRows. On a backend that queues
+        (CUDABackend.queue_greedy) this returns before the GPU is done, so work on another
+        model's stream can run beside it; elsewhere the forward runs here."""
+        fn = getattr(self.backend, "queue_greedy", None)
+        if fn is not None:
+            return fn(self.family, self.config, self.weights, cache, tokens, positions, mask=mask)
+        return _Done(self.forward_greedy(cache, tokens, positions, mask=mask))
+
     def forward_next_token(self, cache, token, position, sample=None):
         """Queue a one-token decode step whose next token (greedy, or drawn with `sample`)
         stays on the device (backends with `forward_next_token`): see
@@ -172,3 +181,13 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", n_ctx: i
     SmolLM2-135M, or `synthetic:NAME` for random weights of a real model's shape
     (luce.bench.synthetic.SHAPES: qwen3-8b, qwen3-0.6b, ...), made in memory."""
     return Model(model, backend=backend, n_ctx=n_ctx, progress=progress, chat_template=chat_template)
+
+
+class _Done:
+    """A result already computed, behind the pending results' `.result()`."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value

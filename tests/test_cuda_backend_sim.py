@@ -318,8 +318,8 @@ def test_matvec_mma_rows_from_env(monkeypatch):
 
 def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
     """Greedy verification's forward (argmax of every row on the device, logits rows
-    fetched when asked for) agrees with forward on the same tree; a row of an earlier
-    forward is refused once the device buffer has been reused."""
+    fetched when asked for), and its queued form, agree with forward on the same tree; a
+    row of an earlier forward is refused once the device buffer has been reused."""
     from luce.backends.cuda import CUDABackend
     from luce.models.transformer import build_weights
     f, fam, cfg = tiny_llama
@@ -333,6 +333,12 @@ def test_forward_greedy_returns_argmaxes_and_rows_on_demand(tiny_llama):
     got = gpu.forward_greedy(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
     assert list(got.ids) == list(want.argmax(1)) and len(got) == 4
     np.testing.assert_array_equal(got[2], want[2])
+    kv.commit([])
+    # queued: the same argmaxes once its result is read
+    pending = gpu.queue_greedy(fam, cfg, w, kv, [4, 7, 1, 8], pos, mask)
+    again = pending.result()
+    assert list(again.ids) == list(got.ids)
+    np.testing.assert_array_equal(again[3], want[3])
     kv.commit([])
     gpu.forward_greedy(fam, cfg, w, kv, [4], [0])
     with pytest.raises(RuntimeError, match="reused"):

@@ -1072,15 +1072,20 @@ class CUDABackend:
         """forward for greedy verification: every row's argmax is taken inside the graph and
         only those come back (4 bytes a row); a row's logits are copied when asked for, until
         the next forward on this model state reuses the device buffer."""
-        from . import GreedyRows
+        return self.queue_greedy(family, cfg, weights, kv, tokens, positions, mask).result()
+
+    def queue_greedy(self, family, cfg, weights, kv: PagedKVCache, tokens, positions, mask=None) -> "PendingRows":
+        """forward_greedy queued: returns at once, its GreedyRows from `.result()`. Meanwhile
+        another model's work (a draft's next steps, on its own stream) can run beside it."""
         n = len(tokens)
         st = self._model_state(family, cfg, weights, kv)
         ids_d = st.setdefault("row_ids", {})
         if n not in ids_d:  # a fixed address per width: graphs write into it
-            ids_d[n] = (self.cuda.device_array(n, np.int32), self.cuda.pinned_array(n, np.int32))
+            ids_d[n] = (self.cuda.device_array(n, np.int32), self.cuda.pinned_array(n, np.int32), self.cuda.event())
         st, logits = self._launch(family, cfg, weights, kv, tokens, positions, mask, None, argmax=ids_d[n][0])
-        host = ids_d[n][1]
-        _waited(d2h_sync, host, ids_d[n][0], self.stream)
+        dev, host, event = ids_d[n]
+        d2h_async(host, dev, self.stream)
+        event.record(self.stream)
         turn = st["forward_turn"]
 
         def fetch(i):
@@ -1091,7 +1096,7 @@ class CUDABackend:
                 row = st["row_host"] = self.cuda.pinned_array(logits.shape[1], np.float32)
             d2h_sync(row, logits[i], self.stream)
             return row.copy()
-        return GreedyRows(host.copy(), fetch)
+        return PendingRows(host, event, fetch)
 
     def forward_next_token(self, family, cfg, weights, kv: PagedKVCache, token, position,
                            sample=None) -> "PendingToken":
@@ -1342,6 +1347,19 @@ class PendingTopK:
         _waited(event.synchronize)
         keep = ids[0] >= 0
         return ids[0][keep].astype(np.int64), vals[0][keep].astype(np.float64) - float(lz[0])
+
+
+class PendingRows:
+    """A queued greedy forward's argmaxes on their way back (queue_greedy), read before the
+    next forward of the same width on that model state."""
+
+    def __init__(self, host, event, fetch):
+        self._host, self._event, self._fetch = host, event, fetch
+
+    def result(self):
+        from . import GreedyRows
+        _waited(self._event.synchronize)
+        return GreedyRows(self._host.copy(), self._fetch)
 
 
 def _is_pow2(n: int) -> bool:
