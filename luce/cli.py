@@ -75,7 +75,7 @@ def backend_option(f):
 @sampling_options
 @_spec_options
 def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, ddtree_budget, draft_max,
-             draft_p_min, **sampling):
+             draft_p_min, draft_ahead, **sampling):
     """Generate text: luce generate [MODEL] PROMPT"""
     from .model import load
     from .spec import SpecOptions, make_drafter
@@ -86,7 +86,7 @@ def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, 
     model_arg, prompt = (None, args[0]) if len(args) == 1 else args
     model = load(model_arg, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty())
     params = {k: v for k, v in sampling.items() if v is not None}
-    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)
+    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead)
     drafter = make_drafter(model, spec_opts) if spec_opts.enabled else None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -179,7 +179,8 @@ def families(as_json):
 @backend_option
 @_spec_options
 def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
-          request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max, draft_p_min):
+          request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max, draft_p_min,
+          draft_ahead):
     """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
     import logging
 
@@ -198,7 +199,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
     if chat_template_file:
         with open(chat_template_file, encoding="utf-8") as fh:
             template = fh.read()
-    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)
+    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead)
     # the model loads before the port opens: a client never meets a half-started server
     m = load(model, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty(), chat_template=template)
     stepper_factory, draft_label = None, None
@@ -207,7 +208,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
         stepper_factory = spec_stepper_factory(m, opts, drafter)
         draft_label = {"mode": opts.mode, "draft": opts.draft, "drafter": type(drafter).__name__,
                        "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max_label,
-                       "draft_p_min": opts.draft_p_min}
+                       "draft_p_min": opts.draft_p_min, "draft_ahead": opts.draft_ahead}
     app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
                      accept_any_model=accept_any_model, kv_slots=kv_slots,
@@ -245,6 +246,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
                    "over one load")
 @click.option("--draft-p-min", type=float, default=None,
               help="--spec: stop a draft where its chain's probability falls below this [0: never]")
+@click.option("--draft-ahead", default=None, metavar="N[,N...]",
+              help="--spec: draft steps queued beside each verification [0]; several (0,7) run in turn")
 @click.option("--profile", type=int, default=0, metavar="N",
               help="--spec: the speculative runs under cProfile, its N functions of most own time (host work)")
 @click.option("--no-record", is_flag=True, help="do not append the figures to docs/benchmarks.md")
@@ -257,7 +260,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, draft_p_min, profile, no_record, no_breakdown, compare, rounds,
+          spec_modes, ddtree_budget, draft_max, draft_p_min, draft_ahead, profile, no_record, no_breakdown, compare, rounds,
           verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
@@ -294,6 +297,11 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
             depths = parse_draft_maxes(draft_max)
         except LuceError as e:
             raise click.BadParameter(str(e), param_hint="--draft-max")
+        from .bench.spec import parse_aheads
+        try:
+            aheads = parse_aheads(0 if draft_ahead is None else draft_ahead)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--draft-ahead")
         opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, depths[0], draft_p_min)  # checks the numbers
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
@@ -313,7 +321,8 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         results = run_spec(model, draft, modes=modes,
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=depths,
-                           draft_p_min=opts.draft_p_min, backend=backend, costs=costs, profile=profile)
+                           draft_p_min=opts.draft_p_min, backend=backend, costs=costs, profile=profile,
+                           draft_ahead=aheads)
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
         if any(r.phases for r in results):
             from .bench.spec import phases

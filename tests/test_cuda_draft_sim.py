@@ -54,6 +54,25 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
         np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-5)
         assert dev.session.tokens == host.session.tokens == ctx + a.tokens[:-1]
         ctx = ctx + a.tokens[:2] + [11]  # the target took two and chose its own third
+    # queued ahead (the next draft guessed before the target judged this one: the chain's
+    # last token, then the draft's own next token g, then g's continuation): proposing
+    # after the whole chain and g takes those steps, the same draft as the host loop's; any
+    # other context drops them and rewinds over their rows
+    a, b = host.propose(ctx, 2), dev.propose(ctx, 2)
+    host.queue_ahead(2), dev.queue_ahead(2)
+    g = int(host._ahead[1][0][0][0])
+    ctx = ctx + a.tokens + [g]
+    a, b = host.propose(ctx, 2), dev.propose(ctx, 2)
+    assert host.ahead_hits == dev.ahead_hits == 1
+    assert b.tokens == a.tokens and len(b.tokens) == 2
+    np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
+    np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-5)
+    assert dev.session.tokens == host.session.tokens == ctx + a.tokens[:-1]
+    host.queue_ahead(2), dev.queue_ahead(2)
+    ctx = ctx + a.tokens[:1] + [11]
+    a, b = host.propose(ctx, 1), dev.propose(ctx, 1)
+    assert host.ahead_hits == dev.ahead_hits == 1 and host.ahead_tries == dev.ahead_tries == 2
+    assert b.tokens == a.tokens and dev.session.tokens == host.session.tokens == ctx
     # p_min (set on the same drafts: no second prefill in the simulator): both loops stop at
     # the first position where the chain's probability falls below it (here the second);
     # the device's reads run one step behind its queue, so its session holds one row more

@@ -37,6 +37,9 @@ class Result:
     draft_max: int | None = None  # DRAFT_MAX_AUTO for auto; None for plain decode
     config: str = ""  # the summary's row label: the mode, with the depth in a sweep of several
     phases: dict | None = None  # SpecCounters.phases (seconds)
+    draft_ahead: int = 0  # draft steps queued beside each verification (DraftModel.queue_ahead)
+    ahead_tries: int = 0  # drafts queued ahead in this run
+    ahead_hits: int = 0  # ... that the next step's draft used
 
     @property
     def acceptance_length(self) -> float:
@@ -59,7 +62,7 @@ def default_pair() -> tuple[Path, Path]:
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
         limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max=8, draft_p_min: float = 0.0,
         backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None,
-        profile: int = 0) -> list[Result]:
+        profile: int = 0, draft_ahead=0) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
     (JSONL) as they come, since a CPU run takes long. draft_max may be a sequence: every
@@ -68,10 +71,13 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     and its propose() are timed after the runs (draft_costs) into it, at the first depth.
     profile N > 0: the timed speculative runs under cProfile, its N functions of most own
     time printed after them (host work by function; the runs' times then include the
-    profiler's overhead)."""
+    profiler's overhead). draft_ahead: the draft steps queued beside each verification
+    (DraftModel.queue_ahead), or several: each a config of its own (e.g. "ddtree+ahead7"),
+    with how often the next draft used them."""
     depths = tuple(draft_max) if isinstance(draft_max, (list, tuple)) else (draft_max,)
-    if not depths:
-        raise ValueError("draft_max: at least one depth")
+    aheads = tuple(draft_ahead) if isinstance(draft_ahead, (list, tuple)) else (draft_ahead,)
+    if not depths or not aheads:
+        raise ValueError("draft_max, draft_ahead: at least one value")
     from ..spec import DraftModel, PromptLookup, SpecOptions, stream
 
     if target is None:
@@ -92,8 +98,9 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     session = model.new_session(n_ctx)
     draft_shared = DraftModel(draft_model, n_ctx=n_ctx, p_min=draft_p_min) if draft_model else None
 
-    def one(mode, depth, ids, n_tokens):
-        opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=depths[0] if depth is None else depth)
+    def one(mode, depth, ahead, ids, n_tokens):
+        opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=depths[0] if depth is None else depth,
+                           draft_ahead=ahead)
         drafter = None
         if mode == "lookup" or (mode != "off" and draft_model is None):
             drafter = PromptLookup()
@@ -109,11 +116,12 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
 
     # prompt by prompt, the modes back to back: a shared machine's load then skews
     # them alike; "off" first so the others are checked against its output
-    order = [(m, None if m == "off" else d) for m in sorted(modes, key=lambda m: m != "off")
-             for d in (depths[:1] if m == "off" else depths)]
+    order = [(m, None, 0) if m == "off" else (m, d, a) for m in sorted(modes, key=lambda m: m != "off")
+             for d in (depths[:1] if m == "off" else depths) for a in (aheads[:1] if m == "off" else aheads)]
 
-    def config(mode, depth):
-        return mode if depth is None or len(depths) == 1 else f"{mode}@{draft_max_label(depth)}"
+    def config(mode, depth, ahead):
+        label = mode if depth is None or len(depths) == 1 else f"{mode}@{draft_max_label(depth)}"
+        return label + (f"+ahead{ahead}" if mode != "off" and (ahead or len(aheads) > 1) else "")
     if getattr(model.backend, "use_graphs", False) and rows:
         # Graphs are captured the second time a width runs (the first runs eagerly), and
         # a prompt's prefill pieces (powers of two) can bring the draft and the target
@@ -124,8 +132,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         # was not found.)
         t0 = time.perf_counter()
         for row in rows:
-            for mode, depth in order:
-                one(mode, depth, _prompt_ids(model, row), max_tokens)
+            for mode, depth, ahead in order:
+                one(mode, depth, ahead, _prompt_ids(model, row), max_tokens)
         echo(f"warm-up (every prompt once in every mode, not counted) {time.perf_counter() - t0:.1f}s")
     sink = open(out, "a") if out else None
     # backend -> (who runs on it, its counts before the timed runs)
@@ -140,11 +148,12 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         prof = cProfile.Profile()
     try:
         for row in rows:
-            for mode, depth in order:
+            for mode, depth, ahead in order:
                 ids = _prompt_ids(model, row)
+                tries0, hits0 = (draft_shared.ahead_tries, draft_shared.ahead_hits) if draft_shared else (0, 0)
                 if prof and mode != "off":
                     prof.enable()
-                toks, stats = one(mode, depth, ids, max_tokens)
+                toks, stats = one(mode, depth, ahead, ids, max_tokens)
                 if prof:
                     prof.disable()
                 if mode == "off":
@@ -152,11 +161,14 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
                            (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None,
-                           depth, config(mode, depth), stats.spec_phases)
+                           depth, config(mode, depth, ahead), stats.spec_phases, ahead,
+                           *((draft_shared.ahead_tries - tries0, draft_shared.ahead_hits - hits0)
+                             if draft_shared else (0, 0)))
                 results.append(r)
                 echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
                      + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
+                     + (f"  ahead used {r.ahead_hits}/{r.ahead_tries}" if r.ahead_tries else "")
                      # random weights' greedy output is often one or two tokens over and over:
                      # then its lossless check says little
                      + (f"  distinct tokens {len(set(toks))}" if mode == "off" else ""))
@@ -246,8 +258,8 @@ def summary(results: list[Result]) -> str:
     """A markdown table: per mode and category, acceptance length (total tokens / total
     target forwards) and decode tok/s."""
     lines = ["| mode | category | prompts | tokens | target forwards | acceptance length | decode tok/s | "
-             "draft s | verify s | draft ms / forward | verify ms / forward | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "draft s | verify s | draft ms / forward | verify ms / forward | lossless | ahead used |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict = {}
     for r in results:
         for key in ((_label(r), r.category), (_label(r), "all")):
@@ -260,13 +272,15 @@ def summary(results: list[Result]) -> str:
         dec = sum(r.decode_s for r in rs)
         checks = [r.matches_plain for r in rs if r.matches_plain is not None]
         lossless = "-" if not checks else f"{sum(checks)}/{len(checks)}"
+        tries = sum(r.ahead_tries for r in rs)
+        used = f"{sum(r.ahead_hits for r in rs)}/{tries}" if tries else "-"
         draft, verify = sum(r.draft_s for r in rs), sum(r.verify_s for r in rs)
         # a step's cost apart from how much it commits: with the acceptance length of
         # another draft pair (measured anywhere: it does not depend on the machine) these
         # give that pair's tok/s on this machine, acceptance / (draft + verify + host)
         lines.append(f"| {mode} | {cat} | {len(rs)} | {tok} | {fwd} | {tok / max(fwd, 1):.2f} | "
                      f"{tok / dec if dec else 0:.2f} | {draft:.1f} | {verify:.1f} | "
-                     f"{1e3 * draft / max(fwd, 1):.2f} | {1e3 * verify / max(fwd, 1):.2f} | {lossless} |")
+                     f"{1e3 * draft / max(fwd, 1):.2f} | {1e3 * verify / max(fwd, 1):.2f} | {lossless} | {used} |")
     return "\n".join(lines)
 
 
@@ -335,6 +349,9 @@ def projection(results: list[Result], acceptance_at=None) -> str:
         by.setdefault((_label(r), r.category), []).append(r)
     for (label, cat), rs in by.items():
         mode, depth = rs[0].mode, rs[0].draft_max
+        if rs[0].draft_ahead:
+            # its cost a forward depends on how often its guess holds: ~never on random weights
+            continue
         table = (PAIR_ACCEPTANCE_AT if acceptance_at is None else acceptance_at).get(
             DEFAULT_DRAFT_MAX if depth is None else depth, {})
         acc = table.get((mode, cat))
@@ -349,6 +366,17 @@ def projection(results: list[Result], acceptance_at=None) -> str:
     return "\n".join(lines)
 
 
+def parse_aheads(value) -> tuple[int, ...]:
+    """--draft-ahead's value in a bench: one number >= 0 or several, comma-separated."""
+    try:
+        out = tuple(dict.fromkeys(int(v) for v in str(value).split(",") if v.strip()))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise ValueError(f"--draft-ahead: numbers >= 0, comma-separated, not {value!r}")
+    return out
+
+
 def main(argv=None) -> None:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m luce.bench.spec", description=__doc__.splitlines()[0])
@@ -361,6 +389,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ddtree-budget", type=int, default=22)
     ap.add_argument("--draft-max", default="8", help="N, auto, or several (4,6,8,auto): each in turn")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
+    ap.add_argument("--draft-ahead", default="0", help="draft steps queued beside each verification; several "
+                                                       "(0,7): each in turn")
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out")
@@ -370,7 +400,7 @@ def main(argv=None) -> None:
     run(a.target, a.draft, modes=tuple(a.modes.split(",")),
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
         max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_maxes(a.draft_max),
-        draft_p_min=a.draft_p_min, backend=a.backend,
+        draft_p_min=a.draft_p_min, backend=a.backend, draft_ahead=parse_aheads(a.draft_ahead),
         n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout), profile=a.profile)
 
 

@@ -29,7 +29,7 @@ def make_stepper(session, params, opts: SpecOptions, drafter, depth=None):
     if not opts.enabled:
         return None
     return SpeculativeStepper(session, Sampler(params), drafter, method=opts.method,
-                              draft_max=opts.draft_max, budget=opts.ddtree_budget, depth=depth)
+                              draft_max=opts.draft_max, budget=opts.ddtree_budget, depth=depth, ahead=opts.draft_ahead)
 
 
 def stepper_factory(model, opts: SpecOptions, drafter=None):

@@ -66,6 +66,12 @@ class DraftModel:
             on_device = os.environ.get("LUCE_DRAFT_ON_DEVICE", "1") != "0" and \
                 hasattr(getattr(model, "backend", None), "forward_topk")
         self.on_device = on_device
+        # queue_ahead: the last draft, when the session is exactly its context and chain
+        # but the chain's last token (no cut-off, no sampling), and the steps queued past it
+        self._last: tuple[list[int], list[int]] | None = None
+        self._ahead = None
+        self.ahead_tries = 0  # drafts queued ahead
+        self.ahead_hits = 0  # ... that the next propose used
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8, p_min: float = 0.0) -> "DraftModel":
@@ -75,9 +81,59 @@ class DraftModel:
     def reset(self) -> None:
         """Drop the draft's cached context (the next propose prefills from the start)."""
         self.session.reset()
+        self._last = self._ahead = None
+
+    def queue_ahead(self, m: int) -> None:
+        """Start the next draft before the target has judged this one: m steps past the
+        last chain (its last token, then the draft's own next token g, then g's
+        continuation), as if the target will accept the whole chain and then take g. On a
+        device backend they queue on the draft's stream and run beside the target's
+        verification forward; the next propose uses them when its context is the last one
+        plus the chain plus g, and otherwise drops them (rewinding the rows they wrote).
+        Nothing the target commits depends on them: a wrong guess costs only their time."""
+        last, self._last = self._last, None
+        self._ahead = None
+        if m < 2 or last is None or self.log_p_min > -math.inf:
+            return
+        context, toks = last
+        if len(context) + len(toks) + m > self.session.n_ctx:
+            return
+        self.ahead_tries += 1
+        base = context + toks
+        if self.on_device:
+            k = min(self.top_k, self.model.config.vocab_size)
+            # the first feeds the chain's last token, still on the device as the last
+            # step's argmax; each later one the argmax before it
+            pending = [self.session.queue_topk(None, k) for _ in range(min(m, self.model.backend.readback_slots))]
+            self.session.tokens.append(toks[-1])
+            self._ahead = (base, pending, None)
+            return
+        k = self.top_k
+        logits = self.session.decode(toks[-1])
+        results = [top_logprobs(logits, min(k, len(logits)))]
+        for _ in range(m - 1):
+            logits = self.session.decode(int(results[-1][0][0]))
+            results.append(top_logprobs(logits, min(k, len(logits))))
+        self._ahead = (base, results, logits)
+
+    def _ahead_hit(self, ahead, context: list[int]):
+        """The candidates queue_ahead computed past `context`'s last token, when context is
+        what it guessed ([(ids, logp)] for depths 1.., each pending on a device), else None
+        (the session's tokens then end where its rows are known)."""
+        if ahead is None:
+            return None
+        base, res, _ = ahead
+        first = res[0].result() if self.on_device else res[0]
+        g = int(first[0][0])
+        if len(context) == len(base) + 1 and context[-1] == g and context[:-1] == base:
+            self.ahead_hits += 1
+            return res[1:]
+        return None
 
     def propose(self, context, n: int, params: SamplingParams | None = None, rng=None,
                 sample: bool = False) -> Draft:
+        ahead, self._ahead = self._ahead, None
+        self._last = None
         if n <= 0:
             return Draft.empty()
         context = list(context)
@@ -85,15 +141,24 @@ class DraftModel:
         n = min(n, room + 1)
         if n <= 0:
             return Draft.empty()
+        hit = None if sample else self._ahead_hit(ahead, context)
         if self.on_device and not sample:
-            return self._propose_on_device(context, n, min(self.top_k, self.model.config.vocab_size))
-        # prefill reuses the longest common prefix: after an accepted path that left the
-        # draft's own chain, the rows past the divergence are dropped and recomputed
-        logits, _ = self.session.prefill(context)
-        k = min(self.top_k, len(logits))
+            return self._propose_on_device(context, n, min(self.top_k, self.model.config.vocab_size), hit)
         toks, ids, lps, qs = [], [], [], []
-        logp = 0.0  # the chain's log-probability under the draft
-        for i in range(n):
+        if hit:  # the session already holds context and the queued steps' tokens but the last
+            ids = [r[0] for r in hit]
+            lps = [r[1] for r in hit]
+            toks = [int(i[0]) for i in ids]
+            logits = ahead[2]
+        else:
+            # prefill reuses the longest common prefix: after an accepted path that left the
+            # draft's own chain, the rows past the divergence are dropped and recomputed
+            logits, _ = self.session.prefill(context)
+        k = min(self.top_k, len(logits))
+        logp = float(sum(float(l[0]) for l in lps))  # the chain's log-probability under the draft
+        for i in range(len(toks), n):
+            if toks:
+                logits = self.session.decode(toks[-1])
             top_i, top_l = top_logprobs(logits, k)
             if sample:
                 # over its support: no vocabulary-sized array a position
@@ -110,36 +175,43 @@ class DraftModel:
             lps.append(top_l)
             if logp < self.log_p_min:
                 break
-            if i < n - 1:
-                logits = self.session.decode(t)
+        if not sample and len(toks) <= n and logp >= self.log_p_min:
+            self._last = (context, toks)
+        toks, ids, lps = toks[:n], ids[:n], lps[:n]
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
 
-    def _propose_on_device(self, context: list[int], n: int, k: int) -> Draft:
+    def _propose_on_device(self, context: list[int], n: int, k: int, hit=None) -> Draft:
         """The greedy chain with every forward queued on the device as soon as the one
         before: the first ones catch the cache up with the context (the tokens the target
         accepted since the last call, in the pieces a prefill takes, so that their rows
         are the host loop's), each later one takes the argmax the one before left on the
         device. Only the candidates come back, and the host waits for nothing before the
         whole draft is queued. The same Draft as the host loop, up to the
-        log-probabilities' float rounding."""
-        common = self.session.rewind(context)
-        rest = context[common:]
-        pieces = prefill_pieces(len(rest), pow2=getattr(self.model.backend, "graph_prefill", False))
-        s = 0
-        for size in pieces[:-1]:  # only their rows count: their candidates are never read
-            self.session.queue_topk(rest[s:s + size], k)
-            s += size
-        self.session.tokens.extend(rest[:s])
-        rest = rest[s:]
+        log-probabilities' float rounding. hit: the first steps' pending candidates, queued
+        by queue_ahead (the session holds context but its last token, which the first of
+        them consumed)."""
         slots = self.model.backend.readback_slots
         # read before their slots come round again; with a cut-off, each forward as soon
         # as the one after it is queued (at most that one runs past the stop)
         cap = min(2, slots) if self.log_p_min > -math.inf else slots  # forwards in flight at most
         toks, ids, lps = [], [], []
         logp = 0.0
-        pending: deque = deque([self.session.queue_topk(rest, k)])
-        queued = 1  # forwards: the catch-up, then one a drafted token
-        self.session.tokens.extend(rest)
+        if hit:
+            pending: deque = deque(hit)
+            self.session.tokens.append(context[-1])
+        else:
+            common = self.session.rewind(context)
+            rest = context[common:]
+            pieces = prefill_pieces(len(rest), pow2=getattr(self.model.backend, "graph_prefill", False))
+            s = 0
+            for size in pieces[:-1]:  # only their rows count: their candidates are never read
+                self.session.queue_topk(rest[s:s + size], k)
+                s += size
+            self.session.tokens.extend(rest[:s])
+            rest = rest[s:]
+            pending = deque([self.session.queue_topk(rest, k)])
+            self.session.tokens.extend(rest)
+        queued = len(pending)  # forwards: the catch-up, then one a drafted token
         while pending:
             while queued < n and len(pending) < cap:
                 pending.append(self.session.queue_topk(None, k))
@@ -155,6 +227,9 @@ class DraftModel:
         # the stop ran on the last token read, so these are all known)
         assert len(toks) >= queued - 1
         self.session.tokens.extend(toks[:queued - 1])
+        if len(toks) == queued <= n and logp >= self.log_p_min:
+            self._last = (context, toks)  # the device's last argmax is the chain's last token
+        toks, ids, lps = toks[:n], ids[:n], lps[:n]
         width = max(len(r) for r in ids)
         ids_a = np.zeros((len(ids), width), dtype=np.int64)
         lps_a = np.full((len(ids), width), -np.inf)

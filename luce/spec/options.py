@@ -12,6 +12,7 @@ SPEC_MODES = ("off", "chain", "ddtree", "lookup")
 DEFAULT_BUDGET = 22
 DEFAULT_DRAFT_MAX = 8
 DEFAULT_TOP_K = 8
+DEFAULT_DRAFT_AHEAD = 0  # draft steps queued beside a verification forward (DraftModel.queue_ahead)
 DRAFT_MAX_AUTO = 0  # --draft-max auto: each step's depth chosen from the steps before it (luce.spec.depth)
 
 
@@ -26,12 +27,15 @@ class SpecOptions:
     draft_max: int = DEFAULT_DRAFT_MAX  # DRAFT_MAX_AUTO: chosen a step (luce.spec.depth)
     top_k: int = DEFAULT_TOP_K
     draft_p_min: float = 0.0  # DraftModel's p_min: stop drafting where the chain gets this unlikely
+    draft_ahead: int = DEFAULT_DRAFT_AHEAD  # draft steps queued beside each verification (DraftModel.queue_ahead); 0: none
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
             raise LuceError(f"--spec must be one of {', '.join(SPEC_MODES)}, not {self.mode!r}")
         if self.ddtree_budget < 1 or self.draft_max < 0 or self.top_k < 1:
             raise LuceError("--ddtree-budget, --draft-max (or auto) and the draft top-k must be >= 1")
+        if self.draft_ahead < 0:
+            raise LuceError(f"--draft-ahead must be >= 0, not {self.draft_ahead}")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise LuceError(f"--draft-p-min must be in [0, 1), not {self.draft_p_min}")
 
@@ -50,11 +54,13 @@ class SpecOptions:
 
     @classmethod
     def from_cli(cls, spec: str | None, draft: str | None, ddtree_budget: int | None = None,
-                 draft_max: int | str | None = None, draft_p_min: float | None = None) -> "SpecOptions":
+                 draft_max: int | str | None = None, draft_p_min: float | None = None,
+                 draft_ahead: int | None = None) -> "SpecOptions":
         # naming a draft is asking for speculation: DDTree unless said otherwise
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
-                   draft_max=parse_draft_max(draft_max), draft_p_min=draft_p_min or 0.0)
+                   draft_max=parse_draft_max(draft_max), draft_p_min=draft_p_min or 0.0,
+                   draft_ahead=DEFAULT_DRAFT_AHEAD if draft_ahead is None else draft_ahead)
 
 
 def draft_max_label(draft_max: int):
@@ -86,10 +92,14 @@ def parse_draft_max(value) -> int:
     return int(value)
 
 
+DRAFT_AHEAD_HELP = ("draft steps queued beside each verification forward, guessing that the target keeps the "
+                    f"whole draft and then the draft's own next token (0: none) [{DEFAULT_DRAFT_AHEAD}]")
+
+
 def spec_options(f):
-    """click decorator: adds spec, draft, ddtree_budget, draft_max, draft_p_min keyword
-    arguments; `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min)`
-    turns them into options."""
+    """click decorator: adds spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead
+    keyword arguments; `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max,
+    draft_p_min, draft_ahead)` turns them into options."""
     import click
     opts = [
         click.option("--spec", type=click.Choice(SPEC_MODES), default=None,
@@ -105,6 +115,7 @@ def spec_options(f):
         click.option("--draft-p-min", type=float, default=None,
                      help="stop a draft where its chain's probability under the draft model falls below this "
                           "(0: always draft --draft-max tokens) [0]"),
+        click.option("--draft-ahead", type=int, default=None, metavar="N", help=DRAFT_AHEAD_HELP),
     ]
     for o in reversed(opts):
         f = o(f)

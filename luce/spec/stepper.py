@@ -47,13 +47,16 @@ class SpecCounters:
 
 class SpeculativeStepper:
     def __init__(self, session: Session, sampler: Sampler, drafter, method: str = "ddtree",
-                 draft_max: int = 8, budget: int = 22, depth: DepthController | None = None):
+                 draft_max: int = 8, budget: int = 22, depth: DepthController | None = None, ahead: int = 0):
         """draft_max 0: each step's depth from `depth` (a new auto_depth(method, budget)
-        when None; pass one to carry what it learned across generations)."""
+        when None; pass one to carry what it learned across generations). ahead: the
+        draft's steps queued beside each verification forward (DraftModel.queue_ahead),
+        0 for none."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, not {method!r}")
         self.session, self.sampler, self.drafter = session, sampler, drafter
         self.method, self.draft_max, self.budget = method, draft_max, budget
+        self.ahead = ahead if hasattr(drafter, "queue_ahead") else 0
         self.depth = (depth or auto_depth(method, budget)) if draft_max == 0 else None
         self.counters = SpecCounters()
         self._next: int | None = None
@@ -81,11 +84,14 @@ class SpeculativeStepper:
         tree = self._tree(draft, room)
         t1 = time.perf_counter()
         tokens, positions, mask = tree.forward_inputs(t0, cache.n_past)
-        if hasattr(self.model, "forward_greedy"):
+        if hasattr(self.model, "queue_greedy"):
             # argmaxes; the logits rows stay on the device until verification asks for one
             # (sampled: the rows its walk visits, not all of them: H200, Qwen3-8B shape, a
             # 23-node tree's forward 6.04 ms, 8.35 with every row copied to the host)
-            logits = self.model.forward_greedy(cache, tokens, positions, mask=mask)
+            pending = self.model.queue_greedy(cache, tokens, positions, mask=mask)
+            if self.ahead:  # the next draft, guessed, beside the verification
+                self.drafter.queue_ahead(self.ahead)
+            logits = pending.result()
         else:
             logits = self.model.forward(cache, tokens, positions, mask=mask)
         tf, wf = time.perf_counter(), waited()
