@@ -177,4 +177,9 @@ def test_bench_summary_per_forward_costs():
     row = next(line for line in summary(rs).splitlines() if line.startswith("| ddtree | code |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # 40 tokens over 10 forwards in 2 s; 20 ms of drafting and 50 of verifying over 10 forwards
-    assert cells[2:] == ["2", "40", "10", "4.00", "20.00", "0.0", "0.1", "2.00", "5.00", "1/2"]
+    assert cells[2:] == ["2", "40", "10", "4.00", "20.00", "0.0", "0.1", "2.00", "5.00", "1/2", "-"]
+    # a config with the next draft queued ahead: how many of its guesses the next draft used
+    rs = [Result("ddtree", "a", "code", 10, 30, 6, 1.5, 0.012, 0.030, True, 6, "ddtree+ahead7", None, 7, 5, 3),
+          Result("ddtree", "b", "code", 10, 10, 4, 0.5, 0.008, 0.020, True, 6, "ddtree+ahead7", None, 7, 3, 0)]
+    row = next(line for line in summary(rs).splitlines() if line.startswith("| ddtree+ahead7 | code |"))
+    assert [c.strip() for c in row.strip("|").split("|")][-2:] == ["2/2", "3/8"]
