@@ -344,6 +344,13 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                     if table.count("\n") > 1:  # rows beyond the header
                         click.echo(f"\n{title}\n{table}")
                         tables.append((title, table, None))
+                from .bench.spec import cost_line, policy_projection
+                line, table = cost_line(results), policy_projection(results)
+                if line is not None and table.count("\n") > 1:
+                    title = (f"drafting policies projected with {pair}, 128 tokens a prompt, at this run's cost line "
+                             f"({line[0]:.2f} ms + {line[1]:.3f} ms a draft forward, over its DDTree depths)")
+                    click.echo(f"\n{title}\n{table}")
+                    tables.append((title, table, None))
             else:
                 click.echo("no projection: the pair's acceptance was measured at "
                            + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in PAIR_SETTINGS.items()))

@@ -177,9 +177,29 @@ def test_bench_summary_per_forward_costs():
     row = next(line for line in summary(rs).splitlines() if line.startswith("| ddtree | code |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # 40 tokens over 10 forwards in 2 s; 20 ms of drafting and 50 of verifying over 10 forwards
-    assert cells[2:] == ["2", "40", "10", "4.00", "20.00", "0.0", "0.1", "2.00", "5.00", "1/2", "-"]
+    assert cells[2:] == ["2", "40", "10", "4.00", "20.00", "0.0", "0.1", "2.00", "5.00", "-", "1/2", "-"]
     # a config with the next draft queued ahead: how many of its guesses the next draft used
     rs = [Result("ddtree", "a", "code", 10, 30, 6, 1.5, 0.012, 0.030, True, 6, "ddtree+ahead7", None, 7, 5, 3),
           Result("ddtree", "b", "code", 10, 10, 4, 0.5, 0.008, 0.020, True, 6, "ddtree+ahead7", None, 7, 3, 0)]
     row = next(line for line in summary(rs).splitlines() if line.startswith("| ddtree+ahead7 | code |"))
     assert [c.strip() for c in row.strip("|").split("|")][-2:] == ["2/2", "3/8"]
+
+
+def test_cost_line_and_policy_projection():
+    """A target forward's time as a line in the draft forwards it took, fitted over a run's
+    DDTree depths, projects a drafting policy's acceptance and draft forwards to tok/s."""
+    from luce.bench.spec import Result, cost_line, policy_projection
+
+    def res(depth, ms, forwards=10, **kw):  # depth D: D draft forwards a target forward
+        return Result("ddtree", "a", "code", 10, forwards, forwards, forwards * ms / 1e3, 0.0, 0.0, True, depth,
+                      f"ddtree@{depth}", draft_forwards=depth * forwards, **kw)
+    # 6.5 ms + 1 ms a draft forward; a queued-ahead config and a chain stay out of the fit
+    rs = [res(4, 10.5), res(8, 14.5), res(6, 30.0, draft_ahead=7),
+          Result("off", "a", "code", 10, 31, 31, 0.1, 0.0, 0.0, None)]
+    fixed, slope = cost_line(rs)
+    assert abs(fixed - 6.5) < 1e-9 and abs(slope - 1.0) < 1e-9
+    assert cost_line(rs[:1]) is None  # one depth: no line
+    table = policy_projection(rs, {"p-min 0.2": {("ddtree", "code"): (7.0, 7.5)}})
+    row = next(line for line in table.splitlines() if line.startswith("| p-min 0.2 |"))
+    # 7 tokens in 6.5 + 7.5 = 14 ms: 500 tok/s against plain 310 (31 tokens in 0.1 s)
+    assert [c.strip() for c in row.strip("|").split("|")][2:] == ["7.00", "7.50", "14.00", "500.0", "310.0", "1.61x"]

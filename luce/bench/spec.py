@@ -40,6 +40,7 @@ class Result:
     draft_ahead: int = 0  # draft steps queued beside each verification (DraftModel.queue_ahead)
     ahead_tries: int = 0  # drafts queued ahead in this run
     ahead_hits: int = 0  # ... that the next step's draft used
+    draft_forwards: int = 0  # the draft model's forwards in this run (each a draft step's cost)
 
     @property
     def acceptance_length(self) -> float:
@@ -150,7 +151,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         for row in rows:
             for mode, depth, ahead in order:
                 ids = _prompt_ids(model, row)
-                tries0, hits0 = (draft_shared.ahead_tries, draft_shared.ahead_hits) if draft_shared else (0, 0)
+                tries0, hits0, fw0 = ((draft_shared.ahead_tries, draft_shared.ahead_hits, draft_shared.forwards)
+                                      if draft_shared else (0, 0, 0))
                 if prof and mode != "off":
                     prof.enable()
                 toks, stats = one(mode, depth, ahead, ids, max_tokens)
@@ -162,12 +164,14 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
                            (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None,
                            depth, config(mode, depth, ahead), stats.spec_phases, ahead,
-                           *((draft_shared.ahead_tries - tries0, draft_shared.ahead_hits - hits0)
-                             if draft_shared else (0, 0)))
+                           *((draft_shared.ahead_tries - tries0, draft_shared.ahead_hits - hits0,
+                              draft_shared.forwards - fw0) if draft_shared and mode in ("chain", "ddtree")
+                             else (0, 0, 0)))
                 results.append(r)
                 echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
                      + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
+                     + (f"  draft forwards {r.draft_forwards}" if r.draft_forwards else "")
                      + (f"  ahead used {r.ahead_hits}/{r.ahead_tries}" if r.ahead_tries else "")
                      # random weights' greedy output is often one or two tokens over and over:
                      # then its lossless check says little
@@ -258,8 +262,8 @@ def summary(results: list[Result]) -> str:
     """A markdown table: per mode and category, acceptance length (total tokens / total
     target forwards) and decode tok/s."""
     lines = ["| mode | category | prompts | tokens | target forwards | acceptance length | decode tok/s | "
-             "draft s | verify s | draft ms / forward | verify ms / forward | lossless | ahead used |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "draft s | verify s | draft ms / forward | verify ms / forward | draft forwards / forward | lossless | "
+             "ahead used |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict = {}
     for r in results:
         for key in ((_label(r), r.category), (_label(r), "all")):
@@ -272,6 +276,7 @@ def summary(results: list[Result]) -> str:
         dec = sum(r.decode_s for r in rs)
         checks = [r.matches_plain for r in rs if r.matches_plain is not None]
         lossless = "-" if not checks else f"{sum(checks)}/{len(checks)}"
+        dfw = sum(r.draft_forwards for r in rs)
         tries = sum(r.ahead_tries for r in rs)
         used = f"{sum(r.ahead_hits for r in rs)}/{tries}" if tries else "-"
         draft, verify = sum(r.draft_s for r in rs), sum(r.verify_s for r in rs)
@@ -280,7 +285,8 @@ def summary(results: list[Result]) -> str:
         # give that pair's tok/s on this machine, acceptance / (draft + verify + host)
         lines.append(f"| {mode} | {cat} | {len(rs)} | {tok} | {fwd} | {tok / max(fwd, 1):.2f} | "
                      f"{tok / dec if dec else 0:.2f} | {draft:.1f} | {verify:.1f} | "
-                     f"{1e3 * draft / max(fwd, 1):.2f} | {1e3 * verify / max(fwd, 1):.2f} | {lossless} | {used} |")
+                     f"{1e3 * draft / max(fwd, 1):.2f} | {1e3 * verify / max(fwd, 1):.2f} | "
+                     f"{f'{dfw / max(fwd, 1):.2f}' if dfw else '-'} | {lossless} | {used} |")
     return "\n".join(lines)
 
 
@@ -363,6 +369,53 @@ def projection(results: list[Result], acceptance_at=None) -> str:
         plain = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
         lines.append(f"| {label} | {cat} | {ms:.2f} | {acc:.2f} | {tps:.1f} | "
                      + (f"{plain:.1f} | {tps / plain:.2f}x |" if plain else "- | - |"))
+    return "\n".join(lines)
+
+
+# Drafting policies of the same pair beyond a fixed depth: (acceptance length, draft model
+# forwards a target forward) over 128 tokens a code prompt (CPU, forty-sixth session). A
+# policy that drafts less where the draft is unsure spends fewer draft steps for the tokens
+# it keeps; with a run's cost of a draft step (cost_line) that becomes tok/s.
+PAIR_POLICIES: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+
+
+def cost_line(results: list[Result], mode: str = "ddtree") -> tuple[float, float] | None:
+    """(fixed ms, ms a draft forward): a target forward's wall time as a line in the draft
+    forwards it took, least squares over this run's fixed-depth configs of `mode` (no draft
+    queued ahead); None with fewer than two depths. On random weights a config of depth D
+    drafts D forwards a target forward, so the depths spread the points."""
+    by: dict = {}
+    for r in results:
+        if r.mode == mode and r.draft_max and not r.draft_ahead and r.draft_forwards:
+            by.setdefault(r.draft_max, []).append(r)
+    xs, ys = [], []
+    for rs in by.values():
+        f = max(1, sum(r.target_forwards for r in rs))
+        xs.append(sum(r.draft_forwards for r in rs) / f)
+        ys.append(1e3 * sum(r.decode_s for r in rs) / f)
+    if len({round(x, 3) for x in xs}) < 2:
+        return None
+    slope, fixed = np.polyfit(xs, ys, 1)
+    return float(fixed), float(slope)
+
+
+def policy_projection(results: list[Result], policies=None) -> str:
+    """A markdown table: each drafting policy of the pair (PAIR_POLICIES: acceptance and
+    draft forwards a target forward, measured on the CPU) at this run's cost line, against
+    this run's plain decode."""
+    lines = ["| policy | category | pair acceptance | draft forwards / forward | projected ms a forward | "
+             "projected tok/s | plain tok/s | projected speedup |", "|---|---|---|---|---|---|---|---|"]
+    for name, table in (PAIR_POLICIES if policies is None else policies).items():
+        for (mode, cat), (acc, fw) in table.items():
+            line = cost_line(results, mode)
+            if line is None:
+                continue
+            ms = line[0] + line[1] * fw
+            off = [r for r in results if r.mode == "off" and r.category == cat]
+            plain = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
+            tps = acc * 1e3 / ms
+            lines.append(f"| {name} | {cat} | {acc:.2f} | {fw:.2f} | {ms:.2f} | {tps:.1f} | "
+                         + (f"{plain:.1f} | {tps / plain:.2f}x |" if plain else "- | - |"))
     return "\n".join(lines)
 
 

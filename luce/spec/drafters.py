@@ -71,6 +71,7 @@ class DraftModel:
         self._last: tuple[list[int], list[int]] | None = None
         self._ahead = None
         self.ahead_tries = 0  # drafts queued ahead
+        self.forwards = 0  # the draft model's forwards, each a step's cost (catch-ups included)
         self.ahead_hits = 0  # ... that the next propose used
 
     @classmethod
@@ -105,12 +106,14 @@ class DraftModel:
             # the first feeds the chain's last token, still on the device as the last
             # step's argmax; each later one the argmax before it
             pending = [self.session.queue_topk(None, k) for _ in range(min(m, self.model.backend.readback_slots))]
+            self.forwards += len(pending)
             self.session.tokens.append(toks[-1])
             self._ahead = (base, pending, None)
             return
         k = self.top_k
         logits = self.session.decode(toks[-1])
         results = [top_logprobs(logits, min(k, len(logits)))]
+        self.forwards += m
         for _ in range(m - 1):
             logits = self.session.decode(int(results[-1][0][0]))
             results.append(top_logprobs(logits, min(k, len(logits))))
@@ -154,11 +157,13 @@ class DraftModel:
             # prefill reuses the longest common prefix: after an accepted path that left the
             # draft's own chain, the rows past the divergence are dropped and recomputed
             logits, _ = self.session.prefill(context)
+            self.forwards += 1  # a catch-up of a few tokens; a whole prompt the first time
         k = min(self.top_k, len(logits))
         logp = float(sum(float(l[0]) for l in lps))  # the chain's log-probability under the draft
         for i in range(len(toks), n):
             if toks:
                 logits = self.session.decode(toks[-1])
+                self.forwards += 1
             top_i, top_l = top_logprobs(logits, k)
             if sample:
                 # over its support: no vocabulary-sized array a position
@@ -210,11 +215,13 @@ class DraftModel:
             self.session.tokens.extend(rest[:s])
             rest = rest[s:]
             pending = deque([self.session.queue_topk(rest, k)])
+            self.forwards += 1
             self.session.tokens.extend(rest)
         queued = len(pending)  # forwards: the catch-up, then one a drafted token
         while pending:
             while queued < n and len(pending) < cap:
                 pending.append(self.session.queue_topk(None, k))
+                self.forwards += 1
                 queued += 1
             ti, tl = pending.popleft().result()
             toks.append(int(ti[0]))
