@@ -242,10 +242,11 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
               help="--spec: the modes run on every prompt (off, chain, ddtree, lookup)")
 @click.option("--ddtree-budget", type=int, default=None, help="--spec: DDTree node budget per target forward [22]")
 @click.option("--draft-max", default=None,
-              help="--spec: longest draft, the tree's depth, or auto [8]; several (4,6,8,auto) run in turn "
-                   "over one load")
+              help="--spec: longest draft, the tree's depth, or auto [8: where the pair's acceptance is tabled]; "
+                   "several (4,6,8,auto) run in turn over one load")
 @click.option("--draft-p-min", type=float, default=None,
-              help="--spec: stop a draft where its chain's probability falls below this [0: never]")
+              help="--spec: stop a draft where its chain's probability falls below this [0: never, so that a "
+                   "random-weight draft costs a full draft]")
 @click.option("--draft-ahead", default=None, metavar="N[,N...]",
               help="--spec: draft steps queued beside each verification [0]; several (0,7) run in turn")
 @click.option("--profile", type=int, default=0, metavar="N",
@@ -292,9 +293,9 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
         if not modes or any(m not in SPEC_MODES for m in modes):
             raise click.BadParameter(f"{spec_modes!r}: comma-separated modes of {', '.join(SPEC_MODES)}",
                                      param_hint="--spec-modes")
-        from .spec.options import draft_max_label, parse_draft_maxes
+        from .spec.options import BENCH_DRAFT_MAX, draft_max_label, parse_draft_maxes
         try:
-            depths = parse_draft_maxes(draft_max)
+            depths = parse_draft_maxes(BENCH_DRAFT_MAX if draft_max is None else draft_max)
         except LuceError as e:
             raise click.BadParameter(str(e), param_hint="--draft-max")
         from .bench.spec import parse_aheads
@@ -302,7 +303,9 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
             aheads = parse_aheads(0 if draft_ahead is None else draft_ahead)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--draft-ahead")
-        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, depths[0], draft_p_min)  # checks the numbers
+        # p-min 0 unless told: the pair's acceptance tables are at 0, and on random weights a
+        # cut-off would end every draft at its first token (the cost of a full draft is the point)
+        opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, depths[0], draft_p_min or 0.0)  # checks the numbers
         if synthetic:
             # random weights: acceptance near one, but the real shapes' draft and
             # verification costs a step (the summary's ms / forward columns)
@@ -347,7 +350,8 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                 from .bench.spec import cost_line, policy_projection
                 line, table = cost_line(results), policy_projection(results)
                 if line is not None and table.count("\n") > 1:
-                    title = (f"drafting policies projected with {pair}, 128 tokens a prompt, at this run's cost line "
+                    title = (f"drafting policies projected with {pair} (code over 128 tokens a prompt, math and chat "
+                             f"over 64), at this run's cost line "
                              f"({line[0]:.2f} ms + {line[1]:.3f} ms a draft forward, over its DDTree depths)")
                     click.echo(f"\n{title}\n{table}")
                     tables.append((title, table, None))

@@ -49,10 +49,13 @@ def test_bench_spec_sweeps_draft_max(tmp_path, monkeypatch):
     assert r.output.count(" loaded in ") == 2  # target and draft, once for both depths
     n_code = len(load_prompts(categories=("code",)))
     table = [line.split("|") for line in r.output.splitlines() if line.startswith("| ")]
-    rows = {c[1].strip(): c for c in table if len(c) == 14 and c[2].strip() == "all"}
+    rows = {c[1].strip(): c for c in table if len(c) == 16 and c[2].strip() == "all"}
     assert set(rows) == {"off", "ddtree@4", "ddtree@auto"}, r.output
     for label in ("ddtree@4", "ddtree@auto"):
-        assert rows[label][12].strip() == f"{n_code}/{n_code}", rows[label]
+        assert rows[label][13].strip() == f"{n_code}/{n_code}", rows[label]
+        # a draft of 4 is 4 draft forwards a target forward (a prompt's prefill adds one)
+        fw = float(rows[label][12])
+        assert (4 <= fw <= 4 + 1 / 5 + 1e-9) if label == "ddtree@4" else fw >= 2
     proj = {c[1].strip(): c for c in table if len(c) == 9 and c[2].strip() == "code"}
     assert set(proj) == {"ddtree@4"}, r.output
     assert float(proj["ddtree@4"][4]) == round(PAIR_ACCEPTANCE_AT[4][("ddtree", "code")], 2)
@@ -102,7 +105,7 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
     assert set(rows) == {"off", "chain", "ddtree"}
     n_code = len(load_prompts(categories=("code",)))
     for mode in ("chain", "ddtree"):
-        assert rows[mode].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows[mode]  # lossless, every prompt
+        assert rows[mode].split("|")[13].strip() == f"{n_code}/{n_code}", rows[mode]  # lossless, every prompt
     # the projection: the pair's acceptance over this run's cost of a target forward
     from luce.bench.spec import PAIR_ACCEPTANCE
     # (the first projection: 48 tokens a prompt, as this run; the second, over 128, has DDTree only)
@@ -150,7 +153,7 @@ def test_bench_spec_synthetic(tmp_path, monkeypatch):
         "target and draft forwards in the timed runs: replayed 0, captured 0, eager 0"]
     rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
             and line.split("|")[2].strip() == "all"}
-    assert rows["ddtree"].rstrip("| ").endswith(f"{n_code}/{n_code}"), rows["ddtree"]
+    assert rows["ddtree"].split("|")[13].strip() == f"{n_code}/{n_code}", rows["ddtree"]
     r = CliRunner().invoke(main, ["bench", "--spec", "--synthetic", "llama-3-8b", "--backend", "cpu"])
     assert r.exit_code != 0 and "give --draft" in r.output
     # the modes, budget and depth reach the run: a one-node tree commits at most two

@@ -64,9 +64,12 @@ def test_start_until_warm_and_steps_without_a_draft():
 def test_options_parse_auto():
     from luce.errors import LuceError
     from luce.spec import SpecOptions
-    from luce.spec.options import DRAFT_MAX_AUTO, parse_draft_max
+    from luce.spec.options import DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, DRAFT_MAX_AUTO, parse_draft_max
     assert parse_draft_max("auto") == parse_draft_max("AUTO") == DRAFT_MAX_AUTO
-    assert parse_draft_max("6") == 6 and parse_draft_max(None) == 8
+    assert parse_draft_max("6") == 6 and parse_draft_max(None) == DEFAULT_DRAFT_MAX
+    # p-min: the default when not given, an explicit 0 kept (no cut-off)
+    assert SpecOptions.from_cli("ddtree", None).draft_p_min == DEFAULT_P_MIN > 0
+    assert SpecOptions.from_cli("ddtree", None, None, None, 0.0).draft_p_min == 0.0
     for bad in ("0", "-2", "deep"):
         with pytest.raises(LuceError, match="--draft-max"):
             parse_draft_max(bad)
@@ -95,7 +98,8 @@ def test_auto_depth_is_lossless_and_moves(smollm2):
     # the stepper's own controller is auto_depth's (warm after 4 steps); a shorter warm-up
     # here keeps the run short
     auto = spec.auto_depth("ddtree", opts.ddtree_budget)
-    assert (auto.lo, auto.hi, auto.start) == (2, 11, 8)  # half DDTree's budget of 22
+    # up to half DDTree's budget of 22, from the default depth (12) clamped to that
+    assert (auto.lo, auto.hi, auto.start) == (2, 11, 11)
     ctl = DepthController(lo=2, hi=11, start=8, warmup=2)
     out, stepper = run(opts, DraftModel(smollm2, n_ctx=256), ctl)
     assert out == plain

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..spec.options import DEFAULT_DRAFT_MAX, draft_max_label, parse_draft_maxes
+from ..spec.options import BENCH_DRAFT_MAX, DEFAULT_DRAFT_MAX, draft_max_label, parse_draft_maxes
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
@@ -330,7 +330,7 @@ PAIR_ACCEPTANCE_AT = {
     10: {("ddtree", "code"): 6.857, ("ddtree", "math"): 5.333, ("ddtree", "chat"): 5.333},
     12: {("ddtree", "code"): 6.857},
 }
-PAIR_ACCEPTANCE = PAIR_ACCEPTANCE_AT[DEFAULT_DRAFT_MAX]
+PAIR_ACCEPTANCE = PAIR_ACCEPTANCE_AT[BENCH_DRAFT_MAX]
 # The same pair later in its outputs: 128 tokens a code prompt (forty-fifth session, CPU,
 # 8773b7a), where it agrees for longer and deeper drafts pay more.
 PAIR_ACCEPTANCE_LONG_AT = {6: {("ddtree", "code"): 5.89}, 8: {("ddtree", "code"): 7.01},
@@ -359,7 +359,7 @@ def projection(results: list[Result], acceptance_at=None) -> str:
             # its cost a forward depends on how often its guess holds: ~never on random weights
             continue
         table = (PAIR_ACCEPTANCE_AT if acceptance_at is None else acceptance_at).get(
-            DEFAULT_DRAFT_MAX if depth is None else depth, {})
+            BENCH_DRAFT_MAX if depth is None else depth, {})
         acc = table.get((mode, cat))
         off = by.get(("off", cat))
         if acc is None:
@@ -373,10 +373,21 @@ def projection(results: list[Result], acceptance_at=None) -> str:
 
 
 # Drafting policies of the same pair beyond a fixed depth: (acceptance length, draft model
-# forwards a target forward) over 128 tokens a code prompt (CPU, forty-sixth session). A
-# policy that drafts less where the draft is unsure spends fewer draft steps for the tokens
-# it keeps; with a run's cost of a draft step (cost_line) that becomes tok/s.
-PAIR_POLICIES: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+# forwards a target forward) over 128 tokens a code prompt, 64 a math or chat one (CPU,
+# forty-sixth session). A policy that drafts less where the draft is unsure spends fewer
+# draft steps for the tokens it keeps; with a run's cost of a draft step (cost_line) that
+# becomes tok/s. A fixed depth D drafts D forwards a target forward (a prompt's prefill is
+# its first catch-up); the p-min rows counted them.
+PAIR_POLICIES: dict[str, dict[tuple[str, str], tuple[float, float]]] = {
+    "depth 6": {("ddtree", "code"): (5.89, 6.0)},
+    "depth 8": {("ddtree", "code"): (7.01, 8.0), ("ddtree", "math"): (5.33, 8.0), ("ddtree", "chat"): (4.17, 8.0)},
+    "depth 10": {("ddtree", "code"): (8.13, 10.0)},
+    "depth 10, p-min 0.4": {("ddtree", "code"): (7.53, 7.60)},
+    "depth 12, p-min 0.2": {("ddtree", "code"): (8.83, 10.29)},
+    "depth 12, p-min 0.4 (the default)": {("ddtree", "code"): (8.26, 8.66), ("ddtree", "math"): (4.92, 5.90),
+                                          ("ddtree", "chat"): (3.56, 2.91)},
+    "depth 14, p-min 0.4": {("ddtree", "code"): (8.68, 9.41)},
+}
 
 
 def cost_line(results: list[Result], mode: str = "ddtree") -> tuple[float, float] | None:
@@ -408,7 +419,7 @@ def policy_projection(results: list[Result], policies=None) -> str:
     for name, table in (PAIR_POLICIES if policies is None else policies).items():
         for (mode, cat), (acc, fw) in table.items():
             line = cost_line(results, mode)
-            if line is None:
+            if line is None or not any(r.category == cat for r in results):
                 continue
             ms = line[0] + line[1] * fw
             off = [r for r in results if r.mode == "off" and r.category == cat]

@@ -10,7 +10,17 @@ from ..errors import LuceError
 
 SPEC_MODES = ("off", "chain", "ddtree", "lookup")
 DEFAULT_BUDGET = 22
-DEFAULT_DRAFT_MAX = 8
+# A draft of up to 12 tokens that stops where its chain's probability under the draft falls
+# below 0.4: on the Qwen2.5-Coder 0.5B -> 1.5B pair over 128 tokens a code prompt, 8.26
+# tokens a target forward for 8.66 draft forwards, against 7.01 for 8 at a fixed depth 8;
+# at the GPU's costs (H100: ~5.9 ms a target forward + ~1.03 ms a draft step on the
+# Qwen3-8B shape, ~22 + 1.0 on the 32B) a projected 1.74x / 3.52x plain decode against
+# 1.54x / 3.05x (docs/benchmarks.md, forty-sixth session).
+DEFAULT_DRAFT_MAX = 12
+DEFAULT_P_MIN = 0.4
+# What `luce bench --spec` drafts unless told: the depth the pair's acceptance is tabled at
+# for every mode, at p-min 0, so that a random-weight run measures a full draft's cost
+BENCH_DRAFT_MAX = 8
 DEFAULT_TOP_K = 8
 DEFAULT_DRAFT_AHEAD = 0  # draft steps queued beside a verification forward (DraftModel.queue_ahead)
 DRAFT_MAX_AUTO = 0  # --draft-max auto: each step's depth chosen from the steps before it (luce.spec.depth)
@@ -26,7 +36,7 @@ class SpecOptions:
     ddtree_budget: int = DEFAULT_BUDGET
     draft_max: int = DEFAULT_DRAFT_MAX  # DRAFT_MAX_AUTO: chosen a step (luce.spec.depth)
     top_k: int = DEFAULT_TOP_K
-    draft_p_min: float = 0.0  # DraftModel's p_min: stop drafting where the chain gets this unlikely
+    draft_p_min: float = DEFAULT_P_MIN  # DraftModel's p_min: stop drafting where the chain gets this unlikely
     draft_ahead: int = DEFAULT_DRAFT_AHEAD  # draft steps queued beside each verification (DraftModel.queue_ahead); 0: none
 
     def __post_init__(self):
@@ -59,7 +69,8 @@ class SpecOptions:
         # naming a draft is asking for speculation: DDTree unless said otherwise
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
-                   draft_max=parse_draft_max(draft_max), draft_p_min=draft_p_min or 0.0,
+                   draft_max=parse_draft_max(draft_max),
+                   draft_p_min=DEFAULT_P_MIN if draft_p_min is None else draft_p_min,
                    draft_ahead=DEFAULT_DRAFT_AHEAD if draft_ahead is None else draft_ahead)
 
 
@@ -114,7 +125,7 @@ def spec_options(f):
                           f"from what drafting and verifying cost and how much the target kept [{DEFAULT_DRAFT_MAX}]"),
         click.option("--draft-p-min", type=float, default=None,
                      help="stop a draft where its chain's probability under the draft model falls below this "
-                          "(0: always draft --draft-max tokens) [0]"),
+                          f"(0: always draft --draft-max tokens) [{DEFAULT_P_MIN}]"),
         click.option("--draft-ahead", type=int, default=None, metavar="N", help=DRAFT_AHEAD_HELP),
     ]
     for o in reversed(opts):
