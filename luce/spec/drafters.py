@@ -71,8 +71,8 @@ class DraftModel:
         self._last: tuple[list[int], list[int]] | None = None
         self._ahead = None
         self.ahead_tries = 0  # drafts queued ahead
-        self.forwards = 0  # the draft model's forwards, each a step's cost (catch-ups included)
         self.ahead_hits = 0  # ... that the next propose used
+        self.forwards = 0  # the draft model's forwards, each a step's cost (catch-ups included)
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8, p_min: float = 0.0) -> "DraftModel":
@@ -91,7 +91,8 @@ class DraftModel:
         device backend they queue on the draft's stream and run beside the target's
         verification forward; the next propose uses them when its context is the last one
         plus the chain plus g, and otherwise drops them (rewinding the rows they wrote).
-        Nothing the target commits depends on them: a wrong guess costs only their time."""
+        Nothing the target commits depends on them: a wrong guess costs only their time.
+        Not with a p_min cut-off (its loop reads each step before queuing far ahead)."""
         last, self._last = self._last, None
         self._ahead = None
         if m < 2 or last is None or self.log_p_min > -math.inf:

@@ -104,7 +104,8 @@ def parse_draft_max(value) -> int:
 
 
 DRAFT_AHEAD_HELP = ("draft steps queued beside each verification forward, guessing that the target keeps the "
-                    f"whole draft and then the draft's own next token (0: none) [{DEFAULT_DRAFT_AHEAD}]")
+                    "whole draft and then the draft's own next token; with --draft-p-min 0 only (0: none) "
+                    f"[{DEFAULT_DRAFT_AHEAD}]")
 
 
 def spec_options(f):
