@@ -261,8 +261,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, draft_p_min, draft_ahead, profile, no_record, no_breakdown, compare, rounds,
-          verify_widths):
+          spec_modes, ddtree_budget, draft_max, draft_p_min, draft_ahead, profile, no_record, no_breakdown, compare,
+          rounds, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if compare:

@@ -70,6 +70,12 @@ def test_options_parse_auto():
     # p-min: the default when not given, an explicit 0 kept (no cut-off)
     assert SpecOptions.from_cli("ddtree", None).draft_p_min == DEFAULT_P_MIN > 0
     assert SpecOptions.from_cli("ddtree", None, None, None, 0.0).draft_p_min == 0.0
+    # a draft queued ahead only without a cut-off (which reads each step before queuing more)
+    assert SpecOptions.from_cli("ddtree", None, None, None, 0.0, 3).draft_ahead == 3
+    with pytest.raises(LuceError, match="--draft-ahead needs --draft-p-min 0"):
+        SpecOptions.from_cli("ddtree", None, None, None, None, 3)
+    with pytest.raises(LuceError, match="--draft-ahead must be >= 0"):
+        SpecOptions.from_cli("ddtree", None, None, None, 0.0, -1)
     for bad in ("0", "-2", "deep"):
         with pytest.raises(LuceError, match="--draft-max"):
             parse_draft_max(bad)

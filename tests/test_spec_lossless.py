@@ -57,6 +57,16 @@ def test_perfect_draft(smollm2, prompt_ids, plain, mode):
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_draft_queued_ahead(smollm2, prompt_ids, plain, mode):
+    """--draft-ahead: the next draft guessed beside each verification; a perfect draft's
+    guesses hold, and the output is still the plain one."""
+    d = DraftModel(smollm2, n_ctx=N_CTX)
+    out, stats = _run(smollm2, prompt_ids, SpecOptions(mode=mode, draft_max=4, draft_p_min=0.0, draft_ahead=3), d)
+    assert out == plain
+    assert d.ahead_tries >= 2 and d.ahead_hits >= 1 and stats.acceptance_length > 3
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_draft_p_min(smollm2, prompt_ids, plain, mode):
     """--draft-p-min: drafts end where the draft's chain gets unlikely (the position that
     crosses the line still proposed), and the output is still the plain one."""

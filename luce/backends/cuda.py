@@ -1303,7 +1303,9 @@ def _waited(fn, *args):
     _WAITED[0] += time.perf_counter() - t
 
 
-TOKEN_SLOTS = 16  # pinned readback slots of queued next tokens a model state cycles through (a draft queued ahead: up to draft max + 1)
+# pinned readback slots of queued next tokens a model state cycles through: a whole draft of
+# the default depth (12) in flight, or one queued ahead (depth + 1)
+TOKEN_SLOTS = 16
 
 
 def _take_slot(slots, turn: int) -> list:

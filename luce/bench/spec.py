@@ -101,7 +101,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
 
     def one(mode, depth, ahead, ids, n_tokens):
         opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=depths[0] if depth is None else depth,
-                           draft_ahead=ahead)
+                           draft_p_min=draft_p_min, draft_ahead=ahead)
         drafter = None
         if mode == "lookup" or (mode != "off" and draft_model is None):
             drafter = PromptLookup()
@@ -163,10 +163,11 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
                            (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None,
-                           depth, config(mode, depth, ahead), stats.spec_phases, ahead,
-                           *((draft_shared.ahead_tries - tries0, draft_shared.ahead_hits - hits0,
-                              draft_shared.forwards - fw0) if draft_shared and mode in ("chain", "ddtree")
-                             else (0, 0, 0)))
+                           depth, config(mode, depth, ahead), stats.spec_phases, ahead)
+                if draft_shared and mode in ("chain", "ddtree"):
+                    r.ahead_tries = draft_shared.ahead_tries - tries0
+                    r.ahead_hits = draft_shared.ahead_hits - hits0
+                    r.draft_forwards = draft_shared.forwards - fw0
                 results.append(r)
                 echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
@@ -416,14 +417,18 @@ def policy_projection(results: list[Result], policies=None) -> str:
     this run's plain decode."""
     lines = ["| policy | category | pair acceptance | draft forwards / forward | projected ms a forward | "
              "projected tok/s | plain tok/s | projected speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines_by_mode = {m: cost_line(results, m) for m in {r.mode for r in results}}
+    plain_by_cat = {}
+    for cat in {r.category for r in results}:
+        off = [r for r in results if r.mode == "off" and r.category == cat]
+        plain_by_cat[cat] = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
     for name, table in (PAIR_POLICIES if policies is None else policies).items():
         for (mode, cat), (acc, fw) in table.items():
-            line = cost_line(results, mode)
-            if line is None or not any(r.category == cat for r in results):
+            line = lines_by_mode.get(mode)
+            if line is None or cat not in plain_by_cat:
                 continue
             ms = line[0] + line[1] * fw
-            off = [r for r in results if r.mode == "off" and r.category == cat]
-            plain = sum(r.completion_tokens for r in off) / sum(r.decode_s for r in off) if off else 0.0
+            plain = plain_by_cat[cat]
             tps = acc * 1e3 / ms
             lines.append(f"| {name} | {cat} | {acc:.2f} | {fw:.2f} | {ms:.2f} | {tps:.1f} | "
                          + (f"{plain:.1f} | {tps / plain:.2f}x |" if plain else "- | - |"))

@@ -15,7 +15,7 @@ DEFAULT_BUDGET = 22
 # tokens a target forward for 8.66 draft forwards, against 7.01 for 8 at a fixed depth 8;
 # at the GPU's costs (H100: ~5.9 ms a target forward + ~1.03 ms a draft step on the
 # Qwen3-8B shape, ~22 + 1.0 on the 32B) a projected 1.74x / 3.52x plain decode against
-# 1.54x / 3.05x (docs/benchmarks.md, forty-sixth session).
+# 1.55x / 3.05x (docs/benchmarks.md, forty-sixth session).
 DEFAULT_DRAFT_MAX = 12
 DEFAULT_P_MIN = 0.4
 # What `luce bench --spec` drafts unless told: the depth the pair's acceptance is tabled at
@@ -37,7 +37,8 @@ class SpecOptions:
     draft_max: int = DEFAULT_DRAFT_MAX  # DRAFT_MAX_AUTO: chosen a step (luce.spec.depth)
     top_k: int = DEFAULT_TOP_K
     draft_p_min: float = DEFAULT_P_MIN  # DraftModel's p_min: stop drafting where the chain gets this unlikely
-    draft_ahead: int = DEFAULT_DRAFT_AHEAD  # draft steps queued beside each verification (DraftModel.queue_ahead); 0: none
+    # draft steps queued beside each verification (DraftModel.queue_ahead); 0: none
+    draft_ahead: int = DEFAULT_DRAFT_AHEAD
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
@@ -46,6 +47,9 @@ class SpecOptions:
             raise LuceError("--ddtree-budget, --draft-max (or auto) and the draft top-k must be >= 1")
         if self.draft_ahead < 0:
             raise LuceError(f"--draft-ahead must be >= 0, not {self.draft_ahead}")
+        if self.draft_ahead and self.draft_p_min > 0:
+            # a cut-off draft reads each step before queuing far ahead: nothing would be queued
+            raise LuceError("--draft-ahead needs --draft-p-min 0")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise LuceError(f"--draft-p-min must be in [0, 1), not {self.draft_p_min}")
 
