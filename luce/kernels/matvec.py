@@ -22,6 +22,7 @@ import time
 import numpy as np
 from numba import cuda
 
+from . import disk_cache
 from .device import device, fma
 from .dequant import (
     DEVICE_SPECS, SIM, as_device, as_qtype, dequantize, load_width, make_stage, row_bytes, tile_step,
@@ -150,7 +151,7 @@ def _make_kernel(qtype, vw: int, tb: int, nr_slots: int, rpw: int, glu: bool, ha
                             if has_res:
                                 y += res[r * n_rows + row]
                             out[r * n_rows + row] = y
-    return kernel
+    return disk_cache.enable(kernel)
 
 
 _KERNELS: dict = {}

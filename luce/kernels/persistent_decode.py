@@ -50,6 +50,7 @@ from numba import cuda
 from numba import float32 as nb_float32
 
 from ._reduce import WARP_RED_SLOTS, block_sum, warp_allmax, warp_allsum, warp_barrier, warp_groupsum
+from . import disk_cache
 from .device import SIM, SMEM_STATIC, device, with_shared
 from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_row, ld16, nib_acc, pieces, q6_acc,
                           q6_scales, q8_acc, shr32)
@@ -1044,7 +1045,9 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
                 cnt[1] = 0
                 stamps[epoch + 1] = _globaltimer()
 
-    return kernel
+    # on disk like the other forward kernels: uncached, it compiled on every start (a
+    # draft's load took ~105 s with the cache warm, H100, forty-sixth session)
+    return disk_cache.enable(kernel)
 
 
 def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bool = True, qk_norm: bool = True,

@@ -19,10 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r'''
 import gc
 from numba.cuda.dispatcher import CUDADispatcher
-from luce.kernels import attention, disk_cache, matvec_fast, sampling
+from luce.kernels import attention, disk_cache, matvec, matvec_fast, persistent_decode, sampling
 from luce.kernels.dequant import T
 ks = [attention._decode_kernel(128, 4, 1, 4, 1, 16), attention._decode_kernel(64, 4, 1, 4, 1, 16),
       matvec_fast._kernel(T.Q4_K, True, False, False, 4, True, None, 8, 1, 2), sampling._sample_kernels(64)[1]]
+# made by the backend, not at import: the draft's persistent kernel (Qwen3-0.6B's shape)
+# and the generic matvec
+made = [persistent_decode._kernel(1024, 16, 8, 128, 3072, 28, 128, False, True, 1e-6, 512, 64, True, 0),
+        matvec._make_kernel(T.Q8_0, 4, 8, 1, 2, False, False, False)]
+print("MADE", " ".join(type(k._cache).__name__ for k in made))
 print("KEYS", " ".join(disk_cache.closure_key(k.py_func) for k in ks))
 from luce.kernels import norm
 # one closure, two launch bounds (the threads a block): kernels that must not share a cache entry
@@ -47,6 +52,7 @@ def _run(tmp_path, **env):
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:1].isupper())
     assert out["PLUGIN"] != "KernelCache"
+    assert out["MADE"].split() == ["KernelCache"] * 2
     c256, c1024, k256, k1024 = out["NORM"].split()
     assert c256 == c1024 and k256 != k1024  # the closures agree; the cache keys see the launch bound
     return out["KEYS"].split(), [int(v) for v in out["CACHED"].split()], out["STAMP"]
