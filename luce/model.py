@@ -122,6 +122,13 @@ class Model:
         (backends with `forward_topk`: see CUDABackend.forward_topk)."""
         return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k)
 
+    def begin_chain(self, cache, k: int, log_p_min: float) -> bool:
+        """Start a draft's chain on the device for forward_topk's steps (backends with
+        `begin_chain`: see CUDABackend.begin_chain); False where the steps queued past its
+        stop would still run (or there is no such chain)."""
+        begin = getattr(self.backend, "begin_chain", None)
+        return bool(begin is not None and begin(self.family, self.config, self.weights, cache, k, log_p_min))
+
     def set_penalty_history(self, cache, history, repeat_last_n: int) -> None:
         """The history that forward_next_token's draws with penalties penalize (backends
         with device sampling): see CUDABackend.set_penalty_history."""

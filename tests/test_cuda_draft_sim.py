@@ -74,16 +74,22 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
     assert host.ahead_hits == dev.ahead_hits == 1 and host.ahead_tries == dev.ahead_tries == 2
     assert b.tokens == a.tokens and dev.session.tokens == host.session.tokens == ctx
     # p_min (set on the same drafts: no second prefill in the simulator): both loops stop at
-    # the first position where the chain's probability falls below it (here the second);
-    # the device's reads run one step behind its queue, so its session holds one row more
-    # than the host's, each row a token of the draft. The device draft catches up on the
-    # three tokens it has not seen (on the device too), the host one rewinds.
+    # the first position where the chain's probability falls below it (here the second).
+    # The device loop takes the stop on the device (its steps through the persistent
+    # kernel): all three steps queued at once, the third did nothing, and its session holds
+    # the host's rows. The chain is left never to stop (for steps without a cut-off).
     full = host.propose(ctx, 3)
     chain = np.cumsum(full.topk_logp[:, 0])
     p_min = float(np.exp((chain[0] + chain[1]) / 2))
     host.log_p_min = dev.log_p_min = math.log(p_min)
+    before, forwards = len(steps), dev.forwards
     a, b = host.propose(ctx, 3), dev.propose(ctx, 3)
     assert a.tokens == b.tokens == full.tokens[:2]
     np.testing.assert_array_equal(b.topk_ids, full.topk_ids[:2])
-    assert host.session.tokens == ctx + a.tokens[:1] and dev.session.tokens == ctx + b.tokens
-    assert len(steps) >= 5  # the device loop's one-token steps went through the kernel
+    assert host.session.tokens == dev.session.tokens == ctx + a.tokens[:1]
+    assert dev.session.cache.n_past == len(dev.session.tokens)
+    assert len(steps) - before == 3 and dev.forwards - forwards == 2  # three queued, two ran
+    from luce.kernels.sampling import CHAIN_CUT, CHAIN_STOPPED
+    ch = be._model_state(*args, dev.session.cache)["topk"][4]["scratch"][4].copy_to_host()
+    assert ch[0, CHAIN_STOPPED] == 0 and ch[0, CHAIN_CUT] == -np.inf
+    assert len(steps) >= 7  # the device loop's one-token steps went through the kernel

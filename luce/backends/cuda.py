@@ -1135,22 +1135,11 @@ class CUDABackend:
         and the draft's steps queue one after another without waiting for the host.
         token may be a list (a draft catching up with the tokens the target accepted,
         at positions position..): one forward, the candidates after its last token."""
-        from ..kernels.sampling import MAX_TOP_K, topk_lse_scratch
-        if not 1 <= k <= MAX_TOP_K:
-            raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
         st = self._model_state(family, cfg, weights, kv)
-        cuda = self.cuda
         self._next_token_buffers(st)
         if token is None and not st.get("next_token_set"):
             raise RuntimeError("forward_topk(None) needs a queued forward_topk or forward_next_token before it")
-        tk = st.setdefault("topk", {})
-        if k not in tk:  # fixed addresses: graphs write into them
-            tk[k] = {"v": cuda.device_array((1, k), np.float32), "i": cuda.device_array((1, k), np.int32),
-                     "lz": cuda.device_array(1, np.float64), "scratch": topk_lse_scratch(1, cfg.vocab_size, k),
-                     "slots": [[cuda.pinned_array((1, k), np.int32), cuda.pinned_array((1, k), np.float32),
-                                cuda.pinned_array(1, np.float64), cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
-                     "turn": 0}
-        b = tk[k]
+        b = self._topk_buffers(st, cfg, k)
         tokens = None if token is None else [int(t) for t in np.atleast_1d(token)]
         n = 1 if tokens is None else len(tokens)
         self._launch(family, cfg, weights, kv, tokens, list(range(position, position + n)), None, [n - 1],
@@ -1162,8 +1151,38 @@ class CUDABackend:
         d2h_async(slot[0], b["i"], self.stream)
         d2h_async(slot[1], b["v"], self.stream)
         d2h_async(slot[2], b["lz"], self.stream)
-        slot[3].record(self.stream)
+        d2h_async(slot[3], b["scratch"][4], self.stream)  # the chain after this step
+        slot[4].record(self.stream)
         return PendingTopK(slot, turn)
+
+    def _topk_buffers(self, st, cfg, k: int) -> dict:
+        """forward_topk's outputs, scratch and readback slots for k candidates, at fixed
+        addresses (graphs write into them)."""
+        from ..kernels.sampling import MAX_TOP_K, topk_lse_scratch
+        if not 1 <= k <= MAX_TOP_K:
+            raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
+        tk = st.setdefault("topk", {})
+        if k not in tk:
+            cuda = self.cuda
+            tk[k] = {"v": cuda.device_array((1, k), np.float32), "i": cuda.device_array((1, k), np.int32),
+                     "lz": cuda.device_array(1, np.float64), "scratch": topk_lse_scratch(1, cfg.vocab_size, k),
+                     "slots": [[cuda.pinned_array((1, k), np.int32), cuda.pinned_array((1, k), np.float32),
+                                cuda.pinned_array(1, np.float64), cuda.pinned_array((1, 3), np.float64),
+                                cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
+                     "turn": 0}
+        return tk[k]
+
+    def begin_chain(self, family, cfg, weights, kv: PagedKVCache, k: int, log_p_min: float) -> bool:
+        """Start a draft's chain on the device for forward_topk's steps with k candidates on
+        this cache: nothing summed, stopped once the sum of its tokens' log-probabilities
+        falls below log_p_min (-inf: never; luce.kernels.sampling.chain_state). Returns
+        whether one-token steps queued past a stop do nothing (they go through the
+        persistent kernel, which reads the chain; the launch chain would run them): then a
+        draft may queue every step at once and read PendingTopK.stopped."""
+        from ..kernels.sampling import chain_state
+        st = self._model_state(family, cfg, weights, kv)
+        h2d(self._topk_buffers(st, cfg, k)["scratch"][4], chain_state(1, log_p_min), self.stream)
+        return st["persistent"] is not None
 
     @property
     def readback_slots(self) -> int:
@@ -1246,7 +1265,7 @@ class CUDABackend:
 
         def run():
             if persistent is not None:
-                st["logits"] = persistent.forward(tok_d, pos_d)
+                st["logits"] = persistent.forward(tok_d, pos_d, None if topk is None else topk["scratch"][4])
             else:
                 ops.begin_forward(mask_d if tree else None)
                 st["logits"] = family.run_forward(cfg, weights, run_ops, kv, tok_d, pos_d, None, rows)
@@ -1343,12 +1362,19 @@ class PendingTopK:
         """(token ids int64 [k], log-probabilities float64 [k]), most likely first: what
         luce.engine.sampling.top_logprobs gives for the same logits (ids past the
         row's non-NaN logits are dropped)."""
-        ids, vals, lz, event, turn = self._slot
+        ids, vals, lz, _, event, turn = self._slot
         if turn != self._turn:
             raise RuntimeError(f"pending candidates read after {TOKEN_SLOTS} more were queued: their slot is reused")
         _waited(event.synchronize)
         keep = ids[0] >= 0
         return ids[0][keep].astype(np.int64), vals[0][keep].astype(np.float64) - float(lz[0])
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the draft's chain (CUDABackend.begin_chain) had stopped by this step
+        (read after result())."""
+        from ..kernels.sampling import CHAIN_STOPPED
+        return bool(self._slot[3][0, CHAIN_STOPPED] != 0.0)
 
 
 class PendingRows:

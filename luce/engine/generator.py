@@ -144,6 +144,11 @@ class Session:
         self.cache.commit()
         return pending
 
+    def begin_chain(self, k: int, log_p_min: float) -> bool:
+        """Model.begin_chain on this session's cache: whether the queue_topk steps that
+        follow stop on the device once the chain's probability falls below exp(log_p_min)."""
+        return self.model.begin_chain(self.cache, k, log_p_min)
+
 
 class PlainStepper:
     """One target forward per token: the baseline every speculative stepper must match."""

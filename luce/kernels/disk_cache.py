@@ -49,7 +49,8 @@ def cache_dir() -> Path | None:
 
 # settings no kernel's code depends on (where files go, the server's key, plugins, models)
 _NOT_CODE = frozenset({"LUCE_KERNEL_CACHE", "LUCE_CACHE", "LUCE_API_KEY", "LUCE_PLUGINS", "LUCE_DRAFT_DIR",
-                       "LUCE_MODEL_CACHE", "LUCE_COMMIT", "LUCE_DRAFT_ON_DEVICE"})
+                       "LUCE_MODEL_CACHE", "LUCE_COMMIT", "LUCE_DRAFT_ON_DEVICE",
+                       "LUCE_DRAFT_DEVICE_STOP"})
 
 
 @functools.lru_cache(maxsize=None)

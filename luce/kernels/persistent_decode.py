@@ -56,6 +56,7 @@ from .matvec_fast import (S8, _make_unit_q4_k_x8, _make_unit_q6_k_x8, i8f, k4_ro
                           q6_scales, q8_acc, shr32)
 from .quantize_x import XQ2_BYTES, int8_quad_store
 from .rope import sincos_at
+from .sampling import CHAIN_STOPPED, chain_state
 from .vector_load import f16_bits_to_f32, ld_u16_u32x4, ldcg_f32, ldcg_u16_u32x4, ldw_u16_u32x4, u32_bits_to_f32
 
 __all__ = ["PackedWeights", "PersistentDecode", "applies", "QTYPE_CODES"]
@@ -868,7 +869,12 @@ def _kernel(D, HQ, HKV, DH, F, L, ROPE, HALVES, QKN, EPS, NT, MAXP, X8=False, PP
     @(cuda.jit if SIM else cuda.jit(launch_bounds=NT))
     def kernel(w, wtab, nw, ntab, emb, emb_qt, outw, out_qt, out_norm, inv_freq, tok, pos,
                k_pool, v_pool, kp, vp, table, meta, kv_pos, xg, qkv, hg, part_o, part_ml, cnt, logits,
-               stamps):
+               stamps, chain):
+        # a draft that stopped on the device (luce.kernels.sampling's chain, set by the step
+        # before) leaves the steps queued past its stop with nothing to do: every block
+        # returns before the first grid barrier
+        if chain[0, CHAIN_STOPPED] != 0.0:
+            return
         tid = cuda.threadIdx.x
         lane = tid & 31
         wid = tid >> 5
@@ -1173,6 +1179,7 @@ class PersistentDecode:
         # and inside block 0's first attention item of each layer (phase_times)
         # and inside block 0's row phases (phase_detail)
         self.stamps = cuda.to_device(np.zeros(17 * L + 4, np.int64), stream=stream)
+        self.never = cuda.to_device(chain_state(), stream=stream)  # a chain that never stops
         self.kp = kv.k_pool.reshape(kv.k_pool.size).view(np.uint16)
         self.vp = kv.v_pool.reshape(kv.v_pool.size).view(np.uint16)
         self.threads = 32 if SIM else threads
@@ -1191,14 +1198,16 @@ class PersistentDecode:
         shape = (d, cfg.n_heads, cfg.n_kv_heads, dh, cfg.n_ff, self.threads, self.x8)
         self.smem = 0 if _static_shared(*shape) else _shared_bytes(*shape)  # the dynamic bytes a launch asks for
 
-    def forward(self, tok_d, pos_d):
+    def forward(self, tok_d, pos_d, chain=None):
         """Logits [1, vocab] of the token tok_d[0] at position pos_d[0] (device int32), its
-        K/V written at the pool's row meta[0] (the caller has reserved it)."""
+        K/V written at the pool's row meta[0] (the caller has reserved it). chain: a
+        draft's device chain (luce.kernels.sampling.chain_state): once it has stopped the
+        step does nothing (None: never)."""
         kv, pk = self.kv, self.pk
         with_shared(self.kernel, self.blocks, self.threads, self.stream, self.smem)(
             pk.w, pk.wtab, pk.nw, pk.ntab, pk.emb, pk.emb_qt, pk.outw, pk.out_qt, pk.out_norm, pk.inv_freq, tok_d, pos_d, kv.k_pool, kv.v_pool, self.kp, self.vp, kv.table_d, kv.meta,
             kv.pos_d, self.xg, self.qkv, self.hg, self.part_o, self.part_ml, self.cnt, self.logits,
-            self.stamps)
+            self.stamps, self.never if chain is None else chain)
         return self.logits
 
     def phase_times(self):

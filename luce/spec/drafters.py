@@ -9,6 +9,7 @@ next token, so a drafter can bring its state in line by itself.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -62,10 +63,12 @@ class DraftModel:
         # (forward_topk): the steps queue back to back and only the candidates come back.
         # LUCE_DRAFT_ON_DEVICE=0: the host loop over whole logits rows (to compare)
         if on_device is None:
-            import os
             on_device = os.environ.get("LUCE_DRAFT_ON_DEVICE", "1") != "0" and \
                 hasattr(getattr(model, "backend", None), "forward_topk")
         self.on_device = on_device
+        # a p_min cut-off taken on the device where the backend can (begin_chain);
+        # LUCE_DRAFT_DEVICE_STOP=0: on the host, one step queued past the stop (to compare)
+        self.device_stop = os.environ.get("LUCE_DRAFT_DEVICE_STOP", "1") != "0"
         # queue_ahead: the last draft, when the session is exactly its context and chain
         # but the chain's last token (no cut-off, no sampling), and the steps queued past it
         self._last: tuple[list[int], list[int]] | None = None
@@ -197,9 +200,8 @@ class DraftModel:
         by queue_ahead (the session holds context but its last token, which the first of
         them consumed)."""
         slots = self.model.backend.readback_slots
-        # read before their slots come round again; with a cut-off, each forward as soon
-        # as the one after it is queued (at most that one runs past the stop)
-        cap = min(2, slots) if self.log_p_min > -math.inf else slots  # forwards in flight at most
+        cut = self.log_p_min > -math.inf
+        device_stop = False  # the cut-off taken on the device, where the steps past it do nothing
         toks, ids, lps = [], [], []
         logp = 0.0
         if hit:
@@ -215,22 +217,37 @@ class DraftModel:
                 s += size
             self.session.tokens.extend(rest[:s])
             rest = rest[s:]
+            # after the pieces: their top-1s are not the chain's
+            device_stop = cut and self.device_stop and self.session.begin_chain(k, self.log_p_min)
             pending = deque([self.session.queue_topk(rest, k)])
             self.forwards += 1
             self.session.tokens.extend(rest)
         queued = len(pending)  # forwards: the catch-up, then one a drafted token
+        # every step queued at once where nothing depends on reading them; with a cut-off
+        # the host takes, each read as soon as the one after it is queued (at most that one
+        # runs past the stop)
+        cap = min(2, slots) if cut and not device_stop else slots  # forwards in flight at most
         while pending:
             while queued < n and len(pending) < cap:
                 pending.append(self.session.queue_topk(None, k))
                 self.forwards += 1
                 queued += 1
-            ti, tl = pending.popleft().result()
+            step = pending.popleft()
+            ti, tl = step.result()
             toks.append(int(ti[0]))
             ids.append(ti)
             lps.append(tl)
             logp += float(tl[0])
-            if logp < self.log_p_min:
+            # the device's sum is the host's, bit for bit; its word decides what ran there
+            if step.stopped if device_stop else logp < self.log_p_min:
                 break
+        if device_stop and len(toks) < queued:
+            # the forwards past the stop did nothing: the rows are those up to its input
+            self.forwards -= queued - len(toks)
+            queued = len(toks)
+            self.session.cache.truncate(len(self.session.tokens) + queued - 1)
+        if device_stop and step.stopped:
+            self.session.begin_chain(k, -math.inf)  # leave no stopped chain to later steps
         # the rows the later forwards committed: each one's input token (a forward past
         # the stop ran on the last token read, so these are all known)
         assert len(toks) >= queued - 1

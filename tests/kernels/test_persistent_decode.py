@@ -133,6 +133,17 @@ def test_persistent_decode_over_two_passes_of_keys(backends):
     np.testing.assert_allclose(split, got, rtol=0, atol=1e-4 * float(np.abs(got).max()))
     np.testing.assert_allclose(split, want, **_tolerance(x8, want))
     assert not alt.cnt.copy_to_host().any()
+    # a draft stopped on the device (its chain's stop set by the step before): the step
+    # writes neither logits nor its K/V row, and leaves the barrier's counters at zero
+    from luce.kernels.sampling import CHAIN_STOPPED, chain_state
+    stopped = chain_state()
+    stopped[0, CHAIN_STOPPED] = 1.0
+    alt.logits.copy_to_device(np.full(alt.logits.shape, np.nan, np.float32))
+    pools = kv_gpu.k_pool.copy_to_host(), kv_gpu.v_pool.copy_to_host()
+    alt.forward(cuda.to_device(np.array([5], np.int32)), pos, cuda.to_device(stopped))
+    assert np.isnan(alt.logits.copy_to_host()).all() and not alt.cnt.copy_to_host().any()
+    np.testing.assert_array_equal(kv_gpu.k_pool.copy_to_host(), pools[0])
+    np.testing.assert_array_equal(kv_gpu.v_pool.copy_to_host(), pools[1])
 
 
 def test_persistent_decode_compiles_for_sm_90(ptx_check):

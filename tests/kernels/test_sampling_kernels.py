@@ -113,6 +113,40 @@ def test_topk_logsumexp_in_one_launch(vocab, k, launches):
     np.testing.assert_allclose(lz.copy_to_host(), logsumexp_ref(x), rtol=0, atol=1e-5)
 
 
+def test_topk_logsumexp_chain_stops_on_the_device():
+    """A draft's chain on the device (scratch's last buffer): each launch adds the row's
+    top-1 log-probability exactly as the host sums it (float64(value) - lz, in order: the
+    draft loop trusts the device's word), sets the stop where the sum falls below the
+    cut-off, and a stopped row's later launches leave its outputs and chain alone while
+    the other row goes on."""
+    from luce.kernels.sampling import CHAIN_CUT, CHAIN_LOGP, CHAIN_STOPPED, chain_state, topk_logsumexp_cuda, \
+        topk_lse_scratch
+    vocab, k = 600, 3
+    x = (2 * rng.standard_normal((2, vocab))).astype(np.float32)
+    d, scratch = cuda.to_device(x), topk_lse_scratch(2, vocab, k)
+    assert not scratch[4].copy_to_host()[:, CHAIN_STOPPED].any()  # made never to stop
+    lp0 = float(np.sort(x[0])[-1]) - float(np.log(np.exp(x[0].astype(np.float64)).sum()))
+    ch = chain_state(2)
+    ch[0, CHAIN_CUT] = 1.5 * lp0  # row 0: above it after one launch, below after two
+    scratch[4].copy_to_device(ch)
+    sums = np.zeros(2)
+    for launch in range(3):
+        ov = cuda.to_device(np.full((2, k), np.nan, np.float32))
+        oi = cuda.to_device(np.full((2, k), -7, np.int32))
+        lz = cuda.to_device(np.full(2, np.nan))
+        am = cuda.to_device(np.full(2, -7, np.int32))
+        topk_logsumexp_cuda(d, k, ov, oi, lz, am, scratch=scratch)
+        v, z, chain = ov.copy_to_host(), lz.copy_to_host(), scratch[4].copy_to_host()
+        for r in range(2):
+            if r == 0 and launch == 2:  # stopped by the launch before
+                assert np.isnan(v[0]).all() and np.isnan(z[0]) and am.copy_to_host()[0] == -7
+                continue
+            sums[r] += float(np.float64(v[r, 0]) - float(z[r]))  # PendingTopK's log-probability
+        np.testing.assert_array_equal(chain[:, CHAIN_LOGP], sums)
+        assert chain[0, CHAIN_STOPPED] == (launch >= 1) and chain[1, CHAIN_STOPPED] == 0
+        assert not np.isnan(v[1]).any()
+
+
 def test_logsumexp_after_topk():
     from luce.engine.sampling import top_logprobs
     x = (4 * rng.standard_normal((3, 1300))).astype(np.float32)
