@@ -126,3 +126,32 @@ def test_draft_on_device_matches_the_host_draft(q4k_model):
         np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-4)
         assert dev.session.tokens == host.session.tokens == ids + a.tokens[:-1]
         ids = ids + (more or a.tokens[:3] + [7])
+
+
+def test_draft_cut_off_taken_on_the_device(q4k_model):
+    """A draft with a p_min cut-off whose steps go through the persistent kernel: the device
+    takes the stop (every step queued at once, those past it doing nothing), and the draft,
+    the rows kept and the forwards run are the host loop's."""
+    import math
+
+    import numpy as np
+    from luce.spec import DraftModel
+    ids = q4k_model.tokenize(PROMPT)
+    host = DraftModel(q4k_model, n_ctx=N_CTX, on_device=False)
+    dev = DraftModel(q4k_model, n_ctx=N_CTX)
+    full = host.propose(ids, 12)
+    chain = np.cumsum(full.topk_logp[:, 0])
+    host.log_p_min = dev.log_p_min = math.log(float(np.exp((chain[3] + chain[4]) / 2)))  # stops at the 5th
+    assert dev.session.begin_chain(min(dev.top_k, q4k_model.config.vocab_size), -math.inf)  # the persistent kernel's
+    stops = 0
+    for _ in range(4):
+        f_host, f_dev = host.forwards, dev.forwards
+        a, b = host.propose(ids, 12), dev.propose(ids, 12)
+        assert b.tokens == a.tokens
+        np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
+        np.testing.assert_allclose(b.topk_logp, a.topk_logp, rtol=0, atol=1e-4)
+        assert dev.session.tokens == host.session.tokens == ids + a.tokens[:-1]
+        assert dev.forwards - f_dev == host.forwards - f_host
+        stops += len(a.tokens) < 12
+        ids = ids + a.tokens[:3] + [7]
+    assert stops
