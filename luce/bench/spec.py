@@ -41,6 +41,7 @@ class Result:
     ahead_tries: int = 0  # drafts queued ahead in this run
     ahead_hits: int = 0  # ... that the next step's draft used
     draft_forwards: int = 0  # the draft model's forwards in this run (each a draft step's cost)
+    cut_offs: int = 0  # drafts its p-min cut-off ended early (DraftModel.cut_offs)
 
     @property
     def acceptance_length(self) -> float:
@@ -151,8 +152,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         for row in rows:
             for mode, depth, ahead in order:
                 ids = _prompt_ids(model, row)
-                tries0, hits0, fw0 = ((draft_shared.ahead_tries, draft_shared.ahead_hits, draft_shared.forwards)
-                                      if draft_shared else (0, 0, 0))
+                tries0, hits0, fw0, cut0 = ((draft_shared.ahead_tries, draft_shared.ahead_hits, draft_shared.forwards,
+                                             draft_shared.cut_offs) if draft_shared else (0, 0, 0, 0))
                 if prof and mode != "off":
                     prof.enable()
                 toks, stats = one(mode, depth, ahead, ids, max_tokens)
@@ -168,11 +169,13 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                     r.ahead_tries = draft_shared.ahead_tries - tries0
                     r.ahead_hits = draft_shared.ahead_hits - hits0
                     r.draft_forwards = draft_shared.forwards - fw0
+                    r.cut_offs = draft_shared.cut_offs - cut0
                 results.append(r)
                 echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
                      + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
                      + (f"  draft forwards {r.draft_forwards}" if r.draft_forwards else "")
+                     + (f"  cut off {r.cut_offs}" if r.cut_offs else "")
                      + (f"  ahead used {r.ahead_hits}/{r.ahead_tries}" if r.ahead_tries else "")
                      # random weights' greedy output is often one or two tokens over and over:
                      # then its lossless check says little

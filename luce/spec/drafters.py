@@ -76,6 +76,9 @@ class DraftModel:
         self.ahead_tries = 0  # drafts queued ahead
         self.ahead_hits = 0  # ... that the next propose used
         self.forwards = 0  # the draft model's forwards, each a step's cost (catch-ups included)
+        # drafts the cut-off ended before their length (on a device without the stop taken
+        # there, each also ran one forward past it)
+        self.cut_offs = 0
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8, p_min: float = 0.0) -> "DraftModel":
@@ -183,6 +186,7 @@ class DraftModel:
             ids.append(top_i)
             lps.append(top_l)
             if logp < self.log_p_min:
+                self.cut_offs += len(toks) < n
                 break
         if not sample and len(toks) <= n and logp >= self.log_p_min:
             self._last = (context, toks)
@@ -240,6 +244,7 @@ class DraftModel:
             logp += float(tl[0])
             # the device's sum is the host's, bit for bit; its word decides what ran there
             if step.stopped if device_stop else logp < self.log_p_min:
+                self.cut_offs += len(toks) < n
                 break
         if device_stop and len(toks) < queued:
             # the forwards past the stop did nothing: the rows are those up to its input
