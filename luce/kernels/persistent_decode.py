@@ -1066,7 +1066,7 @@ def compile_ptx_at(D, HQ, HKV, DH, F, L, threads: int = THREADS, rope_halves: bo
     f32, i32, u16 = A(T.float32), A(T.int32), A(T.uint16)
     sig = (u16, A(T.int64, 3), f32, A(T.int64, 2), A(T.uint8), T.int64, u16, T.int64, f32, A(T.float64), i32, i32,
            A(T.float16, 5), A(T.float16, 5), u16, u16, i32, i32, i32, f32, f32, f32, f32, f32, i32,
-           A(T.float32, 2), A(T.int64))
+           A(T.float32, 2), A(T.int64), A(T.float64, 2))
     k = _kernel(D, HQ, HKV, DH, F, L, DH, rope_halves, qk_norm, 1e-6, threads, max_pages, x8)
     return cuda.compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=threads)[0]
 
