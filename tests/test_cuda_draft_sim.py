@@ -40,6 +40,8 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
     be, args = model.backend, (model.family, model.config, model.weights)
     monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", False)
     assert be._model_state(*args, host.session.cache)["persistent"] is None
+    # the launch chain would run steps past a stop: no chain with a cut-off is set there
+    assert not host.session.begin_chain(4, 0.0) and "topk" not in be._model_state(*args, host.session.cache)
     monkeypatch.setattr(cuda_backend, "PERSISTENT_DECODE", True)
     pd = be._model_state(*args, dev.session.cache)["persistent"]
     assert pd is not None

@@ -1177,12 +1177,15 @@ class CUDABackend:
         this cache: nothing summed, stopped once the sum of its tokens' log-probabilities
         falls below log_p_min (-inf: never; luce.kernels.sampling.chain_state). Returns
         whether one-token steps queued past a stop do nothing (they go through the
-        persistent kernel, which reads the chain; the launch chain would run them): then a
-        draft may queue every step at once and read PendingTopK.stopped."""
+        persistent kernel, which reads the chain): then a draft may queue every step at once
+        and read PendingTopK.stopped. Where the launch chain would run them, nothing is
+        written (the chain never stops) and the answer is False."""
         from ..kernels.sampling import chain_state
         st = self._model_state(family, cfg, weights, kv)
+        if st["persistent"] is None:  # the chain stays never to stop: the host loop decides
+            return False
         h2d(self._topk_buffers(st, cfg, k)["scratch"][4], chain_state(1, log_p_min), self.stream)
-        return st["persistent"] is not None
+        return True
 
     @property
     def readback_slots(self) -> int:

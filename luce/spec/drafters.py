@@ -231,6 +231,7 @@ class DraftModel:
         # the host takes, each read as soon as the one after it is queued (at most that one
         # runs past the stop)
         cap = min(2, slots) if cut and not device_stop else slots  # forwards in flight at most
+        stopped = False
         while pending:
             while queued < n and len(pending) < cap:
                 pending.append(self.session.queue_topk(None, k))
@@ -243,15 +244,16 @@ class DraftModel:
             lps.append(tl)
             logp += float(tl[0])
             # the device's sum is the host's, bit for bit; its word decides what ran there
-            if step.stopped if device_stop else logp < self.log_p_min:
+            stopped = step.stopped if device_stop else logp < self.log_p_min
+            if stopped:
                 self.cut_offs += len(toks) < n
                 break
-        if device_stop and len(toks) < queued:
-            # the forwards past the stop did nothing: the rows are those up to its input
-            self.forwards -= queued - len(toks)
-            queued = len(toks)
-            self.session.cache.truncate(len(self.session.tokens) + queued - 1)
-        if device_stop and step.stopped:
+        if device_stop and stopped:
+            if len(toks) < queued:
+                # the forwards past the stop did nothing: the rows are those up to its input
+                self.forwards -= queued - len(toks)
+                queued = len(toks)
+                self.session.cache.truncate(len(self.session.tokens) + queued - 1)
             self.session.begin_chain(k, -math.inf)  # leave no stopped chain to later steps
         # the rows the later forwards committed: each one's input token (a forward past
         # the stop ran on the last token read, so these are all known)
