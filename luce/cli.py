@@ -75,7 +75,7 @@ def backend_option(f):
 @sampling_options
 @_spec_options
 def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, ddtree_budget, draft_max,
-             draft_p_min, draft_ahead, **sampling):
+             draft_p_min, draft_ahead, draft_lookup, **sampling):
     """Generate text: luce generate [MODEL] PROMPT"""
     from .model import load
     from .spec import SpecOptions, make_drafter
@@ -86,7 +86,7 @@ def generate(args, chat, system, n_ctx, backend, max_tokens, stop, spec, draft, 
     model_arg, prompt = (None, args[0]) if len(args) == 1 else args
     model = load(model_arg, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty())
     params = {k: v for k, v in sampling.items() if v is not None}
-    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead)
+    spec_opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead, draft_lookup)
     drafter = make_drafter(model, spec_opts) if spec_opts.enabled else None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -180,7 +180,7 @@ def families(as_json):
 @_spec_options
 def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_template_file, max_queue,
           request_timeout, kv_slots, log_level, backend, spec, draft, ddtree_budget, draft_max, draft_p_min,
-          draft_ahead):
+          draft_ahead, draft_lookup):
     """Serve MODEL over the OpenAI, Anthropic and Responses APIs."""
     import logging
 
@@ -199,7 +199,7 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
     if chat_template_file:
         with open(chat_template_file, encoding="utf-8") as fh:
             template = fh.read()
-    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead)
+    opts = SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead, draft_lookup)
     # the model loads before the port opens: a client never meets a half-started server
     m = load(model, backend=backend, n_ctx=n_ctx, progress=sys.stderr.isatty(), chat_template=template)
     stepper_factory, draft_label = None, None
@@ -208,7 +208,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
         stepper_factory = spec_stepper_factory(m, opts, drafter)
         draft_label = {"mode": opts.mode, "draft": opts.draft, "drafter": type(drafter).__name__,
                        "ddtree_budget": opts.ddtree_budget, "draft_max": opts.draft_max_label,
-                       "draft_p_min": opts.draft_p_min, "draft_ahead": opts.draft_ahead}
+                       "draft_p_min": opts.draft_p_min, "draft_ahead": opts.draft_ahead,
+                       "draft_lookup": opts.draft_lookup}
     app = create_app(m, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      request_timeout=request_timeout or None, draft=draft_label, stepper_factory=stepper_factory,
                      accept_any_model=accept_any_model, kv_slots=kv_slots,

@@ -116,11 +116,14 @@ class Model:
         return self.backend.forward_next_token(self.family, self.config, self.weights, cache, token, position,
                                                sample=sample)
 
-    def forward_topk(self, cache, token, position, k: int):
+    def forward_topk(self, cache, token, position, k: int, rows: int = 1):
         """A greedy step (token: one, None, or a list at positions position..) whose last
-        row's k best candidates and log-probabilities come back without the logits
-        (backends with `forward_topk`: see CUDABackend.forward_topk)."""
-        return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k)
+        row's (or last `rows` rows') k best candidates and log-probabilities come back
+        without the logits (backends with `forward_topk`: see CUDABackend.forward_topk)."""
+        if rows == 1:  # a plugin's backend may predate rows
+            return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k)
+        return self.backend.forward_topk(self.family, self.config, self.weights, cache, token, position, k,
+                                         rows=rows)
 
     def begin_chain(self, cache, k: int, log_p_min: float) -> bool:
         """Start a draft's chain on the device for forward_topk's steps (backends with

@@ -95,3 +95,23 @@ def test_draft_steps_on_the_device_propose_the_host_draft(tmp_path, monkeypatch)
     ch = be._model_state(*args, dev.session.cache)["topk"][4]["scratch"][4].copy_to_host()
     assert ch[0, CHAIN_STOPPED] == 0 and ch[0, CHAIN_CUT] == -np.inf
     assert len(steps) >= 7  # the device loop's one-token steps went through the kernel
+    # a lookup guess carried by the catch-up (seed width 4: the catch-up and the guess padded
+    # to 4 tokens, every row's candidates): where the guess is the draft's own chain, the
+    # draft comes from that one forward; where it leaves the chain, the rows past that are
+    # dropped and a one-token step goes on from the draft's own token. The same draft either
+    # way (both proposals of the same context: the second catches up one token).
+    from luce.spec.drafters import Draft
+    host.log_p_min = dev.log_p_min = -math.inf
+    ctx = ctx + a.tokens[:1] + [5]
+    full = host.propose(ctx, 2)
+    dev.seed_width = 4
+    for guess, forwards in ((full.tokens[:1], 1), ([(full.tokens[0] + 1) % 300], 2)):
+        dev.lookup = type("Guess", (), {"propose": lambda self, c, m, g=guess: Draft(g[:m], None, None)})()
+        before = dev.forwards
+        b = dev.propose(ctx, 2)
+        assert b.tokens == full.tokens and dev.forwards - before == forwards
+        np.testing.assert_array_equal(b.topk_ids, full.topk_ids)
+        # a 4-token forward against one-token steps: their own summation orders (~1e-4 apart)
+        np.testing.assert_allclose(b.topk_logp, full.topk_logp, rtol=0, atol=5e-4)
+        assert dev.session.tokens == ctx + full.tokens[:-1] and dev.session.cache.n_past == len(ctx) + 1
+    assert dev.seeded == 1 and dev.seed_tries == 2

@@ -170,7 +170,7 @@ def test_bench_run_on_the_prompt_set(smollm2, tmp_path):
 
     from luce.bench.spec import load_prompts, run, summary
     rows = load_prompts()
-    assert {r["category"] for r in rows} == {"code", "math", "chat"} and len(rows) >= 9
+    assert {r["category"] for r in rows} == {"code", "math", "chat", "edit"} and len(rows) >= 13
     out = tmp_path / "spec.jsonl"
     results = run(smollm2, None, modes=("lookup", "off"), categories=("code",), limit=1, max_tokens=6,
                   n_ctx=N_CTX, out=out, echo=lambda s: None)
@@ -213,3 +213,26 @@ def test_cost_line_and_policy_projection():
     row = next(line for line in table.splitlines() if line.startswith("| p-min 0.2 |"))
     # 7 tokens in 6.5 + 7.5 = 14 ms: 500 tok/s against plain 310 (31 tokens in 0.1 s)
     assert [c.strip() for c in row.strip("|").split("|")][2:] == ["7.00", "7.50", "14.00", "500.0", "310.0", "1.61x"]
+
+
+def test_draft_seeded_by_lookup(smollm2, prompt_ids, plain):
+    """A draft model whose chain prompt lookup guesses (DraftModel.lookup): the catch-up
+    forward carries the guess, and the draft tokens it confirms take no forward of their own.
+    The same draft as without the guess (to float rounding), and the output stays plain's."""
+    d = DraftModel(smollm2, n_ctx=N_CTX, lookup=PromptLookup())
+    assert _run(smollm2, prompt_ids, SpecOptions(mode="ddtree", draft_max=6), d)[0] == plain
+    text = ("def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+            "        if a[i] <= b[j]:\n            out.append(a[i])\n")
+    ids = smollm2.tokenize(text + "\n\n" + text[:40], add_special=False)  # the model goes on copying
+    seeded, unseeded = DraftModel(smollm2, n_ctx=N_CTX, lookup=PromptLookup()), DraftModel(smollm2, n_ctx=N_CTX)
+    first = unseeded.propose(ids, 8)
+    assert seeded.propose(ids, 8).tokens == first.tokens  # a whole prompt's catch-up: not seeded
+    ctx = ids + first.tokens[:3]
+    f0, f1 = seeded.forwards, unseeded.forwards
+    a, b = seeded.propose(ctx, 8), unseeded.propose(ctx, 8)
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_allclose(a.topk_logp, b.topk_logp, rtol=0, atol=1e-3)
+    assert unseeded.forwards - f1 == 8 and seeded.forwards - f0 < 8 and seeded.seeded >= 8 - (seeded.forwards - f0)
+    assert seeded.session.tokens == unseeded.session.tokens == ctx + a.tokens[:-1]
+    assert seeded.session.cache.n_past == len(ctx) + 7

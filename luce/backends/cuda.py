@@ -1126,7 +1126,8 @@ class CUDABackend:
         slot[1].record(self.stream)
         return PendingToken(slot, turn)
 
-    def forward_topk(self, family, cfg, weights, kv: PagedKVCache, token, position, k: int) -> "PendingTopK":
+    def forward_topk(self, family, cfg, weights, kv: PagedKVCache, token, position, k: int,
+                     rows: int = 1) -> "PendingTopK":
         """forward_next_token's greedy step (token None: the previous step's argmax, still on
         the device) that also brings back the k best candidates of its logits and their
         log-probabilities, taken inside the graph (top-k and the log-sum-exp): a draft
@@ -1134,17 +1135,22 @@ class CUDABackend:
         KB at a 152K vocabulary, then a host top-k and normalizer of ~0.5 ms a position),
         and the draft's steps queue one after another without waiting for the host.
         token may be a list (a draft catching up with the tokens the target accepted,
-        at positions position..): one forward, the candidates after its last token."""
+        at positions position..): one forward, the candidates after its last token, or
+        with rows > 1 after each of its last `rows` tokens (a catch-up carrying a guess at
+        the draft's chain: DraftModel's lookup seeding); a forward_topk(None) may not follow
+        that one."""
         st = self._model_state(family, cfg, weights, kv)
         self._next_token_buffers(st)
         if token is None and not st.get("next_token_set"):
             raise RuntimeError("forward_topk(None) needs a queued forward_topk or forward_next_token before it")
-        b = self._topk_buffers(st, cfg, k)
+        b = self._topk_buffers(st, cfg, k, rows)
         tokens = None if token is None else [int(t) for t in np.atleast_1d(token)]
         n = 1 if tokens is None else len(tokens)
-        self._launch(family, cfg, weights, kv, tokens, list(range(position, position + n)), None, [n - 1],
-                     argmax=st["next_token"], topk=b)
-        st["next_token_set"] = True
+        if not 1 <= rows <= n:
+            raise ValueError(f"forward_topk: 1 <= rows <= {n} tokens, got {rows}")
+        self._launch(family, cfg, weights, kv, tokens, list(range(position, position + n)), None,
+                     list(range(n - rows, n)), argmax=st["next_token"] if rows == 1 else b["arg"], topk=b)
+        st["next_token_set"] = rows == 1
         turn = b["turn"]
         b["turn"] += 1
         slot = _take_slot(b["slots"], turn)
@@ -1155,22 +1161,24 @@ class CUDABackend:
         slot[4].record(self.stream)
         return PendingTopK(slot, turn)
 
-    def _topk_buffers(self, st, cfg, k: int) -> dict:
-        """forward_topk's outputs, scratch and readback slots for k candidates, at fixed
-        addresses (graphs write into them)."""
+    def _topk_buffers(self, st, cfg, k: int, rows: int = 1) -> dict:
+        """forward_topk's outputs, scratch and readback slots for k candidates of `rows` rows,
+        at fixed addresses (graphs write into them)."""
         from ..kernels.sampling import MAX_TOP_K, topk_lse_scratch
         if not 1 <= k <= MAX_TOP_K:
             raise ValueError(f"forward_topk: 1 <= k <= {MAX_TOP_K}, got {k}")
         tk = st.setdefault("topk", {})
-        if k not in tk:
+        key = k if rows == 1 else (k, rows)
+        if key not in tk:
             cuda = self.cuda
-            tk[k] = {"v": cuda.device_array((1, k), np.float32), "i": cuda.device_array((1, k), np.int32),
-                     "lz": cuda.device_array(1, np.float64), "scratch": topk_lse_scratch(1, cfg.vocab_size, k),
-                     "slots": [[cuda.pinned_array((1, k), np.int32), cuda.pinned_array((1, k), np.float32),
-                                cuda.pinned_array(1, np.float64), cuda.pinned_array((1, 3), np.float64),
-                                cuda.event(), -1] for _ in range(TOKEN_SLOTS)],
-                     "turn": 0}
-        return tk[k]
+            tk[key] = {"v": cuda.device_array((rows, k), np.float32), "i": cuda.device_array((rows, k), np.int32),
+                       "lz": cuda.device_array(rows, np.float64), "arg": cuda.device_array(rows, np.int32),
+                       "scratch": topk_lse_scratch(rows, cfg.vocab_size, k),
+                       "slots": [[cuda.pinned_array((rows, k), np.int32), cuda.pinned_array((rows, k), np.float32),
+                                  cuda.pinned_array(rows, np.float64), cuda.pinned_array((rows, 3), np.float64),
+                                  cuda.event(), -1] for _ in range(TOKEN_SLOTS if rows == 1 else 2)],
+                       "turn": 0}
+        return tk[key]
 
     def begin_chain(self, family, cfg, weights, kv: PagedKVCache, k: int, log_p_min: float) -> bool:
         """Start a draft's chain on the device for forward_topk's steps with k candidates on
@@ -1361,16 +1369,16 @@ class PendingTopK:
     def __init__(self, slot, turn: int):
         self._slot, self._turn = slot, turn
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
+    def result(self, row: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(token ids int64 [k], log-probabilities float64 [k]), most likely first: what
         luce.engine.sampling.top_logprobs gives for the same logits (ids past the
-        row's non-NaN logits are dropped)."""
+        row's non-NaN logits are dropped). row: of forward_topk's rows (the last)."""
         ids, vals, lz, _, event, turn = self._slot
         if turn != self._turn:
-            raise RuntimeError(f"pending candidates read after {TOKEN_SLOTS} more were queued: their slot is reused")
+            raise RuntimeError("pending candidates read after their slot was reused by later steps")
         _waited(event.synchronize)
-        keep = ids[0] >= 0
-        return ids[0][keep].astype(np.int64), vals[0][keep].astype(np.float64) - float(lz[0])
+        keep = ids[row] >= 0
+        return ids[row][keep].astype(np.int64), vals[row][keep].astype(np.float64) - float(lz[row])
 
     @property
     def stopped(self) -> bool:

@@ -42,6 +42,8 @@ class Result:
     ahead_hits: int = 0  # ... that the next step's draft used
     draft_forwards: int = 0  # the draft model's forwards in this run (each a draft step's cost)
     cut_offs: int = 0  # drafts its p-min cut-off ended early (DraftModel.cut_offs)
+    draft_lookup: bool = False  # the draft's chain seeded by prompt lookup (DraftModel.lookup)
+    seeded: int = 0  # draft tokens a seeded catch-up computed (DraftModel.seeded): no forward of their own
 
     @property
     def acceptance_length(self) -> float:
@@ -64,7 +66,7 @@ def default_pair() -> tuple[Path, Path]:
 def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None, categories=None,
         limit=None, max_tokens: int = 64, ddtree_budget: int = 22, draft_max=8, draft_p_min: float = 0.0,
         backend: str = "cpu", n_ctx: int = 1024, out=None, echo=print, costs: dict | None = None,
-        profile: int = 0, draft_ahead=0) -> list[Result]:
+        profile: int = 0, draft_ahead=0, draft_lookup=False) -> list[Result]:
     """Run every prompt under every mode ("off", "chain", "ddtree", "lookup"). target and
     draft default to the Qwen2.5-Coder 1.5B/0.5B pair; results are appended to `out`
     (JSONL) as they come, since a CPU run takes long. draft_max may be a sequence: every
@@ -75,10 +77,12 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     time printed after them (host work by function; the runs' times then include the
     profiler's overhead). draft_ahead: the draft steps queued beside each verification
     (DraftModel.queue_ahead), or several: each a config of its own (e.g. "ddtree+ahead7"),
-    with how often the next draft used them."""
+    with how often the next draft used them. draft_lookup: the draft model's chain seeded by
+    prompt lookup (DraftModel.lookup), or (False, True): each a config ("ddtree+seed")."""
     depths = tuple(draft_max) if isinstance(draft_max, (list, tuple)) else (draft_max,)
     aheads = tuple(draft_ahead) if isinstance(draft_ahead, (list, tuple)) else (draft_ahead,)
-    if not depths or not aheads:
+    seeds = tuple(bool(x) for x in draft_lookup) if isinstance(draft_lookup, (list, tuple)) else (bool(draft_lookup),)
+    if not depths or not aheads or not seeds:
         raise ValueError("draft_max, draft_ahead: at least one value")
     from ..spec import DraftModel, PromptLookup, SpecOptions, stream
 
@@ -100,7 +104,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
     session = model.new_session(n_ctx)
     draft_shared = DraftModel(draft_model, n_ctx=n_ctx, p_min=draft_p_min) if draft_model else None
 
-    def one(mode, depth, ahead, ids, n_tokens):
+    def one(mode, depth, ahead, seed, ids, n_tokens):
         opts = SpecOptions(mode=mode, ddtree_budget=ddtree_budget, draft_max=depths[0] if depth is None else depth,
                            draft_p_min=draft_p_min, draft_ahead=ahead)
         drafter = None
@@ -109,6 +113,7 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         elif mode != "off":
             drafter = draft_shared
             drafter.reset()
+            drafter.lookup = PromptLookup() if seed else None
         session.reset()
         toks, stats = [], None
         for d in stream(model, ids, opts, drafter, session=session, temperature=0, max_tokens=n_tokens):
@@ -118,12 +123,14 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
 
     # prompt by prompt, the modes back to back: a shared machine's load then skews
     # them alike; "off" first so the others are checked against its output
-    order = [(m, None, 0) if m == "off" else (m, d, a) for m in sorted(modes, key=lambda m: m != "off")
-             for d in (depths[:1] if m == "off" else depths) for a in (aheads[:1] if m == "off" else aheads)]
+    order = [(m, None, 0, False) if m == "off" else (m, d, a, e) for m in sorted(modes, key=lambda m: m != "off")
+             for d in (depths[:1] if m == "off" else depths) for a in (aheads[:1] if m == "off" else aheads)
+             for e in (seeds[:1] if m in ("off", "lookup") else seeds)]
 
-    def config(mode, depth, ahead):
+    def config(mode, depth, ahead, seed):
         label = mode if depth is None or len(depths) == 1 else f"{mode}@{draft_max_label(depth)}"
-        return label + (f"+ahead{ahead}" if mode != "off" and (ahead or len(aheads) > 1) else "")
+        return (label + (f"+ahead{ahead}" if mode != "off" and (ahead or len(aheads) > 1) else "")
+                + ("+seed" if seed and mode not in ("off", "lookup") else ""))
     if getattr(model.backend, "use_graphs", False) and rows:
         # Graphs are captured the second time a width runs (the first runs eagerly), and
         # a prompt's prefill pieces (powers of two) can bring the draft and the target
@@ -134,8 +141,8 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         # was not found.)
         t0 = time.perf_counter()
         for row in rows:
-            for mode, depth, ahead in order:
-                one(mode, depth, ahead, _prompt_ids(model, row), max_tokens)
+            for mode, depth, ahead, seed in order:
+                one(mode, depth, ahead, seed, _prompt_ids(model, row), max_tokens)
         echo(f"warm-up (every prompt once in every mode, not counted) {time.perf_counter() - t0:.1f}s")
     sink = open(out, "a") if out else None
     # backend -> (who runs on it, its counts before the timed runs)
@@ -150,13 +157,14 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
         prof = cProfile.Profile()
     try:
         for row in rows:
-            for mode, depth, ahead in order:
+            for mode, depth, ahead, seed in order:
                 ids = _prompt_ids(model, row)
-                tries0, hits0, fw0, cut0 = ((draft_shared.ahead_tries, draft_shared.ahead_hits, draft_shared.forwards,
-                                             draft_shared.cut_offs) if draft_shared else (0, 0, 0, 0))
+                tries0, hits0, fw0, cut0, seeded0 = ((draft_shared.ahead_tries, draft_shared.ahead_hits,
+                                                      draft_shared.forwards, draft_shared.cut_offs, draft_shared.seeded)
+                                                     if draft_shared else (0, 0, 0, 0, 0))
                 if prof and mode != "off":
                     prof.enable()
-                toks, stats = one(mode, depth, ahead, ids, max_tokens)
+                toks, stats = one(mode, depth, ahead, seed, ids, max_tokens)
                 if prof:
                     prof.disable()
                 if mode == "off":
@@ -164,18 +172,20 @@ def run(target=None, draft=None, modes=("off", "chain", "ddtree"), prompts=None,
                 r = Result(mode, row["id"], row["category"], len(ids), stats.completion_tokens,
                            stats.target_forwards, stats.decode_s, stats.draft_s, stats.verify_s,
                            (plain[row["id"]] == toks) if mode != "off" and row["id"] in plain else None,
-                           depth, config(mode, depth, ahead), stats.spec_phases, ahead)
+                           depth, config(mode, depth, ahead, seed), stats.spec_phases, ahead)
                 if draft_shared and mode in ("chain", "ddtree"):
                     r.ahead_tries = draft_shared.ahead_tries - tries0
                     r.ahead_hits = draft_shared.ahead_hits - hits0
                     r.draft_forwards = draft_shared.forwards - fw0
                     r.cut_offs = draft_shared.cut_offs - cut0
+                    r.draft_lookup, r.seeded = seed, draft_shared.seeded - seeded0
                 results.append(r)
                 echo(f"{r.config:10s} {row['id']:20s} {r.completion_tokens:4d} tok  {r.target_forwards:4d} fwd  "
                      f"accept {r.acceptance_length:5.2f}  {r.completion_tokens / r.decode_s:6.2f} tok/s"
                      + ("" if r.matches_plain is None else f"  lossless={r.matches_plain}")
                      + (f"  draft forwards {r.draft_forwards}" if r.draft_forwards else "")
                      + (f"  cut off {r.cut_offs}" if r.cut_offs else "")
+                     + (f"  seeded {r.seeded}" if r.draft_lookup else "")
                      + (f"  ahead used {r.ahead_hits}/{r.ahead_tries}" if r.ahead_tries else "")
                      # random weights' greedy output is often one or two tokens over and over:
                      # then its lossless check says little
@@ -463,6 +473,8 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--draft-ahead", default="0", help="draft steps queued beside each verification; several "
                                                        "(0,7): each in turn")
+    ap.add_argument("--draft-lookup", default="0", help="1: the draft's chain seeded by prompt lookup; 0,1: both "
+                                                        "in turn")
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out")
@@ -473,6 +485,7 @@ def main(argv=None) -> None:
         categories=tuple(a.categories.split(",")) if a.categories else None, limit=a.limit,
         max_tokens=a.max_tokens, ddtree_budget=a.ddtree_budget, draft_max=parse_draft_maxes(a.draft_max),
         draft_p_min=a.draft_p_min, backend=a.backend, draft_ahead=parse_aheads(a.draft_ahead),
+        draft_lookup=tuple(v.strip() == "1" for v in a.draft_lookup.split(",") if v.strip()),
         n_ctx=a.ctx, out=a.out, echo=lambda s: print(s, flush=True, file=sys.stdout), profile=a.profile)
 
 

@@ -134,13 +134,13 @@ class Session:
         self.cache.commit()
         return pending
 
-    def queue_topk(self, token, k: int):
+    def queue_topk(self, token, k: int, rows: int = 1):
         """queue_decode for a draft: the pending result is the step's k best candidates
         and their log-probabilities (Model.forward_topk); its greedy token (the first
         candidate) is what a following queue_topk(None) consumes on the device. token: an
         int, None, or a list of tokens (one forward over them all, the candidates those
-        after the last)."""
-        pending = self.model.forward_topk(self.cache, token, self.cache.n_past, k)
+        after the last, or with rows > 1 after each of the last `rows`: result(row))."""
+        pending = self.model.forward_topk(self.cache, token, self.cache.n_past, k, rows)
         self.cache.commit()
         return pending
 

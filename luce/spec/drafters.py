@@ -35,6 +35,13 @@ class Draft:
         return Draft([], np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1)))
 
 
+# A seeded catch-up is one forward of (catch-up + guess) tokens: only where the catch-up is
+# the few tokens a verification accepted, not a prompt's prefill
+SEED_MAX_CATCHUP = 12
+# On a device the seeded catch-up is padded to this many tokens: one captured graph for all
+SEED_WIDTH = 16
+
+
 class DraftModel:
     """A small autoregressive model sharing the target's tokenizer, on its own KV cache.
 
@@ -52,7 +59,7 @@ class DraftModel:
     name = "draft-model"
 
     def __init__(self, model, n_ctx: int | None = None, top_k: int = 8, on_device: bool | None = None,
-                 p_min: float = 0.0):
+                 p_min: float = 0.0, lookup: "PromptLookup | None" = None):
         if not 0.0 <= p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), not {p_min}")
         self.model = model
@@ -79,6 +86,12 @@ class DraftModel:
         # drafts the cut-off ended before their length (on a device without the stop taken
         # there, each also ran one forward past it)
         self.cut_offs = 0
+        # lookup: a guess at the draft's own chain (prompt n-grams) rides on the catch-up
+        # forward (see _seeded); the draft tokens it confirmed, and the drafts it was tried on
+        self.lookup = lookup
+        self.seed_width = SEED_WIDTH  # a device's seeded forward: catch-up and guess padded to this
+        self.seeded = 0
+        self.seed_tries = 0
 
     @classmethod
     def load(cls, path, backend="cpu", n_ctx: int | None = None, top_k: int = 8, p_min: float = 0.0) -> "DraftModel":
@@ -155,11 +168,17 @@ class DraftModel:
         if self.on_device and not sample:
             return self._propose_on_device(context, n, min(self.top_k, self.model.config.vocab_size), hit)
         toks, ids, lps, qs = [], [], [], []
+        pre: deque = deque()  # (guessed token, the logits after it) from a seeded catch-up
+        guess = None
         if hit:  # the session already holds context and the queued steps' tokens but the last
             ids = [r[0] for r in hit]
             lps = [r[1] for r in hit]
             toks = [int(i[0]) for i in ids]
             logits = ahead[2]
+        elif guess := (None if sample else self._guess(context, n)):
+            rows = self._seed_forward(context, guess)
+            logits = rows[0]
+            pre.extend(zip(guess, rows[1:]))
         else:
             # prefill reuses the longest common prefix: after an accepted path that left the
             # draft's own chain, the rows past the divergence are dropped and recomputed
@@ -169,8 +188,14 @@ class DraftModel:
         logp = float(sum(float(l[0]) for l in lps))  # the chain's log-probability under the draft
         for i in range(len(toks), n):
             if toks:
-                logits = self.session.decode(toks[-1])
-                self.forwards += 1
+                if pre and pre[0][0] == toks[-1]:  # the guess was the draft's chain so far
+                    logits = pre.popleft()[1]
+                    self.seeded += 1
+                else:
+                    pre.clear()
+                    self._trim(len(context) + len(toks) - 1)
+                    logits = self.session.decode(toks[-1])
+                    self.forwards += 1
             top_i, top_l = top_logprobs(logits, k)
             if sample:
                 # over its support: no vocabulary-sized array a position
@@ -188,10 +213,54 @@ class DraftModel:
             if logp < self.log_p_min:
                 self.cut_offs += len(toks) < n
                 break
+        if guess:
+            self._trim(len(context) + len(toks) - 1)  # the guess's rows past the chain's last input
         if not sample and len(toks) <= n and logp >= self.log_p_min:
             self._last = (context, toks)
         toks, ids, lps = toks[:n], ids[:n], lps[:n]
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
+
+    # -- a lookup guess at the draft's chain ------------------------------------------
+    def _guess(self, context: list[int], n: int, width: int | None = None) -> list[int]:
+        """Up to n - 1 tokens that prompt lookup expects to follow `context`, when this
+        draft is to be seeded (a lookup, a short catch-up), else []. width: the seeded
+        forward's tokens, catch-up and guess together (then the guess fits beside it)."""
+        if self.lookup is None or n < 2:
+            return []
+        common = 0
+        for a, b in zip(self.session.tokens, context[:-1]):
+            if a != b:
+                break
+            common += 1
+        catch_up = len(context) - common
+        most = n - 1 if width is None else min(n - 1, width - catch_up)
+        if catch_up > SEED_MAX_CATCHUP or most < 1 or common + (width or catch_up + most) > self.session.n_ctx:
+            return []
+        guess = [int(t) for t in self.lookup.propose(context, most).tokens]
+        self.seed_tries += bool(guess)
+        return guess
+
+    def _seed_forward(self, context: list[int], guess: list[int]) -> list[np.ndarray]:
+        """The catch-up forward with `guess` appended: the logits after context, then after
+        each guessed token. Where the draft's own greedy chain is the guess, its next
+        positions are already computed (one forward for what would take one a token);
+        where it leaves the guess, the rows past that point are trimmed and it goes on
+        step by step. The draft is the same either way, up to the float rounding of a wider
+        forward. The session holds context + guess after it."""
+        common = self.session.rewind(context)
+        rest = context[common:]
+        seq = rest + guess
+        out = self.session.forward(seq, logits_rows=list(range(len(rest) - 1, len(seq))))
+        self.session.cache.commit()
+        self.session.tokens.extend(seq)
+        self.forwards += 1
+        return list(out)
+
+    def _trim(self, n_rows: int) -> None:
+        """Drop the session's rows past n_rows (a seeded forward's guesses the chain left)."""
+        if len(self.session.tokens) > n_rows:
+            self.session.cache.truncate(n_rows)
+            del self.session.tokens[n_rows:]
 
     def _propose_on_device(self, context: list[int], n: int, k: int, hit=None) -> Draft:
         """The greedy chain with every forward queued on the device as soon as the one
@@ -202,13 +271,25 @@ class DraftModel:
         whole draft is queued. The same Draft as the host loop, up to the
         log-probabilities' float rounding. hit: the first steps' pending candidates, queued
         by queue_ahead (the session holds context but its last token, which the first of
-        them consumed)."""
+        them consumed). With a lookup guess, the catch-up forward carries it (_seed_on_device)
+        and the steps go on from where the draft's chain left it."""
         slots = self.model.backend.readback_slots
         cut = self.log_p_min > -math.inf
         device_stop = False  # the cut-off taken on the device, where the steps past it do nothing
         toks, ids, lps = [], [], []
         logp = 0.0
-        if hit:
+        base = 0  # the chain's tokens before the first forward of `pending`'s (a seeded catch-up's)
+        guess = None if hit else self._guess(context, n, self.seed_width)
+        if guess:
+            toks, ids, lps, logp, stopped = self._seed_on_device(context, guess, k)
+            base = len(toks)
+            if stopped or base >= n:
+                return self._device_draft(toks, ids, lps, n)
+            device_stop = cut and self.device_stop and self.session.begin_chain(k, self.log_p_min - logp)
+            pending = deque([self.session.queue_topk(toks[-1], k)])
+            self.forwards += 1
+            self.session.tokens.append(toks[-1])
+        elif hit:
             pending: deque = deque(hit)
             self.session.tokens.append(context[-1])
         else:
@@ -226,14 +307,17 @@ class DraftModel:
             pending = deque([self.session.queue_topk(rest, k)])
             self.forwards += 1
             self.session.tokens.extend(rest)
-        queued = len(pending)  # forwards: the catch-up, then one a drafted token
-        # every step queued at once where nothing depends on reading them; with a cut-off
-        # the host takes, each read as soon as the one after it is queued (at most that one
-        # runs past the stop)
-        cap = min(2, slots) if cut and not device_stop else slots  # forwards in flight at most
+        queued = len(pending)  # forwards: the catch-up (or a seeded chain's next), then one a drafted token
+        # every step queued at once where nothing depends on reading them; with a cut-off,
+        # each read as soon as the one after it is queued: at most that one is queued past
+        # the stop (where the device takes the stop, it does nothing there). Queuing all of
+        # them at once with the device's stop kept the GPU's time but cost ~0.35 ms of host
+        # time a step queued past it (H100, 1c20b3b: 4.3 ms of host time a 12-step draft
+        # against 3.0 with one queued past the stop, the same ~9.9 ms a target forward)
+        cap = min(2, slots) if cut else slots  # forwards in flight at most
         stopped = False
         while pending:
-            while queued < n and len(pending) < cap:
+            while base + queued < n and len(pending) < cap:
                 pending.append(self.session.queue_topk(None, k))
                 self.forwards += 1
                 queued += 1
@@ -248,19 +332,55 @@ class DraftModel:
             if stopped:
                 self.cut_offs += len(toks) < n
                 break
+        ran = len(toks) - base  # of the queued forwards, those whose candidates were read
         if device_stop and stopped:
-            if len(toks) < queued:
+            if ran < queued:
                 # the forwards past the stop did nothing: the rows are those up to its input
-                self.forwards -= queued - len(toks)
-                queued = len(toks)
+                self.forwards -= queued - ran
+                queued = ran
                 self.session.cache.truncate(len(self.session.tokens) + queued - 1)
             self.session.begin_chain(k, -math.inf)  # leave no stopped chain to later steps
         # the rows the later forwards committed: each one's input token (a forward past
         # the stop ran on the last token read, so these are all known)
-        assert len(toks) >= queued - 1
-        self.session.tokens.extend(toks[:queued - 1])
-        if len(toks) == queued <= n and logp >= self.log_p_min:
+        assert ran >= queued - 1
+        self.session.tokens.extend(toks[base:base + queued - 1])
+        if not base and len(toks) == queued <= n and logp >= self.log_p_min:
             self._last = (context, toks)  # the device's last argmax is the chain's last token
+        return self._device_draft(toks, ids, lps, n)
+
+    def _seed_on_device(self, context: list[int], guess: list[int], k: int):
+        """_seed_forward on the device: one forward of the catch-up, the guess and padding to
+        seed_width tokens (one captured graph for every seeded catch-up), candidates for
+        every row; the chain read from them up to where it leaves the guess (or the cut-off
+        ends it). Returns (tokens, candidates, log-probabilities, chain log-probability,
+        cut off); the session then holds context and the chain but its last token."""
+        common = self.session.rewind(context)
+        rest = context[common:]
+        seq = rest + guess
+        seq += [seq[-1]] * (self.seed_width - len(seq))  # rows nobody reads, trimmed below
+        pend = self.session.queue_topk(seq, k, rows=len(seq))  # every row: the same graph whatever the catch-up
+        self.forwards += 1
+        self.session.tokens.extend(seq)
+        toks, ids, lps = [], [], []
+        logp, stopped = 0.0, False
+        for i in range(len(guess) + 1):
+            ti, tl = pend.result(len(rest) - 1 + i)
+            toks.append(int(ti[0]))
+            ids.append(ti)
+            lps.append(tl)
+            logp += float(tl[0])
+            if logp < self.log_p_min:
+                stopped = True
+                self.cut_offs += len(toks) < len(guess) + 1
+                break
+            if i == len(guess) or toks[-1] != guess[i]:
+                break
+        self.seeded += len(toks) - 1
+        self._trim(len(context) + len(toks) - 1)
+        return toks, ids, lps, logp, stopped
+
+    @staticmethod
+    def _device_draft(toks, ids, lps, n: int) -> Draft:
         toks, ids, lps = toks[:n], ids[:n], lps[:n]
         width = max(len(r) for r in ids)
         ids_a = np.zeros((len(ids), width), dtype=np.int64)

@@ -39,6 +39,9 @@ class SpecOptions:
     draft_p_min: float = DEFAULT_P_MIN  # DraftModel's p_min: stop drafting where the chain gets this unlikely
     # draft steps queued beside each verification (DraftModel.queue_ahead); 0: none
     draft_ahead: int = DEFAULT_DRAFT_AHEAD
+    # the draft model's chain seeded by prompt lookup (DraftModel.lookup): off until its
+    # seeded catch-up has been timed on a GPU
+    draft_lookup: bool = False
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
@@ -69,13 +72,14 @@ class SpecOptions:
     @classmethod
     def from_cli(cls, spec: str | None, draft: str | None, ddtree_budget: int | None = None,
                  draft_max: int | str | None = None, draft_p_min: float | None = None,
-                 draft_ahead: int | None = None) -> "SpecOptions":
+                 draft_ahead: int | None = None, draft_lookup: bool = False) -> "SpecOptions":
         # naming a draft is asking for speculation: DDTree unless said otherwise
         mode = spec or ("ddtree" if draft else "off")
         return cls(mode=mode, draft=draft, ddtree_budget=ddtree_budget or DEFAULT_BUDGET,
                    draft_max=parse_draft_max(draft_max),
                    draft_p_min=DEFAULT_P_MIN if draft_p_min is None else draft_p_min,
-                   draft_ahead=DEFAULT_DRAFT_AHEAD if draft_ahead is None else draft_ahead)
+                   draft_ahead=DEFAULT_DRAFT_AHEAD if draft_ahead is None else draft_ahead,
+                   draft_lookup=bool(draft_lookup))
 
 
 def draft_max_label(draft_max: int):
@@ -113,9 +117,9 @@ DRAFT_AHEAD_HELP = ("draft steps queued beside each verification forward, guessi
 
 
 def spec_options(f):
-    """click decorator: adds spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead
-    keyword arguments; `SpecOptions.from_cli(spec, draft, ddtree_budget, draft_max,
-    draft_p_min, draft_ahead)` turns them into options."""
+    """click decorator: adds spec, draft, ddtree_budget, draft_max, draft_p_min, draft_ahead,
+    draft_lookup keyword arguments; `SpecOptions.from_cli(spec, draft, ddtree_budget,
+    draft_max, draft_p_min, draft_ahead, draft_lookup)` turns them into options."""
     import click
     opts = [
         click.option("--spec", type=click.Choice(SPEC_MODES), default=None,
@@ -132,6 +136,10 @@ def spec_options(f):
                      help="stop a draft where its chain's probability under the draft model falls below this "
                           f"(0: always draft --draft-max tokens) [{DEFAULT_P_MIN}]"),
         click.option("--draft-ahead", type=int, default=None, metavar="N", help=DRAFT_AHEAD_HELP),
+        click.option("--draft-lookup", is_flag=True, default=False,
+                     help="guess the draft model's next tokens by prompt lookup and check the guess in its "
+                          "catch-up forward: the draft tokens it confirms cost no forward of their own (code "
+                          "being copied or edited)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -182,4 +190,5 @@ def make_drafter(target, opts: SpecOptions, backend=None, n_ctx: int | None = No
         raise LuceError(f"draft {path} does not share the target's tokenizer")
     from ..model import load
     draft = load(path, backend=backend or target.backend, n_ctx=n_ctx or target.n_ctx)
-    return DraftModel(draft, n_ctx=n_ctx or target.n_ctx, top_k=opts.top_k, p_min=opts.draft_p_min)
+    return DraftModel(draft, n_ctx=n_ctx or target.n_ctx, top_k=opts.top_k, p_min=opts.draft_p_min,
+                      lookup=PromptLookup() if opts.draft_lookup else None)
