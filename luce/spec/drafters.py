@@ -40,6 +40,7 @@ class Draft:
 SEED_MAX_CATCHUP = 12
 # On a device the seeded catch-up is padded to this many tokens: one captured graph for all
 SEED_WIDTH = 16
+SEED_MAX = 16
 
 
 class DraftModel:
@@ -90,6 +91,9 @@ class DraftModel:
         # forward (see _seeded); the draft tokens it confirmed, and the drafts it was tried on
         self.lookup = lookup
         self.seed_width = SEED_WIDTH  # a device's seeded forward: catch-up and guess padded to this
+        # the longest draft a confirmed guess makes (past the n asked for: the tree's budget
+        # and the context's room still bound what is verified)
+        self.seed_max = SEED_MAX
         self.seeded = 0
         self.seed_tries = 0
 
@@ -186,7 +190,9 @@ class DraftModel:
             self.forwards += 1  # a catch-up of a few tokens; a whole prompt the first time
         k = min(self.top_k, len(logits))
         logp = float(sum(float(l[0]) for l in lps))  # the chain's log-probability under the draft
-        for i in range(len(toks), n):
+        # a guess the draft's chain confirms may take it past n (up to seed_max): those
+        # tokens cost nothing more
+        while len(toks) < n or (toks and pre and pre[0][0] == toks[-1]):
             if toks:
                 if pre and pre[0][0] == toks[-1]:  # the guess was the draft's chain so far
                     logits = pre.popleft()[1]
@@ -217,14 +223,15 @@ class DraftModel:
             self._trim(len(context) + len(toks) - 1)  # the guess's rows past the chain's last input
         if not sample and len(toks) <= n and logp >= self.log_p_min:
             self._last = (context, toks)
-        toks, ids, lps = toks[:n], ids[:n], lps[:n]
+        keep = max(n, len(toks)) if guess else n
+        toks, ids, lps = toks[:keep], ids[:keep], lps[:keep]
         return Draft(toks, np.stack(ids), np.stack(lps), qs if sample else None)
 
     # -- a lookup guess at the draft's chain ------------------------------------------
     def _guess(self, context: list[int], n: int, width: int | None = None) -> list[int]:
-        """Up to n - 1 tokens that prompt lookup expects to follow `context`, when this
-        draft is to be seeded (a lookup, a short catch-up), else []. width: the seeded
-        forward's tokens, catch-up and guess together (then the guess fits beside it)."""
+        """Up to max(n, seed_max) - 1 tokens that prompt lookup expects to follow `context`,
+        when this draft is to be seeded (a lookup, a short catch-up), else []. width: the
+        seeded forward's tokens, catch-up and guess together (then the guess fits beside it)."""
         if self.lookup is None or n < 2:
             return []
         common = 0
@@ -233,7 +240,7 @@ class DraftModel:
                 break
             common += 1
         catch_up = len(context) - common
-        most = n - 1 if width is None else min(n - 1, width - catch_up)
+        most = max(n, self.seed_max) - 1 if width is None else min(max(n, self.seed_max) - 1, width - catch_up)
         if catch_up > SEED_MAX_CATCHUP or most < 1 or common + (width or catch_up + most) > self.session.n_ctx:
             return []
         guess = [int(t) for t in self.lookup.propose(context, most).tokens]
@@ -284,7 +291,7 @@ class DraftModel:
             toks, ids, lps, logp, stopped = self._seed_on_device(context, guess, k)
             base = len(toks)
             if stopped or base >= n:
-                return self._device_draft(toks, ids, lps, n)
+                return self._device_draft(toks, ids, lps, max(n, base))
             device_stop = cut and self.device_stop and self.session.begin_chain(k, self.log_p_min - logp)
             pending = deque([self.session.queue_topk(toks[-1], k)])
             self.forwards += 1

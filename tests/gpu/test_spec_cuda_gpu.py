@@ -159,3 +159,30 @@ def test_draft_cut_off_taken_on_the_device(q4k_model):
         stops += len(a.tokens) < 12
         ids = ids + a.tokens[:3] + [7]
     assert stops
+
+
+def test_draft_seeded_on_the_device(q4k_model):
+    """A lookup guess carried by the device's catch-up forward (every row's candidates, padded
+    to the seed width): where it is the draft's own chain the draft comes from that forward,
+    where it leaves it the one-token steps go on; the host loop's draft either way."""
+    import numpy as np
+    from luce.spec import DraftModel
+    from luce.spec.drafters import Draft
+    ids = q4k_model.tokenize(PROMPT)
+    host = DraftModel(q4k_model, n_ctx=N_CTX, on_device=False)
+    dev = DraftModel(q4k_model, n_ctx=N_CTX)
+    full = host.propose(ids, 6)
+    host.reset()
+    assert dev.propose(ids, 6).tokens == full.tokens  # the prompt: too long a catch-up to seed
+    ctx = ids + full.tokens[:2] + [7]
+    full = host.propose(ctx, 6)
+    for guess, forwards in ((full.tokens[:5], 1), (full.tokens[:2] + [(full.tokens[2] + 1) % 4096], 4)):
+        dev.lookup = type("Guess", (), {"propose": lambda self, c, m, g=guess: Draft(g[:m], None, None)})()
+        before = dev.forwards
+        b = dev.propose(ctx, 6)
+        assert b.tokens == full.tokens and dev.forwards - before == forwards
+        np.testing.assert_array_equal(b.topk_ids, full.topk_ids)
+        # the wide forward's tensor-core products against one-token steps: logits ~0.5% apart
+        # at the tail (see test_draft_cut_off_taken_on_the_device)
+        np.testing.assert_allclose(b.topk_logp, full.topk_logp, rtol=1e-2, atol=1e-3)
+        assert dev.session.tokens == ctx + full.tokens[:-1] and dev.session.cache.n_past == len(ctx) + 5
