@@ -238,7 +238,10 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
                    "(MODEL and --draft default to the Qwen2.5-Coder 1.5B/0.5B pair)")
 @click.option("--draft", default=None, help="draft model for --spec (with --synthetic: synthetic:NAME, by default "
                                             "the family's smallest shape)")
-@click.option("--categories", default=None, help="--spec: code,math,chat (default all)")
+@click.option("--categories", default=None, help="--spec: code,math,chat,edit (default all)")
+@click.option("--draft-lookup", "draft_lookups", default="0", show_default=True,
+              help="--spec: 1 seeds the draft model's chain by prompt lookup (--draft-lookup of generate and "
+                   "serve); 0,1 runs both in turn")
 @click.option("--spec-modes", default="off,chain,ddtree", show_default=True,
               help="--spec: the modes run on every prompt (off, chain, ddtree, lookup)")
 @click.option("--ddtree-budget", type=int, default=None, help="--spec: DDTree node budget per target forward [22]")
@@ -262,8 +265,8 @@ def serve(model, host, port, n_ctx, api_key, model_name, accept_any_model, chat_
 @click.option("--verify-widths", default="1,2,4,8,16,23,32,64", show_default=True,
               help="tree sizes whose verification is timed (each new size compiles its kernels first)")
 def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernels, spec, draft, categories,
-          spec_modes, ddtree_budget, draft_max, draft_p_min, draft_ahead, profile, no_record, no_breakdown, compare,
-          rounds, verify_widths):
+          draft_lookups, spec_modes, ddtree_budget, draft_max, draft_p_min, draft_ahead, profile, no_record,
+          no_breakdown, compare, rounds, verify_widths):
     """Benchmark a model (or --synthetic NAME) end to end, the kernels (--kernels), or
     speculative decoding (--spec)."""
     if compare:
@@ -304,6 +307,9 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
             aheads = parse_aheads(0 if draft_ahead is None else draft_ahead)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--draft-ahead")
+        seeds = tuple(dict.fromkeys(v.strip() == "1" for v in draft_lookups.split(",") if v.strip()))
+        if not seeds or any(v.strip() not in ("0", "1") for v in draft_lookups.split(",") if v.strip()):
+            raise click.BadParameter(f"{draft_lookups!r}: 0, 1 or 0,1", param_hint="--draft-lookup")
         # p-min 0 unless told: the pair's acceptance tables are at 0, and on random weights a
         # cut-off would end every draft at its first token (the cost of a full draft is the point)
         opts = SpecOptions.from_cli("ddtree", None, ddtree_budget, depths[0], draft_p_min or 0.0)  # checks the numbers
@@ -326,7 +332,7 @@ def bench(model, synthetic, backend, prompt_tokens, gen_tokens, long_ctx, kernel
                            categories=tuple(categories.split(",")) if categories else None, max_tokens=gen_tokens,
                            ddtree_budget=opts.ddtree_budget, draft_max=depths,
                            draft_p_min=opts.draft_p_min, backend=backend, costs=costs, profile=profile,
-                           draft_ahead=aheads)
+                           draft_ahead=aheads, draft_lookup=seeds)
         tables = [("acceptance length (tokens per target forward) and tok/s", summary(results), None)]
         if any(r.phases for r in results):
             from .bench.spec import phases

@@ -213,3 +213,24 @@ def test_pipelined_steps_queue_as_their_loops_do():
     assert _decode_pipelined(be, None, None, None, kv, 7, 3) >= 0
     d = [("next", 7), ("next", None), "read", ("next", None), "read", "read"]
     assert events == d * 2 and not pending and kv.n_past == 10
+
+
+def test_bench_spec_draft_lookup(tmp_path, monkeypatch):
+    """`luce bench --spec --draft-lookup 0,1`: each speculative mode with and without the
+    draft's chain seeded by prompt lookup, both lossless, the seeded counts echoed."""
+    from click.testing import CliRunner
+
+    from luce.bench.spec import load_prompts
+    from luce.cli import main
+    _tiny_shapes(monkeypatch, tmp_path)
+    args = ["bench", "--spec", "--synthetic", "qwen3-8b", "--backend", "cpu", "--gen-tokens", "12", "--categories",
+            "edit", "--spec-modes", "off,ddtree", "--draft-lookup", "0,1", "--no-record"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    rows = {line.split("|")[1].strip(): line for line in r.output.splitlines() if line.endswith("|")
+            and line.split("|")[2].strip() == "all"}
+    assert set(rows) == {"off", "ddtree", "ddtree+seed"}
+    n = len(load_prompts(categories=("edit",)))
+    for mode in ("ddtree", "ddtree+seed"):
+        assert rows[mode].split("|")[13].strip() == f"{n}/{n}", rows[mode]
+    assert sum(line.startswith("ddtree+seed ") and " seeded " in line for line in r.output.splitlines()) == n

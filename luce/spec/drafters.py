@@ -55,6 +55,12 @@ class DraftModel:
     That position is still proposed, with its candidates (a tree branches where the draft
     is unsure); the forwards past it, whose tokens the target would rarely accept, are
     not run.
+
+    lookup (a PromptLookup) guesses the draft's own next tokens from the context: the
+    catch-up forward carries the guess, and the positions where the draft's greedy chain
+    is the guess come out of that one forward (code being copied or edited, where prompt
+    lookup is right for long stretches). The draft is the one the steps would make, so
+    the target accepts the same; a confirmed guess may carry it past n, up to seed_max.
     """
 
     name = "draft-model"
@@ -88,7 +94,8 @@ class DraftModel:
         # there, each also ran one forward past it)
         self.cut_offs = 0
         # lookup: a guess at the draft's own chain (prompt n-grams) rides on the catch-up
-        # forward (see _seeded); the draft tokens it confirmed, and the drafts it was tried on
+        # forward (_seed_forward, _seed_on_device); the draft tokens it confirmed (no forward
+        # of their own), and the drafts it was tried on
         self.lookup = lookup
         self.seed_width = SEED_WIDTH  # a device's seeded forward: catch-up and guess padded to this
         # the longest draft a confirmed guess makes (past the n asked for: the tree's budget
@@ -288,7 +295,7 @@ class DraftModel:
         base = 0  # the chain's tokens before the first forward of `pending`'s (a seeded catch-up's)
         guess = None if hit else self._guess(context, n, self.seed_width)
         if guess:
-            toks, ids, lps, logp, stopped = self._seed_on_device(context, guess, k)
+            toks, ids, lps, logp, stopped = self._seed_on_device(context, guess, k, n)
             base = len(toks)
             if stopped or base >= n:
                 return self._device_draft(toks, ids, lps, max(n, base))
@@ -355,7 +362,7 @@ class DraftModel:
             self._last = (context, toks)  # the device's last argmax is the chain's last token
         return self._device_draft(toks, ids, lps, n)
 
-    def _seed_on_device(self, context: list[int], guess: list[int], k: int):
+    def _seed_on_device(self, context: list[int], guess: list[int], k: int, n: int):
         """_seed_forward on the device: one forward of the catch-up, the guess and padding to
         seed_width tokens (one captured graph for every seeded catch-up), candidates for
         every row; the chain read from them up to where it leaves the guess (or the cut-off
@@ -378,7 +385,7 @@ class DraftModel:
             logp += float(tl[0])
             if logp < self.log_p_min:
                 stopped = True
-                self.cut_offs += len(toks) < len(guess) + 1
+                self.cut_offs += len(toks) < n
                 break
             if i == len(guess) or toks[-1] != guess[i]:
                 break
