@@ -240,8 +240,30 @@ def draft_costs(drafter, context: list[int], n: int, reps: int = 8, steps: int =
         t0 = time.perf_counter()
         drafter.propose(context + [1 + i % 7], n)
         times.append(time.perf_counter() - t0)
-    return {"step_ms": 1e3 * step, "topk_step_ms": None if topk_step is None else 1e3 * topk_step,
-            "propose_ms": 1e3 * float(np.median(times[1:])), "n": n}
+    out = {"step_ms": 1e3 * step, "topk_step_ms": None if topk_step is None else 1e3 * topk_step,
+           "propose_ms": 1e3 * float(np.median(times[1:])), "n": n, "seed_ms": None}
+    if topk_step is not None:
+        try:  # a row of its own, timed last: its failure should not cost the figures above
+            out["seed_ms"] = _seeded_catch_up_ms(drafter, int(context[-1]), reps)
+        except Exception as e:  # noqa: BLE001 - reported in the table instead
+            out["seed_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _seeded_catch_up_ms(drafter, token: int, reps: int) -> float | None:
+    """ms of a device draft's seeded catch-up (--draft-lookup: seed_width tokens, every row's
+    top-k, read back), median of reps, its rows dropped after each; None without room."""
+    s = drafter.session
+    rows, width = len(s.tokens), drafter.seed_width
+    if rows + width > s.n_ctx:
+        return None
+    times = []
+    for _ in range(reps + 1):  # the first records the graph
+        t0 = time.perf_counter()
+        s.queue_topk([token] * width, drafter.top_k, rows=width).result()
+        times.append(time.perf_counter() - t0)
+        s.cache.truncate(rows)
+    return 1e3 * float(np.median(times[1:]))
 
 
 def costs_table(c: dict) -> str:
@@ -250,9 +272,15 @@ def costs_table(c: dict) -> str:
     n, step, prop = c["n"], c["step_ms"], c["propose_ms"]
     tk = c.get("topk_step_ms")
     per = tk if tk is not None else step
-    return ("| draft step alone, ms | with its top-k, ms | x draft max | propose(draft max), ms | propose / that |\n"
-            "|---|---|---|---|---|\n"
-            f"| {step:.3f} | {'-' if tk is None else f'{tk:.3f}'} | {n * per:.2f} | {prop:.2f} | {prop / (n * per):.2f} |")
+    table = ("| draft step alone, ms | with its top-k, ms | x draft max | propose(draft max), ms | propose / that |\n"
+             "|---|---|---|---|---|\n"
+             f"| {step:.3f} | {'-' if tk is None else f'{tk:.3f}'} | {n * per:.2f} | {prop:.2f} | {prop / (n * per):.2f} |")
+    if c.get("seed_ms") is not None:  # what --draft-lookup's catch-up costs against one step
+        table += (f"\n\nseeded catch-up (--draft-lookup, every row's top-k): {c['seed_ms']:.3f} ms = "
+                  f"{c['seed_ms'] / per:.2f} draft steps with their top-k")
+    elif c.get("seed_error"):
+        table += f"\n\nseeded catch-up not timed: {c['seed_error']}"
+    return table
 
 
 def _load(m, backend, n_ctx, role, echo):
